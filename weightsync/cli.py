@@ -1,0 +1,121 @@
+"""The ``weightsync`` command line (design.md section 5).
+
+Thin by design: it parses arguments, calls into :mod:`weightsync.model` and :mod:`weightsync.impl`, and
+prints. Every command takes ``--json`` (one JSON object on stdout). Exit codes: 0 success / verified,
+1 a property was violated or a check failed, 2 usage or input error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EXIT_OK = 0
+EXIT_VIOLATION = 1
+EXIT_USAGE = 2
+
+
+def emit(obj: dict[str, Any], as_json: bool, human: Callable[[], None]) -> None:
+    """Print ``obj`` as one JSON object when ``as_json``, else call ``human`` to print for people."""
+    if as_json:
+        sys.stdout.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
+    else:
+        human()
+
+
+def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        msg = f"weightsync {name}: not built yet"
+        if getattr(args, "json", False):
+            sys.stdout.write(json.dumps({"error": msg}) + "\n")
+        else:
+            sys.stderr.write(msg + "\n")
+        return EXIT_USAGE
+
+    return handler
+
+
+# Handlers are registered per command below; each returns an exit code.
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (one subcommand per design.md section 5 command)."""
+    p = argparse.ArgumentParser(prog="weightsync", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+        return sp
+
+    add("variants", "list the protocol variants with a one-line description")
+
+    c = add("check", "explore a variant's N-rank product exhaustively and check every property")
+    c.add_argument("--variant", default="two-phase-epoch")
+    c.add_argument("--ranks", type=int, default=2)
+    c.add_argument("--mode", default="all", choices=["abort", "wait", "keep", "all"])
+    c.add_argument("--channels", default="per-socket", choices=["per-socket", "ordered"])
+    c.add_argument("--requests", type=int, default=1, help="bound on client requests")
+    c.add_argument("--cycles", type=int, default=1, help="bound on pause/update/resume cycles")
+    c.add_argument("--sync-interval", type=int, default=2, help="K: DP sync all-reduce every K steps")
+    c.add_argument("--max-states", type=int, default=20_000_000, help="stop exploring past this many")
+    c.add_argument("--symmetry", action="store_true", help="symmetry reduction over ranks (safety only)")
+
+    e = add("export", "export the per-rank FSM, the global state graph or a counterexample")
+    e.add_argument("what", choices=["rank-fsm", "state-graph", "counterexample"])
+    e.add_argument("--format", default="mermaid", choices=["dot", "mermaid", "graphml", "svg"])
+    e.add_argument("--out", required=True)
+    e.add_argument("--variant", default="two-phase-epoch")
+    e.add_argument("--ranks", type=int, default=2)
+    e.add_argument("--mode", default="keep", choices=["abort", "wait", "keep"])
+    e.add_argument("--channels", default="per-socket", choices=["per-socket", "ordered"])
+    e.add_argument("--requests", type=int, default=1)
+
+    pr = add("prove", "regenerate proofs/ and spec/ (or, with --check, fail if they are stale)")
+    pr.add_argument("--check", action="store_true")
+
+    b = add("bench", "benchmarks with ratios against a baseline measured in the same run")
+    b.add_argument("what", choices=["transfer", "explorer", "pause"])
+    b.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
+
+    d = add("demo", "the main job: an asynchronous RL loop syncing a causal LM into DP engines")
+    d.add_argument("--ranks", type=int, default=2)
+    d.add_argument("--steps", type=int, default=20)
+    d.add_argument("--transport", default="broadcast", choices=["broadcast", "ipc"])
+    d.add_argument("--mode", default="keep", choices=["abort", "wait", "keep"])
+    d.add_argument("--model", default=None, help="a local Hugging Face checkpoint directory (safetensors)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--variant", default="two-phase-epoch")
+    d.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    d.add_argument("--trace", default=None, help="trace file (JSONL); default under ./traces/")
+    d.add_argument("--no-check", action="store_true", help="turn the runtime checker off")
+
+    r = add("repro", "replay the model's counterexample schedule for VARIANT on real processes")
+    r.add_argument("variant")
+    r.add_argument("--timeout", type=float, default=10.0, help="collective timeout, seconds")
+
+    rp = add("replay", "validate recorded traces against the model")
+    rp.add_argument("traces", nargs="+")
+    return p
+
+
+for _name in ("variants", "check", "export", "prove", "bench", "demo", "repro", "replay"):
+    HANDLERS[_name] = _not_built(_name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``weightsync`` console script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    return HANDLERS[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

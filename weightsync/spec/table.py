@@ -1,0 +1,174 @@
+"""Generic plain-data transition tables and a sans-IO machine that runs them.
+
+A table maps ``(state, event)`` to an ordered tuple of :class:`Transition` alternatives. Each alternative
+has a named guard (a predicate over the machine's local variables and the event's arguments), a target
+state, a tuple of named *updates* (pure changes to local variables, applied by the machine itself) and a
+tuple of named *effects* (what the runtime must do: enter a collective, send a message, reply to a call).
+The first alternative whose guard holds fires. A ``(state, event)`` pair missing from the table, or one
+whose guards all fail, is illegal: the machine raises ``LocalProtocolError`` (local calls) or
+``RemoteProtocolError`` (peer messages, collective outcomes) and moves to its sticky ``error`` state.
+
+This mirrors h11's ``_state.py``: everything that affects transitions lives in data, and diagrams and
+documentation are generated from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Mapping
+from enum import Enum
+from typing import Any, Generic, NamedTuple, TypeVar
+
+from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
+
+S = TypeVar("S", bound=Enum)
+E = TypeVar("E", bound=Enum)
+V = TypeVar("V")  # the local-variables record (a NamedTuple)
+
+#: A guard reads the local variables and the event's arguments and answers whether a transition may fire.
+Guard = Callable[[Any, Mapping[str, Any]], bool]
+#: An update returns the new local variables; it never does I/O.
+Update = Callable[[Any, Mapping[str, Any]], Any]
+
+ALWAYS = "always"
+
+
+class Transition(NamedTuple):
+    """One row of a transition table.
+
+    Attributes:
+        guard: name of a predicate in the table's guard registry (``"always"`` fires unconditionally).
+        target: the state after the transition.
+        updates: names of pure local-variable updates applied in order by the machine.
+        effects: names of effects the runtime executes (the model interprets them symbolically).
+        rule: where the rule comes from (a vLLM PR or issue, a section of the reference, or "weightsync").
+    """
+
+    guard: str
+    target: Any
+    updates: tuple[str, ...]
+    effects: tuple[str, ...]
+    rule: str
+
+
+class Fired(NamedTuple):
+    """The result of firing an event: the transition taken and the variables before and after."""
+
+    source: Any
+    event: Any
+    transition: Transition
+    before: Any
+    after: Any
+
+
+def table_digest(rows: Iterable[tuple[Any, Any, Transition]], *extra: str) -> str:
+    """A stable SHA-256 hex digest of table rows (state, event, transition), used by ``prove --check``."""
+    h = hashlib.sha256()
+    for state, event, tr in rows:
+        target = tr.target.value if isinstance(tr.target, Enum) else str(tr.target)
+        line = "|".join(
+            [
+                state.value if isinstance(state, Enum) else str(state),
+                event.value if isinstance(event, Enum) else str(event),
+                tr.guard,
+                target,
+                ",".join(tr.updates),
+                ",".join(tr.effects),
+            ]
+        )
+        h.update(line.encode())
+        h.update(b"\n")
+    for e in extra:
+        h.update(e.encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+class TableMachine(Generic[S, E]):
+    """A sans-IO state machine interpreting a plain-data table.
+
+    Args:
+        name: shown in error messages (e.g. ``"rank 1"``).
+        table: ``{(state, event): (Transition, ...)}``.
+        guards: guard registry, name -> predicate.
+        updates: update registry, name -> pure function.
+        variables: the initial local variables; must have a ``state`` field.
+        local_events: events that are local calls (errors on them are LocalProtocolError).
+        error_state: the sticky error state.
+
+    Raises:
+        LocalProtocolError / RemoteProtocolError from :meth:`fire` as described in the module docstring.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        table: Mapping[tuple[S, E], tuple[Transition, ...]],
+        guards: Mapping[str, Guard],
+        updates: Mapping[str, Update],
+        variables: Any,
+        local_events: frozenset[E],
+        error_state: S,
+    ) -> None:
+        self.name = name
+        self._table = table
+        self._guards = guards
+        self._updates = updates
+        self.vars: Any = variables
+        self._local_events = local_events
+        self._error_state = error_state
+
+    @property
+    def state(self) -> S:
+        """The current state."""
+        s: S = self.vars.state
+        return s
+
+    def legal_events(self) -> list[E]:
+        """Events with at least one row in the current state (guards not evaluated), sorted by value."""
+        return sorted({e for (s, e) in self._table if s == self.state}, key=lambda e: str(e.value))
+
+    def select(self, event: E, args: Mapping[str, Any]) -> Transition | None:
+        """The transition ``event`` would take now, or None if it is illegal. Changes nothing."""
+        for tr in self._table.get((self.state, event), ()):
+            if tr.guard == ALWAYS or self._guards[tr.guard](self.vars, args):
+                return tr
+        return None
+
+    def fire(self, event: E, **args: Any) -> Fired:
+        """Apply ``event`` with its arguments; return what fired (its effects are for the caller to run).
+
+        Raises:
+            LocalProtocolError: ``event`` is a local call with no legal transition in this state.
+            RemoteProtocolError: ``event`` is a message or collective outcome with no legal transition.
+            In both cases the machine moves to the sticky error state and no update is applied.
+        """
+        before = self.vars
+        tr = self.select(event, args)
+        if tr is None:
+            self._fail(event, args)
+        assert tr is not None
+        v = before
+        for name in tr.updates:
+            v = self._updates[name](v, args)
+        v = v._replace(state=tr.target)
+        self.vars = v
+        return Fired(before.state, event, tr, before, v)
+
+    def _fail(self, event: E, args: Mapping[str, Any]) -> None:
+        state = self.state
+        rows = self._table.get((state, event), ())
+        legal = ", ".join(str(e.value) for e in self.legal_events()) or "none"
+        if rows:
+            why = "guard(s) " + " / ".join(tr.guard for tr in rows) + " do not hold"
+        else:
+            why = "no transition for this event in this state"
+        shown = ", ".join(f"{k}={v!r}" for k, v in sorted(args.items()))
+        msg = (
+            f"{self.name}: event {getattr(event, 'value', event)}({shown}) is illegal in state "
+            f"{getattr(state, 'value', state)}: {why}; legal events here: {legal}"
+        )
+        self.vars = self.vars._replace(state=self._error_state)
+        if event in self._local_events:
+            raise LocalProtocolError(msg)
+        raise RemoteProtocolError(msg)

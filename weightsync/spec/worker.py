@@ -1,0 +1,144 @@
+"""The worker-side weight-update machine: NoEngine -> Ready <-> Active (reference section 2).
+
+Every worker of an engine runs every weight-transfer call. vLLM raises ``RuntimeError`` for illegal calls;
+weightsync raises :class:`~weightsync.spec.errors.LocalProtocolError` *before* any side effect, and the
+worker then stays in ``error`` until ``shutdown``.
+
+Deliberate differences from vLLM (each noted in the row's ``rule``):
+
+- ``init_weight_transfer_engine`` while ``active`` is rejected (vLLM leaves it unguarded and replaces the
+  communicator mid-round).
+- ``finish_weight_update`` bumps ``weight_version`` (vLLM has no version counter; RFC #31848).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any, NamedTuple
+
+from weightsync.spec.table import ALWAYS, TableMachine, Transition, table_digest
+
+
+class WorkerState(str, Enum):
+    """States of one worker's weight-transfer engine."""
+
+    NO_ENGINE = "no_engine"
+    READY = "ready"
+    ACTIVE = "active"
+    ERROR = "error"
+    CLOSED = "closed"
+
+
+class WorkerEvent(str, Enum):
+    """Calls a worker receives (all local calls, routed by collective_rpc)."""
+
+    CONFIGURE = "configure"  # WeightTransferConfig(backend) chosen: the engine object exists
+    INIT = "init_weight_transfer_engine"
+    START = "start_weight_update"
+    UPDATE = "update_weights"
+    FINISH = "finish_weight_update"
+    SHUTDOWN = "shutdown"
+
+
+class WorkerVars(NamedTuple):
+    """Local variables of the worker machine.
+
+    Attributes:
+        state: current :class:`WorkerState`.
+        initialized: whether ``init_weight_transfer_engine`` has completed at least once.
+        is_checkpoint_format: format of the active round (True: HF names via ``load_weights``).
+        weight_version: number of completed rounds (bumped by finish).
+        updates_in_round: number of ``update_weights`` calls in the current round.
+    """
+
+    state: WorkerState
+    initialized: bool = False
+    is_checkpoint_format: bool = True
+    weight_version: int = 0
+    updates_in_round: int = 0
+
+
+def _initialized(v: WorkerVars, a: Mapping[str, Any]) -> bool:
+    return v.initialized
+
+
+WORKER_GUARDS = {"initialized": _initialized}
+
+WORKER_UPDATES = {
+    "mark_initialized": lambda v, a: v._replace(initialized=True),
+    "begin_round": lambda v, a: v._replace(
+        is_checkpoint_format=bool(a.get("is_checkpoint_format", True)), updates_in_round=0
+    ),
+    "count_update": lambda v, a: v._replace(updates_in_round=v.updates_in_round + 1),
+    "end_round": lambda v, a: v._replace(
+        weight_version=v.weight_version + 1, is_checkpoint_format=True, updates_in_round=0
+    ),
+}
+
+_W = WorkerState
+_E = WorkerEvent
+
+
+def _t(guard: str, target: WorkerState, updates: tuple[str, ...], effects: tuple[str, ...], rule: str) -> Transition:
+    return Transition(guard, target, updates, effects, rule)
+
+
+WORKER_TABLE: dict[tuple[WorkerState, WorkerEvent], tuple[Transition, ...]] = {
+    (_W.NO_ENGINE, _E.CONFIGURE): (_t(ALWAYS, _W.READY, (), ("create_engine",), "vLLM WeightTransferConfig"),),
+    (_W.READY, _E.INIT): (
+        _t(ALWAYS, _W.READY, ("mark_initialized",), ("init_transfer_engine",), "reference s2: unguarded re-init"),
+    ),
+    (_W.READY, _E.START): (
+        _t("initialized", _W.ACTIVE, ("begin_round",), ("initialize_layerwise_reload",), "reference s2"),
+    ),
+    (_W.ACTIVE, _E.UPDATE): (
+        _t(ALWAYS, _W.ACTIVE, ("count_update",), ("receive_weights", "synchronize"), "reference s2"),
+    ),
+    (_W.ACTIVE, _E.FINISH): (
+        _t(
+            ALWAYS,
+            _W.READY,
+            ("end_round",),
+            ("check_complete", "finalize_layerwise_reload", "bump_weight_version"),
+            "reference s2; version counter: weightsync (RFC #31848)",
+        ),
+    ),
+    (_W.NO_ENGINE, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), (), "weightsync"),),
+    (_W.READY, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "reference s2"),),
+    (_W.ACTIVE, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "reference s2"),),
+    (_W.ERROR, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "design s4: sticky until shutdown"),),
+}
+
+
+def worker_table_digest() -> str:
+    """SHA-256 of the worker table (part of the digest ``prove --check`` compares)."""
+    rows = sorted(
+        ((s, e, tr) for (s, e), trs in WORKER_TABLE.items() for tr in trs),
+        key=lambda r: (r[0].value, r[1].value),
+    )
+    return table_digest(rows)
+
+
+class WorkerMachine(TableMachine[WorkerState, WorkerEvent]):
+    """Sans-IO worker weight-update machine.
+
+    Use: ``m = WorkerMachine(); m.fire(WorkerEvent.CONFIGURE); m.fire(WorkerEvent.INIT); ...``.
+    ``fire`` returns a :class:`~weightsync.spec.table.Fired` whose ``transition.effects`` the caller runs
+    *after* ``fire`` returned (so an illegal call raises before any side effect).
+
+    Raises:
+        LocalProtocolError: a call out of order (update before start, start twice, anything after an
+            error except shutdown, anything after shutdown).
+    """
+
+    def __init__(self, name: str = "worker", configured: bool = True) -> None:
+        super().__init__(
+            name,
+            WORKER_TABLE,
+            WORKER_GUARDS,
+            WORKER_UPDATES,
+            WorkerVars(WorkerState.READY if configured else WorkerState.NO_ENGINE),
+            frozenset(WorkerEvent),
+            WorkerState.ERROR,
+        )
