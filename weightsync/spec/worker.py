@@ -14,13 +14,13 @@ Deliberate differences from vLLM (each noted in the row's ``rule``):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import Enum
+from enum import StrEnum
 from typing import Any, NamedTuple
 
 from weightsync.spec.table import ALWAYS, TableMachine, Transition, table_digest
 
 
-class WorkerState(str, Enum):
+class WorkerState(StrEnum):
     """States of one worker's weight-transfer engine."""
 
     NO_ENGINE = "no_engine"
@@ -30,7 +30,7 @@ class WorkerState(str, Enum):
     CLOSED = "closed"
 
 
-class WorkerEvent(str, Enum):
+class WorkerEvent(StrEnum):
     """Calls a worker receives (all local calls, routed by collective_rpc)."""
 
     CONFIGURE = "configure"  # WeightTransferConfig(backend) chosen: the engine object exists
@@ -80,14 +80,24 @@ _W = WorkerState
 _E = WorkerEvent
 
 
-def _t(guard: str, target: WorkerState, updates: tuple[str, ...], effects: tuple[str, ...], rule: str) -> Transition:
+def _t(
+    guard: str, target: WorkerState, updates: tuple[str, ...], effects: tuple[str, ...], rule: str
+) -> Transition:
     return Transition(guard, target, updates, effects, rule)
 
 
 WORKER_TABLE: dict[tuple[WorkerState, WorkerEvent], tuple[Transition, ...]] = {
-    (_W.NO_ENGINE, _E.CONFIGURE): (_t(ALWAYS, _W.READY, (), ("create_engine",), "vLLM WeightTransferConfig"),),
+    (_W.NO_ENGINE, _E.CONFIGURE): (
+        _t(ALWAYS, _W.READY, (), ("create_engine",), "vLLM WeightTransferConfig"),
+    ),
     (_W.READY, _E.INIT): (
-        _t(ALWAYS, _W.READY, ("mark_initialized",), ("init_transfer_engine",), "reference s2: unguarded re-init"),
+        _t(
+            ALWAYS,
+            _W.READY,
+            ("mark_initialized",),
+            ("init_transfer_engine",),
+            "reference s2: unguarded re-init",
+        ),
     ),
     (_W.READY, _E.START): (
         _t("initialized", _W.ACTIVE, ("begin_round",), ("initialize_layerwise_reload",), "reference s2"),
@@ -107,7 +117,9 @@ WORKER_TABLE: dict[tuple[WorkerState, WorkerEvent], tuple[Transition, ...]] = {
     (_W.NO_ENGINE, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), (), "weightsync"),),
     (_W.READY, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "reference s2"),),
     (_W.ACTIVE, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "reference s2"),),
-    (_W.ERROR, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "design s4: sticky until shutdown"),),
+    (_W.ERROR, _E.SHUTDOWN): (
+        _t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "design s4: sticky until shutdown"),
+    ),
 }
 
 

@@ -1,0 +1,610 @@
+"""The per-rank transition tables of every protocol variant, and the sans-IO ``RankMachine``.
+
+Everything that affects a DP engine rank's protocol transitions lives in this file (h11 ``_state.py``
+style): the local variables (vLLM's names), the named guards, the named updates, the effect names, and
+one table per variant keyed by ``(RankState, RankEvent)``.
+
+Event arguments (``args``) used by the guards:
+
+- every event: ``rank`` (DP rank index), ``dp_size``, ``sync_interval`` (K; 32 in vLLM) -- injected by
+  :class:`RankMachine` or by the model checker;
+- ``PAUSE``: ``mode`` (:class:`PauseMode`), ``clear_cache`` (bool), ``running`` (requests running on
+  this rank now, i.e. what ``wait`` must drain);
+- ``ADD``: ``wave`` (the wave the front-end stamped on the request);
+- ``START_DP_WAVE``: ``wave``, ``exclude`` (the engine index that must not re-start, or -1);
+- ``STEP``, ``DP_STEP_DONE``, ``DP_SYNC_DONE``: ``has_work`` (the scheduler has schedulable work
+  under the rank's PauseState, see :func:`weightsync.spec.states.schedulable`);
+- ``DP_SYNC_DONE``: ``sum_unfinished``, ``sum_pending_pause`` (the SUM all-reduce result);
+- ``RESUME_BARRIER_DONE``: ``max_unfinished``, ``max_wave`` (the MAX all-reduce result).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from weightsync.spec.states import (
+    LOCAL_CALLS,
+    PAUSE_STATE_OF_MODE,
+    PauseMode,
+    PauseState,
+    RankEvent,
+    RankState,
+)
+from weightsync.spec.table import ALWAYS, Fired, TableMachine, Transition, table_digest
+
+
+class RankVars(NamedTuple):
+    """Local protocol variables of one DP engine rank (vLLM's names, reference sections 5-6).
+
+    Attributes:
+        state: protocol state.
+        pause_state: the scheduler's PauseState.
+        engines_running: the rank believes a wave is running and must step (dummy batches if idle).
+        current_wave: the wave number this rank is in.
+        step_counter: steps taken in the current wave, modulo ``sync_interval``.
+        pending_pause: phase 1 of the two-phase pause (PR #39366).
+        ignore_start_dp_wave: phase 2 reached: START_DP_WAVE is dropped (PR #39366).
+        collective: the collective this rank is blocked in ("" when none).
+        weight_version: completed weight updates (bumped by finish_weight_update).
+        clear_cache: the pending pause's ``clear_cache`` argument.
+    """
+
+    state: RankState = RankState.RUNNING
+    pause_state: PauseState = PauseState.UNPAUSED
+    engines_running: bool = False
+    current_wave: int = 0
+    step_counter: int = 0
+    pending_pause: bool = False
+    ignore_start_dp_wave: bool = False
+    collective: str = ""
+    weight_version: int = 0
+    clear_cache: bool = False
+
+
+Args = Mapping[str, Any]
+
+# ---------------------------------------------------------------------------------------------------
+# Guards: named predicates over (vars, args). Every guard used in a table is listed here.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _works(v: RankVars, a: Args) -> bool:
+    return bool(a["has_work"]) or v.engines_running
+
+
+def _is_sync_step(v: RankVars, a: Args) -> bool:
+    return v.step_counter % int(a["sync_interval"]) == int(a["sync_interval"]) - 1
+
+
+def _sum_p(a: Args) -> int:
+    return int(a["sum_pending_pause"])
+
+
+def _consensus(a: Args) -> bool:
+    return _sum_p(a) == int(a["dp_size"])
+
+
+def _keep_running(a: Args) -> bool:
+    """vLLM: keep running = sum(unfinished) > 0 or sum(pending_pause) mod dp_size != 0."""
+    return int(a["sum_unfinished"]) > 0 or _sum_p(a) % int(a["dp_size"]) != 0
+
+
+def _wave_for_me(v: RankVars, a: Args) -> bool:
+    return int(a["exclude"]) != int(a["rank"]) and int(a["wave"]) >= v.current_wave
+
+
+def _drains_now(v: RankVars, a: Args) -> bool:
+    return PauseMode(a["mode"]) is not PauseMode.WAIT or int(a["running"]) == 0
+
+
+GUARDS: dict[str, Callable[[RankVars, Args], bool]] = {
+    # loop
+    "step_plain": lambda v, a: _works(v, a) and not _is_sync_step(v, a),
+    "step_sync": lambda v, a: _works(v, a) and _is_sync_step(v, a),
+    "idle": lambda v, a: not _works(v, a),
+    "drained": lambda v, a: not bool(a["has_work"]),
+    "not_drained": lambda v, a: bool(a["has_work"]),
+    # DP sync all-reduce outcomes (reference section 5, 'DP sync')
+    "sync_keep_running": lambda v, a: _keep_running(a),
+    "sync_stop": lambda v, a: not _keep_running(a),
+    "sync_consensus_stop": lambda v, a: _consensus(a) and int(a["sum_unfinished"]) == 0,
+    "sync_consensus_drained": lambda v, a: (
+        _consensus(a) and int(a["sum_unfinished"]) > 0 and not bool(a["has_work"])
+    ),
+    "sync_consensus_draining": lambda v, a: _consensus(a) and bool(a["has_work"]),
+    "sync_partial_drained": lambda v, a: not _consensus(a) and not bool(a["has_work"]),
+    "sync_partial_draining": lambda v, a: not _consensus(a) and bool(a["has_work"]),
+    # waves
+    "wave_for_me": _wave_for_me,
+    "wave_not_for_me": lambda v, a: not _wave_for_me(v, a),
+    "wave_for_me_not_ignoring": lambda v, a: _wave_for_me(v, a) and not v.ignore_start_dp_wave,
+    "wave_dropped": lambda v, a: not (_wave_for_me(v, a) and not v.ignore_start_dp_wave),
+    "add_newer_wave": lambda v, a: int(a["wave"]) > v.current_wave,
+    "add_stale_wave_idle_unpaused": lambda v, a: (
+        int(a["wave"]) < v.current_wave and not v.engines_running and v.pause_state is PauseState.UNPAUSED
+    ),
+    "add_current_or_busy": lambda v, a: (
+        not (
+            int(a["wave"]) > v.current_wave
+            or (
+                int(a["wave"]) < v.current_wave
+                and not v.engines_running
+                and v.pause_state is PauseState.UNPAUSED
+            )
+        )
+    ),
+    # pause
+    "pause_drains_now": _drains_now,
+    "pause_must_drain": lambda v, a: not _drains_now(v, a),
+    "pause_idle_fast_path": lambda v, a: _drains_now(v, a) and not v.engines_running,
+    "pause_drains_now_busy": lambda v, a: _drains_now(v, a) and v.engines_running,
+    # resume
+    "engines_running": lambda v, a: v.engines_running,
+    "engines_stopped": lambda v, a: not v.engines_running,
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Updates: pure functions (vars, args) -> vars, applied by the machine in the listed order.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _set_pause(v: RankVars, a: Args) -> RankVars:
+    return v._replace(
+        pause_state=PAUSE_STATE_OF_MODE[PauseMode(a["mode"])], clear_cache=bool(a["clear_cache"])
+    )
+
+
+def _end_wave(v: RankVars, a: Args) -> RankVars:
+    return v._replace(engines_running=False, current_wave=v.current_wave + 1, step_counter=0)
+
+
+UPDATES: dict[str, Callable[[RankVars, Args], RankVars]] = {
+    "set_pause_state": _set_pause,
+    "unpause": lambda v, a: v._replace(pause_state=PauseState.UNPAUSED),
+    "set_pending_pause": lambda v, a: v._replace(pending_pause=True),
+    "clear_pending_pause": lambda v, a: v._replace(pending_pause=False),
+    "set_ignore_start_dp_wave": lambda v, a: v._replace(ignore_start_dp_wave=True),
+    "clear_ignore_start_dp_wave": lambda v, a: v._replace(ignore_start_dp_wave=False),
+    "set_engines_running": lambda v, a: v._replace(engines_running=True),
+    "adopt_wave": lambda v, a: v._replace(current_wave=int(a["wave"])),
+    "enter_dp_step": lambda v, a: v._replace(collective="dp_step"),
+    "enter_dp_sync": lambda v, a: v._replace(collective="dp_sync"),
+    "enter_resume_barrier": lambda v, a: v._replace(collective="resume_barrier"),
+    "enter_weight_broadcast": lambda v, a: v._replace(collective="weight_broadcast"),
+    "enter_transfer_init": lambda v, a: v._replace(collective="transfer_init"),
+    "leave_collective": lambda v, a: v._replace(collective=""),
+    "count_step": lambda v, a: v._replace(
+        step_counter=(v.step_counter + 1) % int(a["sync_interval"]), engines_running=True
+    ),
+    "end_wave": _end_wave,
+    "running_from_barrier": lambda v, a: v._replace(engines_running=int(a["max_unfinished"]) > 0),
+    "adopt_wave_after_barrier": lambda v, a: v._replace(current_wave=int(a["max_wave"]) + 1),
+    "bump_weight_version": lambda v, a: v._replace(weight_version=v.weight_version + 1),
+}
+
+#: Effect names and what the runtime (impl) or the model does for each.
+EFFECTS: dict[str, str] = {
+    "abort_requests": "abort every in-flight request; partial outputs with finish_reason='abort'",
+    "queue_request": "append the request to the scheduler's waiting queue",
+    "abort_request": "abort one request on the client's ABORT",
+    "emit_start_wave": "send start_wave(current_wave) to the DP coordinator",
+    "emit_wave_complete": "rank 0 only: send wave_complete(wave that ended) to the DP coordinator",
+    "execute_step": "run one forward step of the scheduled batch (a dummy batch when nothing is scheduled)",
+    "enter_dp_step": "join the per-step DP/EP forward collective",
+    "enter_dp_sync": "join the DP sync SUM all-reduce of [has_unfinished, pending_pause]",
+    "enter_resume_barrier": "join the resume MAX all-reduce (barrier)",
+    "enter_weight_broadcast": "join the weight-transfer broadcast with the trainer (receive_weights)",
+    "enter_transfer_init": "join the weight-transfer group rendezvous with the trainer",
+    "reply_pause": "resolve the pause call's future (the pause call returns)",
+    "reply_resume": "the resume call returns",
+    "reply": "the utility call returns",
+    "clear_cache": "reset prefix/KV caches if the pause asked clear_cache (preempts frozen requests)",
+    "start_weight_update": "worker machine: start_weight_update on every worker",
+    "finish_weight_update": "worker machine: finish_weight_update on every worker",
+    "front_end_gate": "the API front-end holds new requests (front-end-pause only)",
+    "front_end_ungate": "the API front-end releases held requests (front-end-pause only)",
+}
+
+_S = RankState
+_E = RankEvent
+Table = dict[tuple[RankState, RankEvent], tuple[Transition, ...]]
+
+
+def _t(
+    guard: str, target: RankState, updates: tuple[str, ...], effects: tuple[str, ...], rule: str
+) -> Transition:
+    return Transition(guard, target, updates, effects, rule)
+
+
+R39366 = "vLLM PR #39366 (two-phase pause/resume)"
+R_WAVES = "reference s5 (DP waves)"
+
+
+def _serving_rows(state: RankState, honour_waves: bool, stale_add_rearms: bool, may_step: bool) -> Table:
+    """Rows for ADD, ABORT, START_DP_WAVE and STEP in a state where the rank keeps (or stops) serving."""
+    rows: Table = {}
+    add: list[Transition] = [_t("add_newer_wave", state, ("adopt_wave",), ("queue_request",), R_WAVES)]
+    if stale_add_rearms:
+        add.append(
+            _t(
+                "add_stale_wave_idle_unpaused",
+                state,
+                ("set_engines_running",),
+                ("queue_request", "emit_start_wave"),
+                "vLLM PR #37024 (stale-wave ADD on an idle UNPAUSED engine)",
+            )
+        )
+        add.append(_t("add_current_or_busy", state, (), ("queue_request",), R_WAVES))
+    else:
+        add.append(_t(ALWAYS, state, (), ("queue_request",), R_WAVES))
+    rows[(state, _E.ADD)] = tuple(add)
+    rows[(state, _E.ABORT)] = (_t(ALWAYS, state, (), ("abort_request",), "reference s5"),)
+    if honour_waves:
+        rows[(state, _E.START_DP_WAVE)] = (
+            _t("wave_for_me_not_ignoring", state, ("adopt_wave", "set_engines_running"), (), R_WAVES),
+            _t("wave_dropped", state, (), (), R39366 + ": dropped while globally paused"),
+        )
+    else:
+        rows[(state, _E.START_DP_WAVE)] = (_t(ALWAYS, state, (), (), "dropped"),)
+    if may_step:
+        rows[(state, _E.STEP)] = (
+            _t("step_plain", state, ("enter_dp_step",), ("execute_step", "enter_dp_step"), R_WAVES),
+            _t("step_sync", state, ("enter_dp_sync",), ("execute_step", "enter_dp_sync"), "vLLM PR #21617"),
+            _t("idle", state, (), (), R_WAVES),
+        )
+    else:
+        rows[(state, _E.STEP)] = (_t(ALWAYS, state, (), (), R39366 + ": stopped together"),)
+    return rows
+
+
+def _transfer_rows() -> Table:
+    """verified -> updating -> verified; init legal in running and verified."""
+    rows: Table = {
+        (_S.VERIFIED, _E.START_UPDATE): (
+            _t(ALWAYS, _S.UPDATING, (), ("start_weight_update", "reply"), "reference s2"),
+        ),
+        (_S.UPDATING, _E.UPDATE_WEIGHTS): (
+            _t(ALWAYS, _S.UPDATING, ("enter_weight_broadcast",), ("enter_weight_broadcast",), "reference s2"),
+        ),
+        (_S.UPDATING, _E.WEIGHT_BROADCAST_DONE): (
+            _t(ALWAYS, _S.UPDATING, ("leave_collective",), ("reply",), "reference s2"),
+        ),
+        (_S.UPDATING, _E.FINISH_UPDATE): (
+            _t(
+                ALWAYS,
+                _S.VERIFIED,
+                ("bump_weight_version",),
+                ("finish_weight_update", "reply"),
+                "reference s2; version: weightsync",
+            ),
+        ),
+    }
+    for s in (_S.RUNNING, _S.VERIFIED):
+        rows[(s, _E.INIT_TRANSFER)] = (
+            _t(ALWAYS, s, ("enter_transfer_init",), ("enter_transfer_init",), "reference s2"),
+        )
+        rows[(s, _E.TRANSFER_INIT_DONE)] = (_t(ALWAYS, s, ("leave_collective",), ("reply",), "reference s2"),)
+    return rows
+
+
+def _step_done_rows(state: RankState, drained_target: RankState | None = None) -> Table:
+    """Non-sync forward collective completed: count the step; vLLM sets engines_running True."""
+    if drained_target is None:
+        return {
+            (state, _E.DP_STEP_DONE): (_t(ALWAYS, state, ("leave_collective", "count_step"), (), R_WAVES),)
+        }
+    return {
+        (state, _E.DP_STEP_DONE): (
+            _t("drained", drained_target, ("leave_collective", "count_step"), (), "weightsync: local drain"),
+            _t("not_drained", state, ("leave_collective", "count_step"), (), R_WAVES),
+        )
+    }
+
+
+def _running_rows(stale_add_rearms: bool = True) -> Table:
+    rows = _serving_rows(_S.RUNNING, honour_waves=True, stale_add_rearms=stale_add_rearms, may_step=True)
+    rows.update(_step_done_rows(_S.RUNNING))
+    rows[(_S.RUNNING, _E.DP_SYNC_DONE)] = (
+        _t("sync_keep_running", _S.RUNNING, ("leave_collective", "count_step"), (), R_WAVES),
+        _t("sync_stop", _S.RUNNING, ("leave_collective", "end_wave"), ("emit_wave_complete",), R_WAVES),
+    )
+    return rows
+
+
+def two_phase_table(epoch: bool) -> Table:
+    """vLLM PR #39366 as shipped (``epoch=False``) or weightsync's ``two-phase-epoch`` fix (``epoch=True``)."""
+    rows = _running_rows()
+    pause_updates = ("set_pause_state", "set_pending_pause", "set_engines_running")
+    rows[(_S.RUNNING, _E.PAUSE)] = (
+        _t("pause_drains_now", _S.PAUSED, pause_updates, ("abort_requests",), R39366 + " phase 1"),
+        _t("pause_must_drain", _S.PAUSING, pause_updates, (), R39366 + " phase 1 (wait drains)"),
+    )
+    for s in (_S.PAUSING, _S.PAUSED):
+        rows.update(_serving_rows(s, honour_waves=True, stale_add_rearms=False, may_step=True))
+    rows.update(_step_done_rows(_S.PAUSING, drained_target=_S.PAUSED))
+    rows.update(_step_done_rows(_S.PAUSED))
+    verify = _t(
+        "sync_consensus_stop",
+        _S.VERIFIED,
+        ("leave_collective", "set_ignore_start_dp_wave", "clear_pending_pause", "end_wave"),
+        ("emit_wave_complete", "clear_cache", "reply_pause"),
+        R39366 + " phase 2",
+    )
+    # After consensus with work left (wait mode) the ranks keep stepping, ignoring waves, and stop together.
+    after_consensus = ("leave_collective", "set_ignore_start_dp_wave", "clear_pending_pause", "count_step")
+    for s in (_S.PAUSING, _S.PAUSED):
+        rows[(s, _E.DP_SYNC_DONE)] = (
+            verify,
+            _t("sync_consensus_drained", _S.PAUSED, after_consensus, (), R39366 + " phase 2 (wait)"),
+            _t("sync_consensus_draining", _S.PAUSING, after_consensus, (), R39366 + " phase 2 (wait)"),
+            _t(
+                "sync_partial_drained", _S.PAUSED, ("leave_collective", "count_step"), (), R39366 + " partial"
+            ),
+            _t(
+                "sync_partial_draining",
+                _S.PAUSING,
+                ("leave_collective", "count_step"),
+                (),
+                R39366 + " partial",
+            ),
+        )
+    rows.update(_serving_rows(_S.VERIFIED, honour_waves=True, stale_add_rearms=False, may_step=False))
+    rows.update(_serving_rows(_S.UPDATING, honour_waves=True, stale_add_rearms=False, may_step=False))
+    rows.update(_transfer_rows())
+    rows[(_S.VERIFIED, _E.RESUME)] = (
+        _t(
+            ALWAYS,
+            _S.RESUMING,
+            ("unpause", "clear_ignore_start_dp_wave", "enter_resume_barrier"),
+            ("enter_resume_barrier",),
+            R39366 + " resume barrier",
+        ),
+    )
+    rows[(_S.RUNNING, _E.RESUME)] = (
+        _t("engines_running", _S.RUNNING, (), ("reply_resume",), R39366 + ": no-op while running"),
+        _t(
+            "engines_stopped",
+            _S.RESUMING,
+            ("unpause", "clear_ignore_start_dp_wave", "enter_resume_barrier"),
+            ("enter_resume_barrier",),
+            R39366 + " resume barrier",
+        ),
+    )
+    barrier_updates: tuple[str, ...] = ("leave_collective", "running_from_barrier")
+    rule = R39366 + " resume barrier"
+    if epoch:
+        barrier_updates += ("adopt_wave_after_barrier",)
+        rule = "weightsync two-phase-epoch: the resume all-reduce also agrees on MAX(current_wave) + 1"
+    rows[(_S.RESUMING, _E.RESUME_BARRIER_DONE)] = (
+        _t(ALWAYS, _S.RUNNING, barrier_updates, ("reply_resume",), rule),
+    )
+    return rows
+
+
+def _engine_pause_table(ignore_waves_while_paused: bool) -> Table:
+    """Pause inside EngineCore with the idle fast path (issue #36594 era), optionally ignoring waves
+    while paused (the rejected PR #36608 idea)."""
+    rows = _running_rows()
+    honour = not ignore_waves_while_paused
+    pause_updates = ("set_pause_state",)
+    rows[(_S.RUNNING, _E.PAUSE)] = (
+        _t(
+            "pause_idle_fast_path",
+            _S.VERIFIED,
+            pause_updates,
+            ("abort_requests", "clear_cache", "reply_pause"),
+            "issue #36594: an idle engine completes pause at once",
+        ),
+        _t("pause_drains_now_busy", _S.PAUSED, pause_updates, ("abort_requests",), "reference s4"),
+        _t("pause_must_drain", _S.PAUSING, pause_updates, (), "reference s4 (wait drains)"),
+    )
+    for s in (_S.PAUSING, _S.PAUSED):
+        rows.update(_serving_rows(s, honour_waves=honour, stale_add_rearms=False, may_step=True))
+        rows[(s, _E.DP_SYNC_DONE)] = (
+            _t(
+                "sync_stop",
+                _S.VERIFIED,
+                ("leave_collective", "end_wave"),
+                ("emit_wave_complete", "clear_cache", "reply_pause"),
+                "reference s4: completes when idle",
+            ),
+            _t("drained", _S.PAUSED, ("leave_collective", "count_step"), (), R_WAVES),
+            _t("not_drained", _S.PAUSING, ("leave_collective", "count_step"), (), R_WAVES),
+        )
+    rows.update(_step_done_rows(_S.PAUSING, drained_target=_S.PAUSED))
+    rows.update(_step_done_rows(_S.PAUSED))
+    # A paused (verified/updating) engine still honours START_DP_WAVE and steps when re-armed: issue #36594.
+    for s in (_S.VERIFIED, _S.UPDATING):
+        rows.update(_serving_rows(s, honour_waves=honour, stale_add_rearms=False, may_step=True))
+        rows.update(_step_done_rows(s))
+        rows[(s, _E.DP_SYNC_DONE)] = (
+            _t("sync_keep_running", s, ("leave_collective", "count_step"), (), R_WAVES),
+            _t("sync_stop", s, ("leave_collective", "end_wave"), ("emit_wave_complete",), R_WAVES),
+        )
+    rows.update(_transfer_rows())
+    for s in (_S.VERIFIED, _S.PAUSING, _S.PAUSED):
+        rows[(s, _E.RESUME)] = (
+            _t(ALWAYS, _S.RUNNING, ("unpause",), ("reply_resume",), "reference s4: resume"),
+        )
+    rows[(_S.RUNNING, _E.RESUME)] = (_t(ALWAYS, _S.RUNNING, (), ("reply_resume",), "reference s4: no-op"),)
+    return rows
+
+
+def front_end_pause_table() -> Table:
+    """Pause held in the API front-end (PR #28037, before PR #34125): engines never pause."""
+    rows = _running_rows()
+    rows[(_S.RUNNING, _E.PAUSE)] = (
+        _t(ALWAYS, _S.VERIFIED, (), ("front_end_gate", "reply_pause"), "PR #28037: a flag in AsyncLLM"),
+    )
+    for s in (_S.VERIFIED, _S.UPDATING):
+        rows.update(_serving_rows(s, honour_waves=True, stale_add_rearms=True, may_step=True))
+        rows.update(_step_done_rows(s))
+        rows[(s, _E.DP_SYNC_DONE)] = (
+            _t("sync_keep_running", s, ("leave_collective", "count_step"), (), R_WAVES),
+            _t("sync_stop", s, ("leave_collective", "end_wave"), ("emit_wave_complete",), R_WAVES),
+        )
+    rows.update(_transfer_rows())
+    rows[(_S.VERIFIED, _E.RESUME)] = (
+        _t(ALWAYS, _S.RUNNING, (), ("front_end_ungate", "reply_resume"), "PR #28037"),
+    )
+    rows[(_S.RUNNING, _E.RESUME)] = (_t(ALWAYS, _S.RUNNING, (), ("reply_resume",), "PR #28037: no-op"),)
+    return rows
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A protocol variant: a table plus the facts the model needs about it.
+
+    Attributes:
+        name: CLI name.
+        description: one line.
+        source: where it comes from.
+        table: ``{(RankState, RankEvent): (Transition, ...)}``.
+        pause_in_front_end: pause/resume are answered by the API front-end without reaching engines.
+        resume_barrier_carries_wave: the resume all-reduce also carries MAX(current_wave).
+        expected: what the model checker should find ("verified" or "counterexample").
+    """
+
+    name: str
+    description: str
+    source: str
+    table: Table = field(repr=False)
+    pause_in_front_end: bool = False
+    resume_barrier_carries_wave: bool = False
+    expected: str = "counterexample"
+
+    def digest(self) -> str:
+        """SHA-256 of this variant's table rows (sorted)."""
+        rows = sorted(
+            ((s, e, tr) for (s, e), trs in self.table.items() for tr in trs),
+            key=lambda r: (r[0].value, r[1].value),
+        )
+        return table_digest(
+            rows, self.name, str(self.pause_in_front_end), str(self.resume_barrier_carries_wave)
+        )
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant(
+            "two-phase-epoch",
+            "two-phase pause/resume whose resume barrier also agrees on the wave (MAX(current_wave) + 1)",
+            "weightsync: closes the resume-time race of two-phase under per-socket channels",
+            two_phase_table(epoch=True),
+            resume_barrier_carries_wave=True,
+            expected="verified",
+        ),
+        Variant(
+            "two-phase",
+            "vLLM's two-phase pause/resume as shipped: honour waves until consensus, resume is a barrier",
+            "vLLM PR #39366",
+            two_phase_table(epoch=False),
+        ),
+        Variant(
+            "front-end-pause",
+            "pause held in the API front-end; engines keep stepping and honouring waves",
+            "vLLM PR #28037 (before PR #34125); the blog's DP=2 scenario",
+            front_end_pause_table(),
+            pause_in_front_end=True,
+        ),
+        Variant(
+            "idle-fast-path",
+            "engine pause returns at once when idle; a late START_DP_WAVE re-arms it",
+            "vLLM issue #36594",
+            _engine_pause_table(ignore_waves_while_paused=False),
+        ),
+        Variant(
+            "ignore-wave",
+            "a paused engine ignores START_DP_WAVE at once",
+            "vLLM PR #36608 (closed, rejected)",
+            _engine_pause_table(ignore_waves_while_paused=True),
+        ),
+    )
+}
+
+DEFAULT_VARIANT = "two-phase-epoch"
+
+
+def get_variant(name: str) -> Variant:
+    """The variant called ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the known variants).
+    """
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown protocol variant {name!r}; known variants: {', '.join(VARIANTS)}"
+        ) from None
+
+
+def spec_digest() -> str:
+    """One digest over every variant's table and the worker table (``weightsync prove --check``)."""
+    from weightsync.spec.worker import worker_table_digest
+
+    return table_digest((), *(v.digest() for v in VARIANTS.values()), worker_table_digest())
+
+
+def select(table: Table, v: RankVars, event: RankEvent, args: Args) -> Transition | None:
+    """The transition ``event`` takes from ``v`` under ``table`` (first guard that holds), or None."""
+    for tr in table.get((v.state, event), ()):
+        if tr.guard == ALWAYS or GUARDS[tr.guard](v, args):
+            return tr
+    return None
+
+
+def apply(v: RankVars, tr: Transition, args: Args) -> RankVars:
+    """Apply ``tr``'s updates to ``v`` and move to its target (pure; used by the model's hot loop)."""
+    for name in tr.updates:
+        v = UPDATES[name](v, args)
+    return v._replace(state=tr.target)
+
+
+class RankMachine(TableMachine[RankState, RankEvent]):
+    """Sans-IO protocol machine of one DP engine rank.
+
+    ``fire(event, **args)`` returns a :class:`~weightsync.spec.table.Fired`; the caller runs
+    ``fired.transition.effects`` (see :data:`EFFECTS`). No I/O, no torch, no threads.
+
+    Args:
+        rank: DP rank index (0 is the rank that emits wave_complete).
+        dp_size: number of DP ranks.
+        variant: protocol variant name (default ``two-phase-epoch``).
+        sync_interval: K, the DP sync all-reduce cadence in steps (vLLM: 32).
+
+    Raises:
+        ValueError: unknown variant, rank outside ``[0, dp_size)``, or ``sync_interval < 1``.
+        LocalProtocolError / RemoteProtocolError from ``fire`` (then the machine is in ``error``).
+    """
+
+    def __init__(
+        self, rank: int, dp_size: int, variant: str = DEFAULT_VARIANT, sync_interval: int = 32
+    ) -> None:
+        if not 0 <= rank < dp_size:
+            raise ValueError(f"rank {rank} is outside [0, dp_size={dp_size})")
+        if sync_interval < 1:
+            raise ValueError(f"sync_interval must be >= 1, got {sync_interval}")
+        self.variant = get_variant(variant)
+        self.rank = rank
+        self.dp_size = dp_size
+        self.sync_interval = sync_interval
+        super().__init__(
+            f"rank {rank}",
+            self.variant.table,
+            GUARDS,
+            UPDATES,
+            RankVars(),
+            LOCAL_CALLS,
+            RankState.ERROR,
+        )
+
+    def fire(self, event: RankEvent, **args: Any) -> Fired:
+        """Fire ``event``; ``rank``, ``dp_size`` and ``sync_interval`` are supplied automatically."""
+        args.setdefault("rank", self.rank)
+        args.setdefault("dp_size", self.dp_size)
+        args.setdefault("sync_interval", self.sync_interval)
+        return super().fire(event, **args)

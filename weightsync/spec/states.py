@@ -1,0 +1,159 @@
+"""Vocabulary of the per-rank protocol: states, events, pause modes, PauseState, messages, collectives.
+
+Names follow vLLM (``START_DP_WAVE``, ``PauseState``, ``pending_pause``, ``ignore_start_dp_wave``,
+``engines_running``, ``current_wave``) and torch.distributed.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum, StrEnum
+
+
+class RankState(StrEnum):
+    """Protocol state of one DP engine rank (weightsync's labels over vLLM's variables).
+
+    - ``running``: ``PauseState.UNPAUSED``; serving, idle or in a wave.
+    - ``pausing``: a pause was accepted but running requests still drain (mode ``wait``).
+    - ``paused``: nothing is schedulable locally; the rank still honours START_DP_WAVE and keeps
+      stepping (dummy batches) until the global check agrees (phase 1 of vLLM PR #39366).
+    - ``verified``: the global DP all-reduce agreed that every rank paused and the ranks stopped at the
+      same step (phase 2); the pause call has returned. Weight-transfer calls are legal only here.
+    - ``updating``: between ``start_weight_update`` and ``finish_weight_update``.
+    - ``resuming``: ``resume`` accepted; the rank is in the resume barrier.
+    - ``error``: sticky after a protocol error.
+    """
+
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    VERIFIED = "verified"
+    UPDATING = "updating"
+    RESUMING = "resuming"
+    ERROR = "error"
+
+
+class PauseState(IntEnum):
+    """vLLM's scheduler ``PauseState`` (reference section 4)."""
+
+    UNPAUSED = 0
+    PAUSED_NEW = 1  # nothing new scheduled; running requests continue
+    PAUSED_ALL = 2  # nothing scheduled
+
+
+class PauseMode(StrEnum):
+    """``pause_generation(mode=...)`` (reference section 4)."""
+
+    ABORT = "abort"
+    WAIT = "wait"
+    KEEP = "keep"
+
+
+#: PauseState each mode sets (reference section 4 table).
+PAUSE_STATE_OF_MODE: dict[PauseMode, PauseState] = {
+    PauseMode.ABORT: PauseState.PAUSED_NEW,
+    PauseMode.WAIT: PauseState.PAUSED_NEW,
+    PauseMode.KEEP: PauseState.PAUSED_ALL,
+}
+
+
+class RankEvent(StrEnum):
+    """Inputs of a rank machine: local (utility) calls, received messages, loop steps and collective outcomes."""
+
+    # local calls (utility calls run on the busy-loop thread between steps)
+    PAUSE = "pause"
+    RESUME = "resume"
+    INIT_TRANSFER = "init_weight_transfer_engine"
+    START_UPDATE = "start_weight_update"
+    UPDATE_WEIGHTS = "update_weights"
+    FINISH_UPDATE = "finish_weight_update"
+    # received messages
+    ADD = "ADD"
+    ABORT = "ABORT"
+    START_DP_WAVE = "START_DP_WAVE"
+    # the busy loop decides to run one step (real or dummy batch) or to stay idle
+    STEP = "step"
+    # collective outcomes
+    DP_STEP_DONE = "dp_step_done"
+    DP_SYNC_DONE = "dp_sync_done"
+    RESUME_BARRIER_DONE = "resume_barrier_done"
+    WEIGHT_BROADCAST_DONE = "weight_broadcast_done"
+    TRANSFER_INIT_DONE = "transfer_init_done"
+
+
+LOCAL_CALLS: frozenset[RankEvent] = frozenset(
+    {
+        RankEvent.PAUSE,
+        RankEvent.RESUME,
+        RankEvent.INIT_TRANSFER,
+        RankEvent.START_UPDATE,
+        RankEvent.UPDATE_WEIGHTS,
+        RankEvent.FINISH_UPDATE,
+    }
+)
+
+
+class Collective(StrEnum):
+    """Collective kinds. A collective completes only when every member entered the same (kind, seq).
+
+    - ``dp_step``: the per-step forward collective of the DP/EP group (dummy batches included).
+    - ``dp_sync``: a step whose forward is followed by the DP sync SUM all-reduce of
+      ``[has_unfinished, pending_pause]`` (every ``sync_interval`` steps; 32 in vLLM, PR #21617).
+    - ``resume_barrier``: the MAX all-reduce of has-unfinished on resume (PR #39366); in
+      ``two-phase-epoch`` it also carries ``current_wave``.
+    - ``weight_broadcast``: the weight-transfer group (trainer + all workers) broadcast of one update.
+    - ``transfer_init``: the weight-transfer group rendezvous of ``init_weight_transfer_engine``.
+    """
+
+    DP_STEP = "dp_step"
+    DP_SYNC = "dp_sync"
+    RESUME_BARRIER = "resume_barrier"
+    WEIGHT_BROADCAST = "weight_broadcast"
+    TRANSFER_INIT = "transfer_init"
+
+
+#: Collectives of the DP group (engine ranks only); the others also include the trainer.
+DP_COLLECTIVES: frozenset[Collective] = frozenset(
+    {Collective.DP_STEP, Collective.DP_SYNC, Collective.RESUME_BARRIER}
+)
+TRANSFER_COLLECTIVES: frozenset[Collective] = frozenset(
+    {Collective.WEIGHT_BROADCAST, Collective.TRANSFER_INIT}
+)
+
+
+class Message(StrEnum):
+    """Messages between processes (reference section 5 table)."""
+
+    ADD = "ADD"  # front-end -> one engine: (request, wave)
+    ABORT = "ABORT"  # front-end -> one engine
+    FIRST_REQ = "FIRST_REQ"  # front-end -> coordinator: (exclude, wave)
+    START_DP_WAVE = "START_DP_WAVE"  # coordinator -> every engine: (wave, exclude)
+    WAVE_COMPLETE = "wave_complete"  # engine rank 0 -> coordinator: wave
+    START_WAVE = "start_wave"  # engine -> coordinator: wave
+    UTILITY = "utility"  # controller -> engine: pause / resume / weight-transfer call
+
+
+class Socket(StrEnum):
+    """Sockets; each is a FIFO, and sockets are mutually unordered (reference section 5)."""
+
+    INPUT = "input"  # front-end/controller -> engine: ADD, ABORT, utility calls
+    WAVE = "wave"  # coordinator -> engine: START_DP_WAVE
+    OUTPUT = "output"  # engine -> coordinator/front-end: wave_complete, start_wave, replies
+    FRONT = "front"  # front-end -> coordinator: FIRST_REQ
+
+
+def schedulable(pause_state: PauseState, waiting: int, running: int) -> bool:
+    """Whether the scheduler has work it may schedule under ``pause_state`` (reference section 4).
+
+    UNPAUSED: waiting or running requests; PAUSED_NEW: running requests only; PAUSED_ALL: nothing.
+    """
+    if pause_state is PauseState.UNPAUSED:
+        return waiting + running > 0
+    if pause_state is PauseState.PAUSED_NEW:
+        return running > 0
+    return False
+
+
+def unfinished_for_sync(pause_state: PauseState, waiting: int, running: int) -> int:
+    """The has-unfinished contribution (0 or 1) to the DP sync all-reduce (reference section 4):
+    unfinished work counts 0 under PAUSED_ALL and only running requests under PAUSED_NEW."""
+    return 1 if schedulable(pause_state, waiting, running) else 0
