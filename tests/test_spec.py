@@ -1,0 +1,169 @@
+"""The spec tables: well-formedness, totality (every missing pair fails closed), machine behaviour, freshness."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from weightsync.model.fsm_export import stale_spec_files
+from weightsync.spec import (
+    EFFECTS,
+    GUARDS,
+    UPDATES,
+    VARIANTS,
+    LocalProtocolError,
+    PauseMode,
+    PauseState,
+    RankEvent,
+    RankMachine,
+    RankState,
+    RemoteProtocolError,
+    WorkerEvent,
+    WorkerMachine,
+    WorkerState,
+)
+from weightsync.spec.states import LOCAL_CALLS
+from weightsync.spec.table import ALWAYS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_rows_reference_registered_names(name: str) -> None:
+    for (state, event), rows in VARIANTS[name].table.items():
+        assert rows, (state, event)
+        assert state is not RankState.ERROR, "error is sticky: no row may leave it"
+        for tr in rows:
+            assert tr.guard == ALWAYS or tr.guard in GUARDS, tr.guard
+            assert all(u in UPDATES for u in tr.updates), tr.updates
+            assert all(e in EFFECTS for e in tr.effects), tr.effects
+            assert tr.rule
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_table_is_total_and_fails_closed(name: str) -> None:
+    """Every (state, event) pair either has rows or raises the right error and lands in ERROR."""
+    table = VARIANTS[name].table
+    args = dict(
+        mode="keep",
+        clear_cache=False,
+        running=0,
+        wave=0,
+        exclude=-1,
+        has_work=False,
+        sum_unfinished=0,
+        sum_pending_pause=0,
+        max_unfinished=0,
+        max_wave=0,
+    )
+    for state in RankState:
+        for event in RankEvent:
+            if (state, event) in table:
+                continue
+            m = RankMachine(0, 2, name, sync_interval=2)
+            m.vars = m.vars._replace(state=state)
+            expected = LocalProtocolError if event in LOCAL_CALLS else RemoteProtocolError
+            with pytest.raises(expected, match=f"illegal in state {state.value}"):
+                m.fire(event, **args)
+            assert m.state is RankState.ERROR
+
+
+def _pause_to_verified(m: RankMachine, mode: str = "keep") -> None:
+    m.fire(RankEvent.PAUSE, mode=mode, clear_cache=True, running=0)
+    assert m.state is RankState.PAUSED and m.vars.pending_pause and m.vars.engines_running
+    f = m.fire(RankEvent.STEP, has_work=False)
+    assert f.transition.effects == ("execute_step", "enter_dp_step")
+    m.fire(RankEvent.DP_STEP_DONE, has_work=False)
+    f = m.fire(RankEvent.STEP, has_work=False)
+    assert "enter_dp_sync" in f.transition.effects
+    f = m.fire(RankEvent.DP_SYNC_DONE, has_work=False, sum_unfinished=0, sum_pending_pause=m.dp_size)
+    assert m.state is RankState.VERIFIED
+    assert "reply_pause" in f.transition.effects
+
+
+def test_two_phase_pause_update_resume_cycle() -> None:
+    m = RankMachine(0, 2, "two-phase-epoch", sync_interval=2)
+    _pause_to_verified(m)
+    assert m.vars.ignore_start_dp_wave and not m.vars.pending_pause and not m.vars.engines_running
+    assert m.vars.pause_state is PauseState.PAUSED_ALL
+    # a late START_DP_WAVE is dropped while verified (issue #36594 fixed)
+    m.fire(RankEvent.START_DP_WAVE, wave=5, exclude=1)
+    assert not m.vars.engines_running and m.vars.current_wave == 1
+    assert m.fire(RankEvent.STEP, has_work=True).transition.effects == ()
+    m.fire(RankEvent.START_UPDATE)
+    m.fire(RankEvent.UPDATE_WEIGHTS)
+    assert m.vars.collective == "weight_broadcast"
+    m.fire(RankEvent.WEIGHT_BROADCAST_DONE)
+    m.fire(RankEvent.FINISH_UPDATE)
+    assert m.state is RankState.VERIFIED and m.vars.weight_version == 1
+    m.fire(RankEvent.RESUME)
+    assert m.state is RankState.RESUMING and m.vars.collective == "resume_barrier"
+    m.fire(RankEvent.RESUME_BARRIER_DONE, max_unfinished=0, max_wave=1)
+    assert m.state is RankState.RUNNING and m.vars.current_wave == 2  # epoch: MAX + 1
+    # a stale ADD on the idle rank takes the start_wave path
+    f = m.fire(RankEvent.ADD, wave=1)
+    assert f.transition.effects == ("queue_request", "emit_start_wave") and m.vars.engines_running
+
+
+def test_two_phase_as_shipped_keeps_wave_on_resume() -> None:
+    m = RankMachine(1, 2, "two-phase", sync_interval=2)
+    _pause_to_verified(m)
+    m.fire(RankEvent.RESUME)
+    m.fire(RankEvent.RESUME_BARRIER_DONE, max_unfinished=0, max_wave=1)
+    assert m.vars.current_wave == 1
+    f = m.fire(RankEvent.ADD, wave=1)  # same wave: no wake-up of the peers
+    assert f.transition.effects == ("queue_request",) and not m.vars.engines_running
+
+
+@pytest.mark.parametrize("event", [RankEvent.UPDATE_WEIGHTS, RankEvent.START_UPDATE, RankEvent.FINISH_UPDATE])
+def test_weight_calls_while_running_are_local_errors(event: RankEvent) -> None:
+    m = RankMachine(0, 2)
+    with pytest.raises(LocalProtocolError, match="legal events here"):
+        m.fire(event)
+    assert m.state is RankState.ERROR
+    with pytest.raises(LocalProtocolError):  # sticky
+        m.fire(RankEvent.RESUME)
+
+
+def test_resume_while_pause_in_flight_is_rejected() -> None:
+    m = RankMachine(0, 2)
+    m.fire(RankEvent.PAUSE, mode=PauseMode.WAIT, clear_cache=False, running=3)
+    assert m.state is RankState.PAUSING
+    with pytest.raises(LocalProtocolError, match="resume"):
+        m.fire(RankEvent.RESUME)
+
+
+def test_idle_fast_path_rearms_on_late_wave() -> None:
+    m = RankMachine(1, 2, "idle-fast-path", sync_interval=2)
+    f = m.fire(RankEvent.PAUSE, mode="keep", clear_cache=False, running=0)
+    assert m.state is RankState.VERIFIED and "reply_pause" in f.transition.effects
+    m.fire(RankEvent.START_DP_WAVE, wave=0, exclude=0)
+    assert m.vars.engines_running
+    assert "enter_dp_step" in m.fire(RankEvent.STEP, has_work=False).transition.effects
+
+
+def test_rank_machine_rejects_bad_construction() -> None:
+    with pytest.raises(ValueError, match="outside"):
+        RankMachine(2, 2)
+    with pytest.raises(ValueError, match="known variants"):
+        RankMachine(0, 2, "nope")
+
+
+def test_worker_machine_order() -> None:
+    w = WorkerMachine()
+    with pytest.raises(LocalProtocolError, match="start_weight_update"):
+        w.fire(WorkerEvent.UPDATE)
+    assert w.state is WorkerState.ERROR
+    w = WorkerMachine()
+    with pytest.raises(LocalProtocolError):  # start before init
+        w.fire(WorkerEvent.START)
+    w = WorkerMachine()
+    w.fire(WorkerEvent.INIT)
+    w.fire(WorkerEvent.START)
+    with pytest.raises(LocalProtocolError, match=r"already|illegal"):
+        w.fire(WorkerEvent.START)
+
+
+def test_generated_spec_files_are_fresh() -> None:
+    assert stale_spec_files(ROOT / "spec") == [], "run `weightsync prove` and commit spec/"

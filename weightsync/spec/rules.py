@@ -1,0 +1,110 @@
+"""The protocol's rules in numbered prose (trio-design-doc style), rendered into ``spec/PROTOCOL.md``.
+
+Each rule names where it comes from. The tables in :mod:`weightsync.spec.rank` implement them; the
+model checker (:mod:`weightsync.model`) checks the properties they promise.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Rule(NamedTuple):
+    """One numbered rule: a title, the rule in prose, and its source."""
+
+    title: str
+    text: str
+    source: str
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "One table",
+        "Every protocol decision of a DP engine rank is a row of its variant's table, keyed by "
+        "(state, event). A row names a guard, a target state, the local-variable updates and the effects. "
+        "The first row whose guard holds fires; an event with no such row is illegal.",
+        "design.md s1; h11 _state.py",
+    ),
+    Rule(
+        "Fail closed and stay failed",
+        "An illegal local call raises LocalProtocolError, an illegal message or collective outcome raises "
+        "RemoteProtocolError; either moves the rank to the sticky error state before any effect runs, and "
+        "no further weights move.",
+        "design.md s4; h2 stream.py",
+    ),
+    Rule(
+        "Utility calls run between steps",
+        "pause, resume and the four weight-transfer calls are inputs of the busy loop. A rank handles one "
+        "input, or runs one step, at a time; a rank blocked in a collective handles nothing until the "
+        "collective completes.",
+        "reference s1 'Execution point'",
+    ),
+    Rule(
+        "Lockstep while any rank has work",
+        "A rank steps when it has schedulable work or engines_running is set; every step joins the DP "
+        "group's forward collective (a dummy batch when nothing is scheduled). Every K steps the step also "
+        "joins the DP sync SUM all-reduce of [has_unfinished, pending_pause]; the wave ends when it reports "
+        "no unfinished work and no partial pause, rank 0 then emits wave_complete and every rank advances "
+        "current_wave.",
+        "reference s5; vLLM PR #21617",
+    ),
+    Rule(
+        "Waves start from the coordinator",
+        "START_DP_WAVE(wave, exclude) re-arms a rank unless it is excluded or the wave is older than its "
+        "current wave. An ADD stamped with a newer wave is adopted; an ADD stamped with an older wave on an "
+        "idle UNPAUSED rank re-arms it and sends start_wave to the coordinator, which wakes every peer.",
+        "reference s5; vLLM PR #37024",
+    ),
+    Rule(
+        "Phase 1: pause locally, keep honouring waves",
+        "pause(mode) sets the scheduler's PauseState (abort and wait: PAUSED_NEW; keep: PAUSED_ALL), aborts "
+        "in-flight requests under abort, sets pending_pause and engines_running, and does not return yet. "
+        "The rank keeps stepping and keeps honouring START_DP_WAVE, so a peer that still has work is never "
+        "stranded.",
+        "vLLM PR #39366; rejected PR #36608",
+    ),
+    Rule(
+        "Phase 2: stop together",
+        "At a DP sync whose SUM of pending_pause equals dp_size, every rank sets ignore_start_dp_wave and "
+        "clears pending_pause at the same step; when the SUM of unfinished work is zero they stop together, "
+        "the pause call returns (verified) and caches are cleared if asked. A partial pause keeps everyone "
+        "stepping.",
+        "vLLM PR #39366",
+    ),
+    Rule(
+        "Weights move only when verified",
+        "start_weight_update is legal only in verified; update_weights only between start and finish (each "
+        "joins the weight-transfer broadcast with the trainer); finish_weight_update returns to verified and "
+        "bumps weight_version. While verified or updating a rank never steps and drops START_DP_WAVE.",
+        "reference s2, s6; issue #36594",
+    ),
+    Rule(
+        "Resume is a barrier",
+        "resume in verified clears the pause and joins a MAX all-reduce of has-unfinished whose result "
+        "becomes engines_running on every rank. resume while a pause is in flight is illegal; resume while "
+        "running is a no-op.",
+        "vLLM PR #39366",
+    ),
+    Rule(
+        "Resume agrees on the wave (two-phase-epoch)",
+        "The resume all-reduce also carries current_wave (MAX) and every rank adopts MAX + 1. Any "
+        "START_DP_WAVE or ADD stamped before the resume is then stale: the START_DP_WAVE is ignored on every "
+        "rank alike, and a stale ADD on an idle rank takes the start_wave path, so the coordinator wakes "
+        "every peer. This closes the resume-time race of two-phase under per-socket channels, where an "
+        "in-flight wake-up is dropped by one rank and taken by another, and the coordinator latch of issue "
+        "#51476.",
+        "weightsync",
+    ),
+    Rule(
+        "Every pause is followed by a resume",
+        "The controller resumes in a finally block, so a failed update never leaves engines paused; an "
+        "engine never serves on a partial update.",
+        "AReaL #1160; slime #1420",
+    ),
+    Rule(
+        "Wire agreement before payload",
+        "At the start of every update all ranks agree on names, dtypes, shapes, packing and byte counts; a "
+        "mismatch raises WireMismatchError on every rank before any payload moves.",
+        "huggingface/trl PR #7104; SkyRL PR #2114; vLLM PR #31943 review",
+    ),
+)
