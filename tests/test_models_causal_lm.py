@@ -47,11 +47,13 @@ def make_hf(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **kw: 
     cfg.architectures = [arch]
     cfg.dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     torch.manual_seed(seed)
-    model = getattr(transformers, arch)(cfg).eval()
+    # _from_config(dtype=...) keeps the rotary inv_freq buffer in float32, as from_pretrained does;
+    # model.to(bfloat16) would round it to bfloat16 and change HF's cos/sin.
+    model = getattr(transformers, arch)._from_config(cfg, dtype=dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.1)
-    return model.to(dtype)
+    return model
 
 
 def engine_for(hf: Any, **kw: Any) -> CausalLM:
@@ -80,8 +82,10 @@ def test_float32_logits_bit_exact_vs_transformers(variant: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(m.probe_logits([ids[0].tolist()]), [ref1], strict=True))
 
 
-def test_bfloat16_logits_close_to_transformers() -> None:
-    hf = make_hf("LlamaForCausalLM", dtype=torch.bfloat16, num_key_value_heads=2)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_bfloat16_logits_bit_exact_vs_transformers(variant: str) -> None:
+    arch, kw = VARIANTS[variant]
+    hf = make_hf(arch, dtype=torch.bfloat16, **kw)
     m = engine_for(hf)
     assert m.lm_head.weight.dtype == torch.bfloat16
     ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(2))
@@ -89,7 +93,7 @@ def test_bfloat16_logits_close_to_transformers() -> None:
         ref = hf(ids).logits
     got = m.forward_full(ids)
     assert got.dtype == torch.bfloat16
-    assert (ref.float() - got.float()).abs().max().item() < 0.05
+    assert torch.equal(ref, got), (ref.float() - got.float()).abs().max().item()
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
