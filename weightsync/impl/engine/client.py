@@ -1,0 +1,546 @@
+"""Front-end client of a DP engine cluster: launches the processes, routes requests, fans out calls.
+
+:class:`DPEngineClient` plays vLLM's ``AsyncLLM`` + DP core client (reference sections 1 and 5):
+
+- ``start()`` spawns one DP coordinator process and ``dp_size`` engine-core processes
+  (``torch.multiprocessing`` spawn) and waits until every engine joined its DP group.
+- ``add_request`` stamps the request with the front-end's ``current_wave``, sends ADD to one engine (round
+  robin unless a rank is given) and, when it believes the engines idle, FIRST_REQ(exclude=that engine,
+  wave) to the coordinator; it refreshes its (current_wave, engines_running) belief from coordinator stats.
+  The returned :class:`RequestStream` collects token ids, log-probs and weight versions as they stream.
+- ``pause / resume / init_weight_transfer_engine / start_weight_update / update_weights /
+  finish_weight_update`` fan out to every rank and return when all have answered; a rank that does not
+  answer in time raises :class:`~weightsync.spec.errors.TransferTimeoutError` naming the missing ranks.
+- Every transition the engines fire is delivered to listeners (``add_transition_listener``) in the order
+  each engine reported it; the :class:`~weightsync.impl.checked.CheckedEngine` and the trace recorder use
+  this.
+- ``hold=True`` (``weightsync repro``) routes every message bound for an engine (front-end input,
+  controller input and the coordinator's wave socket) into per-(rank, socket) holding FIFOs; a schedule then
+  releases them one by one with :meth:`DPEngineClient.release`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch.multiprocessing as tmp
+
+from weightsync.impl.engine.coordinator import run_coordinator
+from weightsync.impl.engine.core import EngineConfig, EngineQueues, run_engine
+from weightsync.impl.engine.messages import (
+    AbortMsg,
+    AddMsg,
+    EngineFailure,
+    FirstReq,
+    Request,
+    Shutdown,
+    Stats,
+    StepOutputs,
+    TransitionRecord,
+    UtilityCall,
+    UtilityReply,
+)
+from weightsync.impl.models.sampling import SamplingParams
+from weightsync.spec.errors import (
+    IncompleteUpdateError,
+    LocalProtocolError,
+    PeerFailedError,
+    RemoteProtocolError,
+    TransferTimeoutError,
+    WeightSyncError,
+)
+from weightsync.spec.rank import get_variant
+from weightsync.spec.states import PauseMode
+
+SOCKETS = ("front", "control", "wave")
+"""Engine input sockets: front-end input, controller input, coordinator wave socket."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RequestStream:
+    """Token stream of one request (filled by the client's dispatcher thread).
+
+    Attributes:
+        req_id: the request id.
+        rank: the engine serving it.
+        prompt: the prompt token ids.
+        tokens: generated token ids so far.
+        logprobs: their float32 log-probabilities.
+        versions: the engine weight version that produced each token.
+        finish_reason: None while running, then "length", "stop" or "abort".
+    """
+
+    req_id: str
+    rank: int
+    prompt: tuple[int, ...]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def wait(self, timeout: float = 60.0) -> RequestStream:
+        """Block until the request finished (any reason); returns self.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        if not self.done.wait(timeout):
+            raise TimeoutError(
+                f"request {self.req_id} on rank {self.rank} not finished after {timeout:.1f} s "
+                f"({len(self.tokens)} tokens so far)"
+            )
+        return self
+
+
+class EngineCallError(WeightSyncError):
+    """A utility call failed on a rank for a reason without a more specific weightsync error type.
+
+    Attributes:
+        rank: the rank that answered with the error.
+        method: the call.
+        error_type: the remote exception's class name.
+    """
+
+    def __init__(self, rank: int, method: str, error_type: str, message: str) -> None:
+        self.rank = rank
+        self.method = method
+        self.error_type = error_type
+        super().__init__(f"rank {rank}: {method}: {message}")
+
+
+def _remote_error(rank: int, method: str, reply: UtilityReply, failure: EngineFailure | None) -> Exception:
+    msg = f"rank {rank}: {method}: {reply.error}"
+    et = reply.error_type or ""
+    if et == "LocalProtocolError":
+        return LocalProtocolError(msg)
+    if et == "RemoteProtocolError":
+        return RemoteProtocolError(msg)
+    if et == "TransferTimeoutError":
+        missing = failure.missing_ranks if failure else ()
+        return TransferTimeoutError(failure.phase if failure else method, missing, 0.0, msg)
+    if et == "IncompleteUpdateError":
+        return IncompleteUpdateError([msg])
+    if et == "PeerFailedError":
+        return PeerFailedError([rank], method, str(reply.error))
+    return EngineCallError(rank, method, et, str(reply.error))
+
+
+class DPEngineClient:
+    """Front-end + launcher of a DP engine cluster. See the module docstring.
+
+    Args:
+        cfg: cluster configuration (``cfg.model`` is required).
+        hold: route every engine-bound message through holding FIFOs (repro mode).
+        start_timeout_s: how long ``start`` waits for every engine to come up, seconds.
+    """
+
+    def __init__(self, cfg: EngineConfig, hold: bool = False, start_timeout_s: float = 90.0) -> None:
+        if cfg.model is None:
+            raise ValueError("EngineConfig.model is required")
+        if cfg.dp_port == 0:
+            cfg = replace(cfg, dp_port=free_port(cfg.host))
+        self.cfg = cfg
+        self.variant = get_variant(cfg.variant)
+        self.dp_size = cfg.dp_size
+        self.sync_interval = cfg.sync_interval
+        self.hold = hold
+        self.start_timeout_s = start_timeout_s
+        self._ctx = tmp.get_context("spawn")
+        n = cfg.dp_size
+        self.queues = [
+            EngineQueues(
+                self._ctx.Queue(), self._ctx.Queue(), self._ctx.Queue(), self._ctx.Queue(), self._ctx.Queue()
+            )
+            for _ in range(n)
+        ]
+        self._fe2coord = self._ctx.Queue()
+        self._stats = self._ctx.Queue()
+        self._router_wave = [self._ctx.Queue() for _ in range(n)] if hold else []
+        self._stop = self._ctx.Event()
+        self.procs: list[Any] = []
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self._rr = itertools.count()
+        self._futures: dict[int, tuple[int, str, Future[Any]]] = {}
+        self.streams: dict[str, RequestStream] = {}
+        self.current_wave = 0
+        self.engines_running = False
+        self.failures: dict[int, EngineFailure] = {}
+        self.rank_vars: list[dict[str, Any]] = [{} for _ in range(n)]
+        self._listeners: list[Callable[[TransitionRecord], None]] = []
+        self._failure_listeners: list[Callable[[EngineFailure], None]] = []
+        self.held: dict[tuple[int, str], deque[Any]] = {(r, s): deque() for r in range(n) for s in SOCKETS}
+        self._gate: list[tuple[int, AddMsg]] | None = None  # front-end-pause: held ADDs while paused
+        self._ready: set[int] = set()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._trans_cv = threading.Condition(self._lock)
+        self.transitions: list[TransitionRecord] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> DPEngineClient:
+        """Spawn the coordinator and the engines; return once all engines are ready.
+
+        Raises:
+            TransferTimeoutError: an engine did not come up within ``start_timeout_s`` (phase ``startup``).
+            PeerFailedError: an engine failed during startup.
+        """
+        wave_out = self._router_wave if self.hold else [q.wave_in for q in self.queues]
+        coord = self._ctx.Process(
+            target=run_coordinator,
+            args=(self._fe2coord, [q.to_coord for q in self.queues], wave_out, self._stats, self._stop),
+            daemon=True,
+            name="weightsync-dp-coordinator",
+        )
+        coord.start()
+        self.procs.append(coord)
+        for r in range(self.dp_size):
+            p = self._ctx.Process(
+                target=run_engine,
+                args=(self.cfg, r, self.queues[r]),
+                daemon=True,
+                name=f"weightsync-engine-{r}",
+            )
+            p.start()
+            self.procs.append(p)
+        self._thread = threading.Thread(target=self._dispatch, name="weightsync-client", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        with self._lock:
+            while len(self._ready) < self.dp_size:
+                if self.failures:
+                    f = next(iter(self.failures.values()))
+                    self.shutdown()
+                    raise PeerFailedError(list(self.failures), "startup", f.error)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [r for r in range(self.dp_size) if r not in self._ready]
+                    self.shutdown()
+                    raise TransferTimeoutError("startup", missing, self.start_timeout_s)
+                self._trans_cv.wait(min(left, 0.1))
+        return self
+
+    def __enter__(self) -> DPEngineClient:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop every process this client started (Shutdown message, then terminate after ``timeout_s``)."""
+        if self._closed:
+            return
+        self._closed = True
+        for q in self.queues:
+            q.control_in.put(Shutdown())
+        self._stop.set()
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else 5.0)
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+
+    # ------------------------------------------------------------------ dispatcher
+    def _dispatch(self) -> None:
+        while not self._closed:
+            busy = False
+            for r, q in enumerate(self.queues):
+                while True:
+                    try:
+                        msg = q.out.get_nowait()
+                    except (queue.Empty, OSError, ValueError):
+                        break
+                    busy = True
+                    self._on_engine_msg(r, msg)
+            while True:
+                try:
+                    st = self._stats.get_nowait()
+                except (queue.Empty, OSError, ValueError):
+                    break
+                busy = True
+                assert isinstance(st, Stats)
+                with self._lock:
+                    self.current_wave = st.current_wave
+                    self.engines_running = st.engines_running
+            for r, rq in enumerate(self._router_wave):
+                while True:
+                    try:
+                        wmsg = rq.get_nowait()
+                    except (queue.Empty, OSError, ValueError):
+                        break
+                    busy = True
+                    with self._lock:
+                        self.held[(r, "wave")].append(wmsg)
+                        self._trans_cv.notify_all()
+            if not busy:
+                time.sleep(0.001)
+
+    def _on_engine_msg(self, rank: int, msg: Any) -> None:
+        if isinstance(msg, TransitionRecord):
+            with self._lock:
+                self.rank_vars[rank] = msg.after
+                self.transitions.append(msg)
+                for cb in list(self._listeners):
+                    cb(msg)
+                self._trans_cv.notify_all()
+        elif isinstance(msg, StepOutputs):
+            with self._lock:
+                for d in msg.deltas:
+                    s = self.streams.get(d.req_id)
+                    if s is None:
+                        continue
+                    s.tokens.extend(d.tokens)
+                    s.logprobs.extend(d.logprobs)
+                    s.versions.extend([d.weight_version] * len(d.tokens))
+                    if d.finish_reason is not None:
+                        s.finish_reason = d.finish_reason
+                        s.done.set()
+        elif isinstance(msg, UtilityReply):
+            with self._lock:
+                if msg.call_id == -1:
+                    self._ready.add(rank)
+                    self._trans_cv.notify_all()
+                    return
+                entry = self._futures.pop(msg.call_id, None)
+            if entry is None:
+                return
+            _, method, fut = entry
+            if msg.error is None:
+                fut.set_result(msg.result)
+            else:
+                fut.set_exception(_remote_error(rank, method, msg, self.failures.get(rank)))
+        elif isinstance(msg, EngineFailure):
+            with self._lock:
+                self.failures[rank] = msg
+                for fcb in list(self._failure_listeners):
+                    fcb(msg)
+                self._trans_cv.notify_all()
+
+    def add_transition_listener(self, cb: Callable[[TransitionRecord], None]) -> None:
+        """Call ``cb(record)`` for every transition any engine reports (dispatcher thread, under a lock)."""
+        with self._lock:
+            self._listeners.append(cb)
+
+    def add_failure_listener(self, cb: Callable[[EngineFailure], None]) -> None:
+        """Call ``cb(failure)`` when an engine reports a failure."""
+        with self._lock:
+            self._failure_listeners.append(cb)
+
+    def wait_for(self, pred: Callable[[], bool], timeout: float, what: str = "condition") -> None:
+        """Wait until ``pred()`` (evaluated under the client lock after each engine message) holds.
+
+        Raises:
+            TimeoutError: not within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not pred():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"waited {timeout:.1f} s for {what}")
+                self._trans_cv.wait(min(left, 0.05))
+
+    # ------------------------------------------------------------------ sending
+    def _send(self, rank: int, sock: str, msg: Any) -> None:
+        if self.hold:
+            with self._lock:
+                self.held[(rank, sock)].append(msg)
+            return
+        q = self.queues[rank]
+        {"front": q.front_in, "control": q.control_in, "wave": q.wave_in}[sock].put(msg)
+
+    def release(self, rank: int, sock: str) -> Any:
+        """Repro mode: deliver the oldest held message for (rank, socket); returns it.
+
+        Raises:
+            LookupError: nothing is held there.
+        """
+        with self._lock:
+            h = self.held[(rank, sock)]
+            if not h:
+                raise LookupError(f"no held message for rank {rank} on socket {sock}")
+            msg = h.popleft()
+        q = self.queues[rank]
+        {"front": q.front_in, "control": q.control_in, "wave": q.wave_in}[sock].put(msg)
+        return msg
+
+    def release_all(self) -> int:
+        """Repro mode: deliver every held message (per socket in order); returns how many."""
+        n = 0
+        for r in range(self.dp_size):
+            for s in SOCKETS:
+                while self.held[(r, s)]:
+                    self.release(r, s)
+                    n += 1
+        return n
+
+    def set_hold(self, hold: bool) -> None:
+        """Turn holding of front-end/controller messages on or off (wave messages stay routed)."""
+        self.hold = hold
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: list[int] | tuple[int, ...],
+        params: SamplingParams | None = None,
+        req_id: str | None = None,
+        rank: int | None = None,
+    ) -> RequestStream:
+        """Send ADD(request, current_wave) to one engine; FIRST_REQ to the coordinator if idle (s5).
+
+        Returns the request's :class:`RequestStream`.
+
+        Raises:
+            ValueError: empty prompt, or a rank outside ``[0, dp_size)``.
+        """
+        if not prompt:
+            raise ValueError("add_request: prompt must be non-empty")
+        r = next(self._rr) % self.dp_size if rank is None else rank
+        if not 0 <= r < self.dp_size:
+            raise ValueError(f"add_request: rank {r} outside [0, {self.dp_size})")
+        rid = req_id if req_id is not None else f"req-{next(self._ids)}"
+        req = Request(rid, tuple(int(t) for t in prompt), params or SamplingParams())
+        stream = RequestStream(rid, r, req.prompt)
+        with self._lock:
+            self.streams[rid] = stream
+            add = AddMsg(req, self.current_wave)
+            if self._gate is not None:
+                self._gate.append((r, add))
+                return stream
+            self._send_add(r, add)
+        return stream
+
+    def _send_add(self, r: int, add: AddMsg) -> None:
+        self._send(r, "front", add)
+        if not self.engines_running:
+            self.engines_running = True
+            self._fe2coord.put(FirstReq(r, add.wave))
+
+    def abort(self, req_id: str) -> None:
+        """Send ABORT(req_id) to the engine serving it."""
+        s = self.streams[req_id]
+        self._send(s.rank, "front", AbortMsg(req_id))
+
+    # ------------------------------------------------------------------ utility calls
+    def call_rank(self, rank: int, method: str, **kwargs: Any) -> Future[Any]:
+        """Send one utility call to ``rank``; the future resolves with its reply (or the remote error)."""
+        cid = next(self._ids)
+        fut: Future[Any] = Future()
+        with self._lock:
+            self._futures[cid] = (rank, method, fut)
+        self._send(rank, "control", UtilityCall(cid, method, dict(kwargs)))
+        return fut
+
+    def gather(self, method: str, futs: list[Future[Any]], timeout: float) -> list[Any]:
+        """Wait for one future per rank; returns their results in rank order.
+
+        Raises:
+            TransferTimeoutError: some ranks did not answer within ``timeout`` seconds (named).
+            The first remote error otherwise (LocalProtocolError, TransferTimeoutError, ...).
+        """
+        deadline = time.monotonic() + timeout
+        results: list[Any] = [None] * len(futs)
+        missing: list[int] = []
+        errors: list[BaseException] = []
+        for r, f in enumerate(futs):
+            try:
+                results[r] = f.result(max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                missing.append(r)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        if missing:
+            fails = "; ".join(
+                f"rank {r} failed in {f.phase}: {f.error}" for r, f in sorted(self.failures.items())
+            )
+            raise TransferTimeoutError(method, missing, timeout, fails or "no reply")
+        return results
+
+    def fan_out(self, method: str, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Send ``method`` to every rank and wait for all replies (see :meth:`gather`)."""
+        t = timeout if timeout is not None else 4 * self.cfg.collective_timeout_s
+        futs = [self.call_rank(r, method, **kwargs) for r in range(self.dp_size)]
+        return self.gather(method, futs, t)
+
+    def pause(
+        self, mode: str | PauseMode = "abort", clear_cache: bool = True, timeout: float | None = None
+    ) -> None:
+        """``pause_generation(mode, clear_cache)`` on every rank; returns when every rank's pause completed."""
+        m = PauseMode(mode)
+        self.fan_out("pause", timeout, mode=m.value, clear_cache=clear_cache)
+        if self.variant.pause_in_front_end:
+            with self._lock:
+                if self._gate is None:
+                    self._gate = []
+
+    def resume(self, timeout: float | None = None) -> None:
+        """``resume_generation`` on every rank (the resume barrier); returns when all answered."""
+        self.fan_out("resume", timeout)
+        if self.variant.pause_in_front_end:
+            with self._lock:
+                gated, self._gate = self._gate or [], None
+                for r, add in gated:
+                    self._send_add(r, AddMsg(add.request, self.current_wave))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any], timeout: float | None = None) -> None:
+        """Every rank joins the weight-transfer group (concurrently with the trainer's init)."""
+        self.fan_out("init_weight_transfer_engine", timeout, init_info=init_info)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True, timeout: float | None = None) -> None:
+        """Open an update round on every rank (legal only once every rank is verified)."""
+        self.fan_out("start_weight_update", timeout, is_checkpoint_format=is_checkpoint_format)
+
+    def update_weights(self, update_info: dict[str, Any], timeout: float | None = None) -> None:
+        """Every rank receives the weights described by ``update_info`` (concurrently with the trainer)."""
+        self.fan_out("update_weights", timeout, update_info=update_info)
+
+    def finish_weight_update(self, timeout: float | None = None) -> None:
+        """Close the round on every rank (bumps each rank's weight_version)."""
+        self.fan_out("finish_weight_update", timeout)
+
+    def get_weight_version(self) -> list[int]:
+        """Each rank's weight version (completed updates), in rank order."""
+        return [int(v) for v in self.fan_out("get_weight_version", 10.0)]
+
+    def get_state(self) -> list[dict[str, Any]]:
+        """Each rank's protocol variables (RankVars as dicts), in rank order."""
+        return list(self.fan_out("get_state", 10.0))
+
+    def reference_generate(
+        self, rank: int, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+    ) -> tuple[list[int], list[float]]:
+        """A fresh single-request run on ``rank``'s current weights (no batching, fresh KV)."""
+        toks, lps = self.call_rank(
+            rank,
+            "reference_generate",
+            prompt=list(prompt),
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+        ).result(30.0)
+        return list(toks), list(lps)

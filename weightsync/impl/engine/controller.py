@@ -1,0 +1,138 @@
+"""The controller: one weight-update round over a DP engine cluster (reference section 2, "Round").
+
+``pause(mode) -> start_weight_update -> update_weights (concurrently with the trainer's send) ->
+finish_weight_update -> resume``.
+
+Failure policy (the choice the issue asks to document): **a rank never resumes serving on a partial update;
+it stays paused with an error.** ``resume`` runs in a ``finally`` whenever the engines hold a complete set
+of weights -- the round finished, or it failed before any weight moved (pause or start failed) -- so a
+failed round never leaves healthy engines paused forever. If the round failed after ``update_weights``
+began (a broadcast timed out, the trainer died, ``finish`` found missing parameters), resuming would serve
+a mix of old and new weights, so the controller does not resume; the ranks involved have already stopped
+(an engine rank stops on any failed effect, :mod:`weightsync.impl.engine.core`) and
+:class:`UpdateFailedError` says so. Rolling back instead would need a spec row ``UPDATING --abort_update-->
+VERIFIED``, which the table does not have (reported to the lead).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from weightsync.spec.errors import WeightSyncError
+
+
+class EngineClientAPI(Protocol):
+    """The engine-client methods the controller drives (ours or a wrapped one)."""
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True, timeout: float | None = None) -> None: ...
+    def resume(self, timeout: float | None = None) -> None: ...
+    def start_weight_update(
+        self, is_checkpoint_format: bool = True, timeout: float | None = None
+    ) -> None: ...
+    def update_weights(self, update_info: dict[str, Any], timeout: float | None = None) -> None: ...
+    def finish_weight_update(self, timeout: float | None = None) -> None: ...
+
+
+class UpdateFailedError(WeightSyncError):
+    """A weight-update round failed after weights started moving; the engines stay paused with an error.
+
+    Attributes:
+        phase: the call that failed (``"update_weights"``, ``"finish_weight_update"``, ``"trainer_send"``).
+        cause: the underlying exception.
+    """
+
+    def __init__(self, phase: str, cause: BaseException) -> None:
+        self.phase = phase
+        self.cause = cause
+        super().__init__(
+            f"weight update failed in {phase}: {type(cause).__name__}: {cause}; engines were NOT resumed "
+            "(they would serve a partial update) and stay paused with an error"
+        )
+
+
+@dataclass
+class RoundTimes:
+    """Seconds spent in each phase of one round."""
+
+    pause_s: float = 0.0
+    start_s: float = 0.0
+    update_s: float = 0.0
+    finish_s: float = 0.0
+    resume_s: float = 0.0
+
+
+def update_round(
+    engine: EngineClientAPI,
+    update_info: dict[str, Any],
+    send: Callable[[], None],
+    mode: str = "keep",
+    clear_cache: bool = True,
+    is_checkpoint_format: bool = True,
+    timeout: float | None = None,
+) -> RoundTimes:
+    """Run one round: pause, start, update (concurrently with ``send()``, the trainer side), finish, resume.
+
+    Args:
+        engine: the engine client (e.g. :class:`~weightsync.impl.engine.client.DPEngineClient` or a
+            :class:`~weightsync.impl.checked.CheckedEngine` around it).
+        update_info: the update info every rank's ``update_weights`` receives.
+        send: the trainer's send (e.g. ``lambda: trainer.send(weights)``), run in a thread.
+        mode, clear_cache: the pause arguments (reference section 4).
+        is_checkpoint_format: ``start_weight_update`` argument.
+        timeout: per-call timeout, seconds (None: the client's default).
+
+    Returns:
+        the seconds spent per phase.
+
+    Raises:
+        UpdateFailedError: the round failed once weights began to move (engines not resumed).
+        The pause/start error itself when the round failed before any weight moved (engines resumed).
+    """
+    times = RoundTimes()
+    moved = False
+    done = False
+    t = time.perf_counter()
+    engine.pause(mode, clear_cache, timeout)
+    times.pause_s = time.perf_counter() - t
+    try:
+        t = time.perf_counter()
+        engine.start_weight_update(is_checkpoint_format, timeout)
+        times.start_s = time.perf_counter() - t
+        send_err: list[BaseException] = []
+
+        def _send() -> None:
+            try:
+                send()
+            except BaseException as exc:  # reported below
+                send_err.append(exc)
+
+        th = threading.Thread(target=_send, name="weightsync-trainer-send", daemon=True)
+        moved = True
+        t = time.perf_counter()
+        th.start()
+        try:
+            engine.update_weights(update_info, timeout)
+        except BaseException as exc:
+            raise UpdateFailedError("update_weights", exc) from exc
+        finally:
+            th.join(timeout if timeout is not None else 120.0)
+        if send_err:
+            raise UpdateFailedError("trainer_send", send_err[0]) from send_err[0]
+        times.update_s = time.perf_counter() - t
+        t = time.perf_counter()
+        try:
+            engine.finish_weight_update(timeout)
+        except BaseException as exc:
+            raise UpdateFailedError("finish_weight_update", exc) from exc
+        times.finish_s = time.perf_counter() - t
+        done = True
+    finally:
+        if done or not moved:
+            t = time.perf_counter()
+            engine.resume(timeout)
+            times.resume_s = time.perf_counter() - t
+    return times

@@ -1,0 +1,522 @@
+"""Engine core of one DP rank: the busy loop that turns inputs into spec events and runs the table's effects.
+
+Loop (reference section 5, "Loop iteration"):
+
+1. Poll the rank's three input FIFOs -- front-end input (ADD, ABORT), controller input (utility calls) and
+   the coordinator's wave socket (START_DP_WAVE) -- starting from a different one each iteration, so no
+   order is imposed between sockets. Each message becomes a :class:`~weightsync.spec.states.RankEvent` and
+   is fired on the rank's :class:`~weightsync.spec.rank.RankMachine`.
+2. Fire ``STEP(has_work)``; the table answers with ``execute_step`` + ``enter_dp_step`` / ``enter_dp_sync``
+   or nothing (idle).
+3. Run the returned effects by name (:attr:`EngineCore.effects`, one method per
+   :data:`~weightsync.spec.rank.EFFECTS` entry). Collective effects block in the DP group and then fire the
+   collective's outcome event (``DP_STEP_DONE``, ``DP_SYNC_DONE``, ``RESUME_BARRIER_DONE``...).
+
+No protocol decision is made here: which event is legal and what follows is the table's. Every fired
+transition is reported to the front-end (:class:`~weightsync.impl.engine.messages.TransitionRecord`) before
+its effects run. When an effect fails (a collective timed out or mismatched, a transfer failed), the rank
+reports an :class:`~weightsync.impl.engine.messages.EngineFailure` naming what it was blocked in, answers
+every pending call with the error, stops stepping and serves only queries and shutdown.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from weightsync.impl.engine.messages import (
+    AbortMsg,
+    AddMsg,
+    EngineFailure,
+    Shutdown,
+    StartDPWave,
+    StartWave,
+    StepOutputs,
+    TokenDelta,
+    TransitionRecord,
+    UtilityCall,
+    UtilityReply,
+    WaveComplete,
+)
+from weightsync.impl.models.config import LMConfig
+from weightsync.spec.rank import EFFECTS, RankMachine
+from weightsync.spec.states import PauseMode, RankEvent
+from weightsync.spec.table import Fired
+
+
+def tiny_config(vocab: int = 64, hidden: int = 32, layers: int = 2) -> LMConfig:
+    """A small Llama config for tests and benchmarks (fast on CPU)."""
+    return LMConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of a DP engine cluster (picklable; sent to every process).
+
+    Attributes:
+        dp_size: number of DP engine ranks.
+        model: the reference LM's config.
+        variant: protocol variant (a :data:`~weightsync.spec.rank.VARIANTS` name).
+        sync_interval: K, the DP sync all-reduce cadence in steps (32 in vLLM, PR #21617).
+        init_seed: seed of the engines' initial random weights (None: the model's zero init).
+        collective_timeout_s: deadline of every DP collective, rendezvous and transfer, seconds.
+        transfer: weight-transfer worker factory (``"simple"`` or ``"package.module:fn"``, see
+            :func:`weightsync.impl.engine.weights.make_worker`).
+        max_batch: most requests running per rank.
+        idle_sleep_s: how long an idle loop iteration sleeps, seconds.
+        step_sleep_s: extra sleep after every executed step (dummy or real), seconds (slows the loop for
+            schedule-sensitive tests; 0 in normal runs).
+        host: address for the gloo rendezvous.
+        dp_port: TCPStore port of the DP group (0: pick a free one at launch).
+        threads: torch intra-op threads per engine process.
+    """
+
+    dp_size: int = 2
+    model: LMConfig | None = None
+    variant: str = "two-phase-epoch"
+    sync_interval: int = 32
+    init_seed: int | None = 0
+    collective_timeout_s: float = 30.0
+    transfer: str = "simple"
+    max_batch: int = 64
+    idle_sleep_s: float = 0.002
+    step_sleep_s: float = 0.0
+    host: str = "127.0.0.1"
+    dp_port: int = 0
+    threads: int = 1
+
+
+@dataclass
+class EngineQueues:
+    """The FIFOs of one rank: inputs (front-end, controller, coordinator wave) and outputs."""
+
+    front_in: Any  # front-end -> engine: AddMsg, AbortMsg
+    control_in: Any  # controller -> engine: UtilityCall, Shutdown
+    wave_in: Any  # coordinator -> engine: StartDPWave
+    out: Any  # engine -> front-end: StepOutputs, UtilityReply, TransitionRecord, EngineFailure
+    to_coord: Any  # engine -> coordinator: WaveComplete, StartWave
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    if hasattr(v, "value") and not isinstance(v, int | float | str | bool):
+        return v.value
+    if isinstance(v, int | float | str | bool) or v is None:
+        return v
+    return repr(v)
+
+
+def vars_dict(v: Any) -> dict[str, Any]:
+    """A RankVars as a JSON-able dict (enums as values)."""
+    return {k: _jsonable(x) for k, x in v._asdict().items()}
+
+
+class EngineCore:
+    """One DP engine rank (runs in its own process; see :func:`run_engine`).
+
+    Args:
+        cfg: cluster configuration.
+        rank: this DP rank.
+        queues: its FIFOs.
+    """
+
+    def __init__(self, cfg: EngineConfig, rank: int, queues: EngineQueues) -> None:
+        import torch
+
+        from weightsync.impl.engine.dp import DPGroup
+        from weightsync.impl.engine.scheduler import Scheduler
+        from weightsync.impl.engine.weights import make_worker, random_weights
+        from weightsync.impl.models.causal_lm import CausalLM
+
+        torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.rank = rank
+        self.q = queues
+        self.machine = RankMachine(rank, cfg.dp_size, cfg.variant, cfg.sync_interval)
+        assert cfg.model is not None
+        self.model = CausalLM(cfg.model)
+        if cfg.init_seed is not None:
+            self.model.load_weights(random_weights(self.model, cfg.init_seed))
+        self.sched = Scheduler(self.model, rank, cfg.max_batch)
+        self.worker = make_worker(cfg.transfer, self.model, rank, cfg.collective_timeout_s)
+        self.weight_version = 0
+        self.dp = DPGroup(rank, cfg.dp_size, cfg.host, cfg.dp_port, cfg.collective_timeout_s)
+        self.coll_seq = 0  # DP collectives entered so far (equal on every rank while in lockstep)
+        self.rank_seq = 0
+        self.failure: EngineFailure | None = None
+        self.shutdown = False
+        self._ctx_msg: Any = None  # the input being handled (AddMsg, AbortMsg, UtilityCall)
+        self._ctx_call: UtilityCall | None = None
+        self._pending_pause: list[UtilityCall] = []
+        self._pending_calls: dict[int, UtilityCall] = {}
+        self._poll_start = 0
+        self.effects: dict[str, Callable[[Fired], None]] = {
+            "abort_requests": self._abort_requests,
+            "queue_request": self._queue_request,
+            "abort_request": self._abort_request,
+            "emit_start_wave": self._emit_start_wave,
+            "emit_wave_complete": self._emit_wave_complete,
+            "execute_step": self._execute_step,
+            "enter_dp_step": self._enter_dp_step,
+            "enter_dp_sync": self._enter_dp_sync,
+            "enter_resume_barrier": self._enter_resume_barrier,
+            "enter_weight_broadcast": self._enter_weight_broadcast,
+            "enter_transfer_init": self._enter_transfer_init,
+            "reply_pause": self._reply_pause,
+            "reply_resume": self._reply_resume,
+            "reply": self._reply,
+            "clear_cache": self._clear_cache,
+            "start_weight_update": self._start_weight_update,
+            "finish_weight_update": self._finish_weight_update,
+            "front_end_gate": self._noop,
+            "front_end_ungate": self._noop,
+        }
+        missing = set(EFFECTS) - set(self.effects)
+        if missing:  # the table grew an effect this engine cannot run
+            raise NotImplementedError(f"engine rank {rank}: no implementation of effect(s) {sorted(missing)}")
+        self.queries: dict[str, Callable[..., Any]] = {
+            "get_weight_version": lambda: self.weight_version,
+            "get_state": lambda: vars_dict(self.machine.vars),
+            "get_pid": os.getpid,
+            "reference_generate": self._reference_generate,
+            "counts": lambda: {
+                "waiting": len(self.sched.waiting),
+                "running": len(self.sched.running),
+                "steps": self.sched.steps,
+                "coll_seq": self.coll_seq,
+            },
+        }
+
+    # ------------------------------------------------------------------ firing
+    def fire(self, event: RankEvent, **args: Any) -> Fired:
+        """Fire ``event`` on the rank machine, report the transition, then run its effects in order."""
+        fired = self.machine.fire(event, **args)
+        # the scheduler's PauseState mirrors the machine variable (set by the table's updates)
+        self.sched.pause_state = fired.after.pause_state
+        tr = fired.transition
+        coll = next((e[len("enter_") :] for e in tr.effects if e.startswith("enter_")), "")
+        rec = TransitionRecord(
+            self.rank,
+            self.rank_seq,
+            event.value,
+            {k: _jsonable(v) for k, v in args.items()},
+            vars_dict(fired.before),
+            vars_dict(fired.after),
+            tr.guard,
+            tr.effects,
+            coll,
+            self.coll_seq,
+            time.time(),
+        )
+        self.rank_seq += 1
+        self.q.out.put(rec)
+        for name in tr.effects:
+            self.effects[name](fired)
+        return fired
+
+    # ------------------------------------------------------------------ effects
+    def _noop(self, fired: Fired) -> None:
+        pass
+
+    def _send_deltas(self, deltas: list[TokenDelta]) -> None:
+        if deltas:
+            self.q.out.put(StepOutputs(self.rank, tuple(deltas)))
+
+    def _abort_requests(self, fired: Fired) -> None:
+        # The PAUSE row 'pause_drains_now' carries this effect for abort and keep alike; only mode=abort
+        # aborts (reference s4). Reported to the lead: the effect name could carry the mode.
+        if PauseMode(self._current_kwargs().get("mode", "abort")) is PauseMode.ABORT:
+            self._send_deltas(self.sched.abort_all())
+
+    def _queue_request(self, fired: Fired) -> None:
+        assert isinstance(self._ctx_msg, AddMsg)
+        self.sched.add(self._ctx_msg.request)
+
+    def _abort_request(self, fired: Fired) -> None:
+        assert isinstance(self._ctx_msg, AbortMsg)
+        self._send_deltas(self.sched.abort(self._ctx_msg.req_id))
+
+    def _emit_start_wave(self, fired: Fired) -> None:
+        self.q.to_coord.put(StartWave(int(fired.after.current_wave), self.rank))
+
+    def _emit_wave_complete(self, fired: Fired) -> None:
+        if self.rank == 0:
+            self.q.to_coord.put(WaveComplete(int(fired.after.current_wave) - 1))
+
+    def _execute_step(self, fired: Fired) -> None:
+        self._send_deltas(self.sched.step())
+        if self.cfg.step_sleep_s:
+            time.sleep(self.cfg.step_sleep_s)
+
+    def _join(self, kind: str, a: int, b: int) -> tuple[int, int]:
+        seq = self.coll_seq
+        self.coll_seq += 1
+        return self.dp.collective(kind, seq, a, b)
+
+    def _enter_dp_step(self, fired: Fired) -> None:
+        self._join("dp_step", 0, 0)
+        self.fire(RankEvent.DP_STEP_DONE, has_work=self.sched.has_work())
+
+    def _enter_dp_sync(self, fired: Fired) -> None:
+        u, p = self._join("dp_sync", self.sched.unfinished(), int(self.machine.vars.pending_pause))
+        self.fire(
+            RankEvent.DP_SYNC_DONE, has_work=self.sched.has_work(), sum_unfinished=u, sum_pending_pause=p
+        )
+
+    def _enter_resume_barrier(self, fired: Fired) -> None:
+        u, w = self._join("resume_barrier", self.sched.unfinished(), int(self.machine.vars.current_wave))
+        self.fire(RankEvent.RESUME_BARRIER_DONE, max_unfinished=u, max_wave=w)
+
+    def _enter_weight_broadcast(self, fired: Fired) -> None:
+        self.dp.post("weight_broadcast")
+        self.worker.update_weights(dict(self._current_kwargs()["update_info"]))
+        self.dp.post("idle")
+        self.fire(RankEvent.WEIGHT_BROADCAST_DONE)
+
+    def _enter_transfer_init(self, fired: Fired) -> None:
+        self.dp.post("transfer_init")
+        self.worker.init_weight_transfer_engine(dict(self._current_kwargs()["init_info"]))
+        self.dp.post("idle")
+        self.fire(RankEvent.TRANSFER_INIT_DONE)
+
+    def _start_weight_update(self, fired: Fired) -> None:
+        self.worker.start_weight_update(bool(self._current_kwargs().get("is_checkpoint_format", True)))
+
+    def _finish_weight_update(self, fired: Fired) -> None:
+        self.worker.finish_weight_update()
+        self.weight_version = int(fired.after.weight_version)
+        self.sched.weight_version = self.weight_version
+
+    def _clear_cache(self, fired: Fired) -> None:
+        if fired.after.clear_cache:
+            self.sched.clear_cache()
+
+    def _reply_to(self, call: UtilityCall, result: Any = None) -> None:
+        self._pending_calls.pop(call.call_id, None)
+        self.q.out.put(UtilityReply(self.rank, call.call_id, result))
+
+    def _reply_pause(self, fired: Fired) -> None:
+        pending, self._pending_pause = self._pending_pause, []
+        for call in pending:
+            self._reply_to(call)
+
+    def _reply_resume(self, fired: Fired) -> None:
+        assert self._ctx_call is not None
+        self._reply_to(self._ctx_call)
+
+    def _reply(self, fired: Fired) -> None:
+        assert self._ctx_call is not None
+        self._reply_to(self._ctx_call)
+
+    def _current_kwargs(self) -> dict[str, Any]:
+        return dict(self._ctx_call.kwargs) if self._ctx_call is not None else {}
+
+    # ------------------------------------------------------------------ inputs
+    _CALL_EVENTS: ClassVar[dict[str, RankEvent]] = {
+        "pause": RankEvent.PAUSE,
+        "resume": RankEvent.RESUME,
+        "init_weight_transfer_engine": RankEvent.INIT_TRANSFER,
+        "start_weight_update": RankEvent.START_UPDATE,
+        "update_weights": RankEvent.UPDATE_WEIGHTS,
+        "finish_weight_update": RankEvent.FINISH_UPDATE,
+    }
+
+    def _reference_generate(
+        self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+    ) -> tuple[list[int], list[float]]:
+        from weightsync.impl.engine.scheduler import reference_generate
+
+        return reference_generate(self.model, list(prompt), max_new_tokens, temperature, seed)
+
+    def _handle_call(self, call: UtilityCall) -> None:
+        if call.method == "shutdown":
+            self.shutdown = True
+            self.q.out.put(UtilityReply(self.rank, call.call_id, None))
+            return
+        if call.method in self.queries:
+            try:
+                res = self.queries[call.method](**call.kwargs)
+                self.q.out.put(UtilityReply(self.rank, call.call_id, res))
+            except Exception as exc:
+                self.q.out.put(
+                    UtilityReply(
+                        self.rank, call.call_id, None, f"{type(exc).__name__}: {exc}", type(exc).__name__
+                    )
+                )
+            return
+        event = self._CALL_EVENTS.get(call.method)
+        if event is None or self.failure is not None:
+            why = (
+                f"unknown utility method {call.method!r}"
+                if event is None
+                else f"rank {self.rank} failed earlier: {self.failure.error if self.failure else ''}"
+            )
+            etype = "ValueError" if event is None else "PeerFailedError"
+            self.q.out.put(UtilityReply(self.rank, call.call_id, None, f"{etype}: {why}", etype))
+            return
+        self._ctx_call = call
+        self._pending_calls[call.call_id] = call
+        if event is RankEvent.PAUSE:
+            self._pending_pause.append(call)
+        args: dict[str, Any] = {}
+        if event is RankEvent.PAUSE:
+            args = {
+                "mode": PauseMode(call.kwargs.get("mode", "abort")),
+                "clear_cache": bool(call.kwargs.get("clear_cache", True)),
+                "running": len(self.sched.running),
+            }
+        try:
+            self.fire(event, **args)
+        except Exception as exc:
+            # An illegal call leaves the machine in its sticky error state; a failed effect (timeout,
+            # mismatch, incomplete update) leaves the rank out of lockstep. Either way the rank stops
+            # (design s4: no further weights move) and every pending call gets the error.
+            if event is RankEvent.PAUSE and call in self._pending_pause:
+                self._pending_pause.remove(call)
+            self._pending_calls.pop(call.call_id, None)
+            self.q.out.put(
+                UtilityReply(
+                    self.rank, call.call_id, None, f"{type(exc).__name__}: {exc}", type(exc).__name__
+                )
+            )
+            self._fail(exc, call.method)
+        finally:
+            self._ctx_call = None
+
+    def _handle(self, msg: Any) -> None:
+        self._ctx_msg = msg
+        try:
+            if isinstance(msg, AddMsg):
+                self.fire(RankEvent.ADD, wave=msg.wave)
+            elif isinstance(msg, AbortMsg):
+                self.fire(RankEvent.ABORT)
+            elif isinstance(msg, StartDPWave):
+                self.fire(RankEvent.START_DP_WAVE, wave=msg.wave, exclude=msg.exclude)
+            elif isinstance(msg, UtilityCall):
+                self._handle_call(msg)
+            else:  # Shutdown
+                self.shutdown = True
+        finally:
+            self._ctx_msg = None
+
+    def poll(self) -> int:
+        """Drain every input FIFO once, starting from a rotating socket; returns messages handled."""
+        qs = [self.q.front_in, self.q.control_in, self.q.wave_in]
+        n = 0
+        k = self._poll_start
+        self._poll_start = (k + 1) % len(qs)
+        for i in range(len(qs)):
+            q = qs[(k + i) % len(qs)]
+            while True:
+                try:
+                    msg = q.get_nowait()
+                except queue.Empty:
+                    break
+                n += 1
+                if self.failure is None:
+                    self._handle(msg)
+                elif isinstance(msg, UtilityCall):
+                    self._handle_call(msg)  # queries and shutdown still answered; protocol calls refused
+                elif isinstance(msg, Shutdown):
+                    self.shutdown = True
+                if self.shutdown:
+                    return n
+        return n
+
+    # ------------------------------------------------------------------ failure
+    def _fail(self, exc: BaseException, phase: str) -> None:
+        if self.failure is not None:
+            return
+        cur = self.dp.current
+        kind, _, seq = cur.partition("#")
+        try:
+            peers = self.dp.board()
+        except Exception:
+            peers = {}
+        missing = tuple(getattr(exc, "missing_ranks", ()))
+        self.failure = EngineFailure(
+            self.rank,
+            getattr(exc, "phase", phase),
+            f"{type(exc).__name__}: {exc}",
+            type(exc).__name__,
+            kind if kind != "idle" else "",
+            int(seq) if seq.isdigit() else -1,
+            missing,
+            peers,
+            self.machine.state.value,
+        )
+        self.q.out.put(self.failure)
+        for call in list(self._pending_calls.values()):
+            self.q.out.put(
+                UtilityReply(self.rank, call.call_id, None, self.failure.error, self.failure.error_type)
+            )
+        self._pending_calls.clear()
+        self._pending_pause.clear()
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        """The busy loop; returns on shutdown."""
+        while not self.shutdown:
+            try:
+                got = self.poll()
+                if self.shutdown:
+                    break
+                if self.failure is not None:
+                    time.sleep(self.cfg.idle_sleep_s)
+                    continue
+                fired = self.fire(RankEvent.STEP, has_work=self.sched.has_work())
+                if not fired.transition.effects and not got:
+                    time.sleep(self.cfg.idle_sleep_s)
+            except Exception as exc:
+                self._fail(exc, self.dp.current or "loop")
+        self.dp.close()
+
+
+def run_engine(cfg: EngineConfig, rank: int, queues: EngineQueues) -> None:
+    """Process entry point of one engine rank (``torch.multiprocessing`` spawn target)."""
+    try:
+        core = EngineCore(cfg, rank, queues)
+    except Exception as exc:
+        queues.out.put(
+            EngineFailure(
+                rank,
+                "startup",
+                f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                type(exc).__name__,
+                "",
+                -1,
+                (),
+                {},
+                "running",
+            )
+        )
+        return
+    queues.out.put(UtilityReply(rank, -1, {"ready": True, "pid": os.getpid()}))
+    core.run()
+
+
+__all__ = ["EngineConfig", "EngineCore", "EngineQueues", "run_engine", "tiny_config", "vars_dict"]

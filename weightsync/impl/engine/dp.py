@@ -1,0 +1,119 @@
+"""The DP group of the engine ranks: a stateless gloo group with timeouts, plus a status board.
+
+- The group is its own ``ProcessGroupGloo`` over a ``TCPStore`` hosted by DP rank 0 (like vLLM's stateless
+  DP group); it never touches torch.distributed's default group, so the weight-transfer group can coexist.
+- Every DP collective (``dp_step``, ``dp_sync``, ``resume_barrier``) is one all-gather of a fixed-size
+  int64 row ``[kind, seq, a, b]`` per rank. Each rank checks that every row names the same (kind, seq)
+  (a mismatch raises :class:`~weightsync.spec.errors.RemoteProtocolError` naming every rank's collective)
+  and reduces ``a, b`` locally (SUM for ``dp_step``/``dp_sync``, MAX for ``resume_barrier``).
+- Before entering, a rank posts ``"kind#seq"`` to the store (the status board). When the gloo timeout
+  fires, the rank reads the board and raises :class:`~weightsync.spec.errors.TransferTimeoutError` whose
+  ``missing_ranks`` are the ranks not posted at the same (kind, seq) and whose detail lists what each
+  rank was blocked in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as _dist_mod
+
+from weightsync.spec.errors import RemoteProtocolError, TransferTimeoutError
+from weightsync.spec.states import Collective
+
+dist: Any = _dist_mod  # the c10d classes (TCPStore, ProcessGroupGloo) are not in torch's public stubs
+
+KIND_CODE: dict[str, int] = {
+    Collective.DP_STEP.value: 1,
+    Collective.DP_SYNC.value: 2,
+    Collective.RESUME_BARRIER.value: 3,
+}
+_CODE_KIND = {v: k for k, v in KIND_CODE.items()}
+
+
+class DPGroup:
+    """A DP group of ``size`` engine ranks over gloo on ``host:port``.
+
+    Args:
+        rank: this DP rank.
+        size: number of DP ranks.
+        host: address of the TCPStore (hosted by rank 0).
+        port: its port.
+        timeout_s: deadline of every collective and of the rendezvous, seconds.
+
+    Raises:
+        TransferTimeoutError: the rendezvous did not complete within ``timeout_s`` (phase ``dp_group/init``).
+    """
+
+    def __init__(self, rank: int, size: int, host: str, port: int, timeout_s: float) -> None:
+        self.rank = rank
+        self.size = size
+        self.timeout_s = timeout_s
+        td = datetime.timedelta(seconds=timeout_s)
+        t0 = time.monotonic()
+        try:
+            self.store = dist.TCPStore(host, port, size, rank == 0, timeout=td, wait_for_workers=True)
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("dp", self.store), rank, size, td)
+        except Exception as exc:  # rendezvous failure (timeout or refused)
+            raise TransferTimeoutError(
+                "dp_group/init", [], time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+            ) from exc
+        self.current = ""
+
+    def board(self) -> dict[int, str]:
+        """What every rank last posted as its current collective (``"kind#seq"``, or ``"?"`` if unknown)."""
+        out: dict[int, str] = {}
+        for r in range(self.size):
+            key = f"at/{r}"
+            try:
+                out[r] = self.store.get(key).decode() if self.store.check([key]) else "?"
+            except Exception:
+                out[r] = "?"
+        return out
+
+    def post(self, what: str) -> None:
+        """Post this rank's current activity (a collective ``kind#seq``, or ``"idle"``) on the board."""
+        self.current = what
+        self.store.set(f"at/{self.rank}", what)
+
+    def collective(self, kind: str, seq: int, a: int, b: int) -> tuple[int, int]:
+        """Join DP collective ``kind`` number ``seq`` with values (a, b); returns the reduced (a, b).
+
+        SUM for ``dp_step`` and ``dp_sync``, MAX for ``resume_barrier``.
+
+        Raises:
+            TransferTimeoutError: not every rank joined within ``timeout_s`` (phase ``"kind#seq"``).
+            RemoteProtocolError: the ranks joined different collectives (kinds or sequence numbers differ).
+        """
+        tag = f"{kind}#{seq}"
+        self.post(tag)
+        row = torch.tensor([KIND_CODE[kind], seq, a, b], dtype=torch.int64)
+        out = [torch.zeros(4, dtype=torch.int64) for _ in range(self.size)]
+        t0 = time.monotonic()
+        try:
+            self.pg.allgather([out], [row]).wait()
+        except Exception as exc:
+            waited = time.monotonic() - t0
+            board = self.board()
+            missing = [r for r, w in board.items() if w != tag]
+            detail = "; ".join(f"rank {r} in {w}" for r, w in sorted(board.items()))
+            raise TransferTimeoutError(
+                f"{tag}", missing, waited, f"{detail}; gloo: {str(exc).splitlines()[0][:160]}"
+            ) from exc
+        rows = [[int(x) for x in t.tolist()] for t in out]
+        if any(r[0] != rows[0][0] or r[1] != rows[0][1] for r in rows):
+            desc = ", ".join(f"rank {i} in {_CODE_KIND.get(r[0], '?')}#{r[1]}" for i, r in enumerate(rows))
+            raise RemoteProtocolError(f"{tag}: mismatched DP collectives: {desc}")
+        self.post("idle")
+        if kind == Collective.RESUME_BARRIER.value:
+            return max(r[2] for r in rows), max(r[3] for r in rows)
+        return sum(r[2] for r in rows), sum(r[3] for r in rows)
+
+    def close(self) -> None:
+        """Drop the group (best effort)."""
+        with contextlib.suppress(Exception):
+            self.pg.shutdown()

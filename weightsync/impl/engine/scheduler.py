@@ -1,0 +1,176 @@
+"""Scheduler of one engine rank: waiting/running queues, PauseState, continuous batching of the reference LM.
+
+Rules (reference section 4):
+
+- What may be scheduled depends on :class:`~weightsync.spec.states.PauseState` through
+  :func:`weightsync.spec.states.schedulable`: UNPAUSED schedules waiting and running requests, PAUSED_NEW
+  only running ones, PAUSED_ALL nothing. New requests are always accepted and queue until resume.
+- One step admits waiting requests (UNPAUSED only, up to ``max_batch`` running), then advances every
+  running request by one token: requests whose KV cache is one token behind decode together in one
+  batched forward; requests further behind (new, or whose cache was cleared) prefill the missing tokens.
+- :meth:`Scheduler.clear_cache` frees the KV of every request; a frozen request then re-prefills its prompt
+  and generated tokens under the current weights when it runs again (vLLM ``reset_prefix_cache`` including
+  running requests, PRs #34382/#42117). Without it, a frozen request keeps its old-weight KV ("stale KV").
+- Sampling is per request (:class:`~weightsync.impl.models.sampling.RequestSampler`), so tokens depend only
+  on the request's seed and logits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.impl.engine.messages import Request, TokenDelta
+from weightsync.impl.models.causal_lm import CausalLM, KVCache
+from weightsync.impl.models.sampling import RequestSampler
+from weightsync.spec.states import PauseState, schedulable, unfinished_for_sync
+
+
+@dataclass
+class _Live:
+    request: Request
+    sampler: RequestSampler
+    cache: KVCache | None = None
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def all_tokens(self) -> list[int]:
+        return list(self.request.prompt) + self.output
+
+
+class Scheduler:
+    """Waiting and running queues of one rank, stepping a :class:`CausalLM`.
+
+    Args:
+        model: the reference causal LM (weights are updated in place by the weight-transfer worker).
+        rank: this engine's DP rank (stamped on outputs).
+        max_batch: most requests running at once.
+    """
+
+    def __init__(self, model: CausalLM, rank: int = 0, max_batch: int = 64) -> None:
+        self.model = model
+        self.rank = rank
+        self.max_batch = max_batch
+        self.pause_state = PauseState.UNPAUSED
+        self.waiting: deque[_Live] = deque()
+        self.running: dict[str, _Live] = {}
+        self.weight_version = 0
+        self.steps = 0  # real (non-dummy) steps executed
+
+    # ------------------------------------------------------------------ queues
+    def add(self, request: Request) -> None:
+        """Queue ``request`` (always accepted, even while paused)."""
+        self.waiting.append(_Live(request, RequestSampler(request.params)))
+
+    def _delta(self, live: _Live, toks: list[int], lps: list[float], reason: str | None) -> TokenDelta:
+        return TokenDelta(
+            self.rank, live.request.req_id, tuple(toks), tuple(lps), reason, self.weight_version
+        )
+
+    def abort(self, req_id: str) -> list[TokenDelta]:
+        """Abort one request (waiting or running); returns its final delta (finish_reason "abort")."""
+        live = self.running.pop(req_id, None)
+        if live is None:
+            for w in list(self.waiting):
+                if w.request.req_id == req_id:
+                    self.waiting.remove(w)
+                    live = w
+                    break
+        return [] if live is None else [self._delta(live, [], [], "abort")]
+
+    def abort_all(self) -> list[TokenDelta]:
+        """Abort every in-flight request (running and waiting); partial outputs end with "abort"."""
+        out = [self._delta(x, [], [], "abort") for x in list(self.running.values()) + list(self.waiting)]
+        self.running.clear()
+        self.waiting.clear()
+        return out
+
+    def clear_cache(self) -> None:
+        """Free every request's KV cache (they re-prefill prompt + generated tokens when they run again)."""
+        for live in self.running.values():
+            if live.cache is not None:
+                live.cache.clear()
+
+    # ------------------------------------------------------------------ predicates
+    def has_work(self) -> bool:
+        """Schedulable work under the current PauseState (:func:`~weightsync.spec.states.schedulable`)."""
+        return schedulable(self.pause_state, len(self.waiting), len(self.running))
+
+    def unfinished(self) -> int:
+        """This rank's has-unfinished contribution (0/1) to the DP sync all-reduce."""
+        return unfinished_for_sync(self.pause_state, len(self.waiting), len(self.running))
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[TokenDelta]:
+        """Run one step; returns the token deltas (empty for a dummy step, e.g. under PAUSED_ALL)."""
+        if self.pause_state is PauseState.UNPAUSED:
+            while self.waiting and len(self.running) < self.max_batch:
+                live = self.waiting.popleft()
+                self.running[live.request.req_id] = live
+        if self.pause_state is PauseState.PAUSED_ALL or not self.running:
+            return []
+        self.steps += 1
+        lives = list(self.running.values())
+        sampled: dict[str, tuple[int, float]] = {}
+        decode: list[_Live] = []
+        for live in lives:
+            if live.cache is None:
+                live.cache = self.model.new_cache()
+            pending = live.all_tokens()[live.cache.length :]
+            if len(pending) == 1:
+                decode.append(live)
+            else:
+                logits = self.model.prefill(pending, live.cache)
+                sampled[live.request.req_id] = live.sampler.sample(logits)
+        if decode:
+            batch = []
+            for live in decode:
+                assert live.cache is not None
+                batch.append((live.all_tokens()[-1], live.cache))
+            logits_b = self.model.decode(batch)
+            for b, live in enumerate(decode):
+                sampled[live.request.req_id] = live.sampler.sample(logits_b[b])
+        out: list[TokenDelta] = []
+        for live in lives:
+            tok, lp = sampled[live.request.req_id]
+            live.output.append(tok)
+            live.logprobs.append(lp)
+            reason: str | None = None
+            if live.sampler.is_stop(tok):
+                reason = "stop"
+            elif len(live.output) >= live.request.params.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                del self.running[live.request.req_id]
+            out.append(self._delta(live, [tok], [lp], reason))
+        return out
+
+
+def reference_generate(
+    model: CausalLM, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+) -> tuple[list[int], list[float]]:
+    """A fresh single-request run (no batching, fresh KV): prefill ``prompt`` then decode.
+
+    Used to check that post-resume tokens with ``clear_cache=True`` equal a run of the new weights from
+    the same prefix. Returns (tokens, logprobs).
+    """
+    from weightsync.impl.models.sampling import SamplingParams
+
+    sampler = RequestSampler(
+        SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    )
+    cache = model.new_cache()
+    toks: list[int] = []
+    lps: list[float] = []
+    with torch.no_grad():
+        logits = model.prefill(prompt, cache)
+        for _ in range(max_new_tokens):
+            t, lp = sampler.sample(logits)
+            toks.append(t)
+            lps.append(lp)
+            if len(toks) == max_new_tokens:
+                break
+            logits = model.decode([(t, cache)])[0]
+    return toks, lps
