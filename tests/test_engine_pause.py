@@ -1,0 +1,149 @@
+"""Multi-process pause-mode tests (issue 4, acceptance 1): 2 DP ranks (and one test with 3) over gloo."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from engine_util import Cluster, greedy, wait_tokens
+
+from weightsync.impl.engine.client import RequestStream
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(dp_size=2, sync_interval=4, step_sleep_s=0.003)
+    c.init_transfer()
+    yield c
+    c.close()
+
+
+def _inflight(c: Cluster, n: int, max_new: int, tag: str) -> list[RequestStream]:
+    streams = [
+        c.client.add_request([1 + i, 2, 3 + i], greedy(max_new), req_id=f"{tag}-{i}") for i in range(n)
+    ]
+    wait_tokens(streams, 2)
+    return streams
+
+
+def test_abort_returns_partial_outputs_marked_aborted(cluster: Cluster) -> None:
+    streams = _inflight(cluster, 4, 400, "abort")
+    cluster.client.pause("abort")
+    for s in streams:
+        assert s.done.is_set(), "abort: pause returned before the request ended"
+        assert s.finish_reason == "abort"
+        assert 1 <= len(s.tokens) < 400
+        assert len(s.logprobs) == len(s.tokens)
+    # a request submitted while paused waits in the queue, then is served after resume
+    late = cluster.client.add_request([5, 6], greedy(5), req_id="abort-late")
+    time.sleep(0.2)
+    assert late.tokens == []
+    cluster.client.resume()
+    late.wait(30)
+    assert late.finish_reason == "length" and len(late.tokens) == 5
+    assert {s["state"] for s in cluster.client.get_state()} == {"running"}
+
+
+def _wait_round(c: Cluster, n: int, max_new: int, tag: str) -> None:
+    streams = _inflight(c, n, max_new, tag)
+    c.client.pause("wait", timeout=30)
+    for s in streams:
+        assert s.done.is_set(), "wait: pause returned while a running request was unfinished"
+        assert s.finish_reason == "length" and len(s.tokens) == max_new
+    late = c.client.add_request([7, 8], greedy(4), req_id=f"{tag}-late")
+    time.sleep(0.2)
+    assert late.tokens == []
+    c.client.resume()
+    assert late.wait(30).finish_reason == "length" and len(late.tokens) == 4
+
+
+# The requests drain before the wave's first DP sync (K=64 steps, 20-token requests): under the current
+# table, a wait-mode pause whose consensus sync still sees running requests never verifies afterwards
+# (pending_pause is cleared at consensus, so no later sync matches 'sync_consensus_stop'); see
+# test_wait_draining_across_a_sync_verifies (xfail) and the report to the lead.
+def test_wait_drains_running_requests_before_pause_returns() -> None:
+    c = Cluster(dp_size=2, sync_interval=64, step_sleep_s=0.003)
+    try:
+        _wait_round(c, 4, 20, "wait")
+    finally:
+        c.close()
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="spec gap: no stop row after a wait-mode consensus with work left")
+def test_wait_draining_across_a_sync_verifies() -> None:
+    c = Cluster(dp_size=2, sync_interval=2, step_sleep_s=0.003, timeout_s=10)
+    try:
+        streams = _inflight(c, 2, 60, "wait-x")
+        c.client.pause("wait", timeout=15)
+        assert all(s.finish_reason == "length" for s in streams)
+    finally:
+        c.close()
+
+
+def _keep_round(c: Cluster, seed: int, clear_cache: bool, n: int, tag: str) -> None:
+    max_new = 120
+    streams = _inflight(c, n, max_new, tag)
+    c.client.pause("keep", clear_cache=clear_cache)
+    before = {s.req_id: len(s.tokens) for s in streams}
+    assert all(not s.done.is_set() for s in streams), "keep: a request finished during pause"
+    late = c.client.add_request([9, 10], greedy(3), req_id=f"{tag}-late")
+    c.client.start_weight_update()
+    ws_seed = seed
+    from weightsync.impl.engine.weights import SimpleBroadcastTrainer, random_weights
+
+    ws = random_weights(c.model, ws_seed)
+    import threading
+
+    assert c.trainer is not None
+    th = threading.Thread(target=c.trainer.send, args=(ws,))
+    th.start()
+    c.client.update_weights(SimpleBroadcastTrainer.update_info(ws))
+    th.join(30)
+    c.client.finish_weight_update()
+    frozen = {s.req_id: len(s.tokens) for s in streams}
+    assert frozen == before, "keep: tokens were produced while paused"
+    assert late.tokens == []
+    version = c.client.get_weight_version()
+    assert len(set(version)) == 1
+    c.client.resume()
+    for s in streams:
+        s.wait(60)
+        k = before[s.req_id]
+        assert s.finish_reason == "length"
+        assert len(s.tokens) == max_new, "keep: a token was lost or duplicated"
+        assert len(s.logprobs) == max_new
+        assert all(v == version[0] - 1 for v in s.versions[:k])
+        assert all(v == version[0] for v in s.versions[k:])
+        if clear_cache:
+            # post-resume tokens equal a fresh run of the new weights from the same prefix
+            ref, ref_lp = c.client.reference_generate(s.rank, list(s.prompt) + s.tokens[:k], max_new - k)
+            assert s.tokens[k:] == ref
+            assert s.logprobs[k:] == pytest.approx(ref_lp, abs=1e-4)
+    assert late.wait(30).finish_reason == "length"
+
+
+def test_keep_clear_cache_recomputes_kv_with_new_weights(cluster: Cluster) -> None:
+    _keep_round(cluster, seed=11, clear_cache=True, n=4, tag="keepc")
+
+
+def test_keep_without_clear_cache_keeps_all_tokens(cluster: Cluster) -> None:
+    _keep_round(cluster, seed=12, clear_cache=False, n=3, tag="keepn")
+
+
+def test_three_ranks_all_modes() -> None:
+    c = Cluster(dp_size=3, sync_interval=64, step_sleep_s=0.003)
+    try:
+        c.init_transfer()
+        streams = _inflight(c, 3, 400, "three-abort")
+        c.client.pause("abort")
+        assert all(s.finish_reason == "abort" for s in streams)
+        c.client.resume()
+        _wait_round(c, 3, 20, "three-wait")
+        _keep_round(c, seed=21, clear_cache=True, n=3, tag="three-keep")
+        assert len(set(c.client.get_weight_version())) == 1
+    finally:
+        c.close()
