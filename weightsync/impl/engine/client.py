@@ -527,6 +527,15 @@ class DPEngineClient:
         """Each rank's weight version (completed updates), in rank order."""
         return [int(v) for v in self.fan_out("get_weight_version", 10.0)]
 
+    def trace_to(self, path: str | None) -> None:
+        """Every rank appends one JSONL line per transition to ``path`` itself (O_APPEND, written before the
+        transition's effects), so file order is a linearization; None stops tracing."""
+        self.fan_out("set_trace", 10.0, path=path)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Each rank's ``{"vars": RankVars dict, "rank_seq": transitions fired so far}``, in rank order."""
+        return list(self.fan_out("snapshot", 10.0))
+
     def get_state(self) -> list[dict[str, Any]]:
         """Each rank's protocol variables (RankVars as dicts), in rank order."""
         return list(self.fan_out("get_state", 10.0))

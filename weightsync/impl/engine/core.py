@@ -21,12 +21,14 @@ every pending call with the error, stops stepping and serves only queries and sh
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, ClassVar
 
 from weightsync.impl.engine.messages import (
@@ -123,7 +125,7 @@ def _jsonable(v: Any) -> Any:
         return {str(k): _jsonable(x) for k, x in v.items()}
     if isinstance(v, list | tuple):
         return [_jsonable(x) for x in v]
-    if hasattr(v, "value") and not isinstance(v, int | float | str | bool):
+    if isinstance(v, Enum):
         return v.value
     if isinstance(v, int | float | str | bool) or v is None:
         return v
@@ -133,6 +135,33 @@ def _jsonable(v: Any) -> Any:
 def vars_dict(v: Any) -> dict[str, Any]:
     """A RankVars as a JSON-able dict (enums as values)."""
     return {k: _jsonable(x) for k, x in v._asdict().items()}
+
+
+def trace_line(rec: TransitionRecord) -> dict[str, Any]:
+    """The JSONL trace record of one transition (rank, seq, state before/after, event, wave, collective, time).
+
+    Fields: ``kind="transition"``, ``rank``, ``rank_seq``, ``event``, ``args``, ``before`` / ``after`` (states),
+    ``vars_before`` / ``vars_after`` (RankVars), ``guard``, ``effects``, ``wave`` (current_wave after),
+    ``collective`` (DP/transfer collective entered, or ""), ``coll_seq`` (this rank's DP collective sequence
+    number before the effects), ``t`` (seconds since the epoch).
+    """
+    return {
+        "kind": "transition",
+        "rank": rec.rank,
+        "rank_seq": rec.rank_seq,
+        "event": rec.event,
+        "args": rec.args,
+        "before": rec.before["state"],
+        "after": rec.after["state"],
+        "vars_before": rec.before,
+        "vars_after": rec.after,
+        "guard": rec.guard,
+        "effects": list(rec.effects),
+        "wave": rec.after["current_wave"],
+        "collective": rec.collective,
+        "coll_seq": rec.coll_seq,
+        "t": rec.t,
+    }
 
 
 class EngineCore:
@@ -174,6 +203,7 @@ class EngineCore:
         self._pending_pause: list[UtilityCall] = []
         self._pending_calls: dict[int, UtilityCall] = {}
         self._poll_start = 0
+        self._trace_fd: int | None = None
         self.effects: dict[str, Callable[[Fired], None]] = {
             "abort_requests": self._abort_requests,
             "queue_request": self._queue_request,
@@ -201,7 +231,9 @@ class EngineCore:
         self.queries: dict[str, Callable[..., Any]] = {
             "get_weight_version": lambda: self.weight_version,
             "get_state": lambda: vars_dict(self.machine.vars),
+            "snapshot": lambda: {"vars": vars_dict(self.machine.vars), "rank_seq": self.rank_seq},
             "get_pid": os.getpid,
+            "set_trace": self._set_trace,
             "reference_generate": self._reference_generate,
             "counts": lambda: {
                 "waiting": len(self.sched.waiting),
@@ -233,6 +265,9 @@ class EngineCore:
             time.time(),
         )
         self.rank_seq += 1
+        if self._trace_fd is not None:  # log before send: written before any effect of the transition
+            line = json.dumps(trace_line(rec), sort_keys=True) + "\n"
+            os.write(self._trace_fd, line.encode())
         self.q.out.put(rec)
         for name in tr.effects:
             self.effects[name](fired)
@@ -344,6 +379,13 @@ class EngineCore:
         "update_weights": RankEvent.UPDATE_WEIGHTS,
         "finish_weight_update": RankEvent.FINISH_UPDATE,
     }
+
+    def _set_trace(self, path: str | None) -> None:
+        if self._trace_fd is not None:
+            os.close(self._trace_fd)
+            self._trace_fd = None
+        if path:
+            self._trace_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _reference_generate(
         self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
@@ -519,4 +561,12 @@ def run_engine(cfg: EngineConfig, rank: int, queues: EngineQueues) -> None:
     core.run()
 
 
-__all__ = ["EngineConfig", "EngineCore", "EngineQueues", "run_engine", "tiny_config", "vars_dict"]
+__all__ = [
+    "EngineConfig",
+    "EngineCore",
+    "EngineQueues",
+    "run_engine",
+    "tiny_config",
+    "trace_line",
+    "vars_dict",
+]
