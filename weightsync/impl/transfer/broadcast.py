@@ -1,0 +1,473 @@
+"""Broadcast transport, registered as ``nccl``: packed (or per-tensor) broadcast from the trainer.
+
+Rules:
+
+1. **Own group.** The trainer (rank 0) hosts a TCPStore; every rank joins (``control.ControlPlane.join``)
+   and then builds a process group directly on a ``PrefixStore`` of it: ``ProcessGroupNCCL`` for CUDA
+   tensors, ``ProcessGroupGloo`` for CPU tensors. ``torch.distributed``'s default group is never
+   initialised or used (vLLM's stateless group, reference section 2).
+2. **Ranks.** Engine workers use ``rank_offset + dp_index * (tp*pp) + local_rank`` (vLLM PR #36940).
+3. **One update.** Wire agreement, then per bucket: status exchange, broadcast, unpack into views, load
+   (``rounds`` rules 1-3). Bucket boundaries come from ``packing.plan_buckets`` on both sides.
+4. **Pipelining.** With ``packed_num_buffers = n`` slots the trainer packs bucket ``k+1`` (CPU: in a
+   background thread) while bucket ``k`` is on the wire, and a worker loads bucket ``k-1`` while bucket
+   ``k`` arrives; slot ``k mod n`` is reused only after bucket ``k-n`` completed.
+5. **Deadlines.** Every broadcast is waited for with ``Work.wait(timeout)`` and every store exchange with
+   the store's timeout; a miss is a :class:`~weightsync.spec.errors.TransferTimeoutError`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import datetime
+import socket
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+from weightsync.impl.transfer.base import (
+    ChecksumMismatchError,
+    LoadFn,
+    LocalCheck,
+    ParallelInfo,
+    RendezvousInitInfo,
+    SendArgs,
+    TensorMeta,
+    UpdateInfo,
+    WeightTransferEngine,
+    meta_of,
+)
+from weightsync.impl.transfer.control import ControlPlane, open_store
+from weightsync.impl.transfer.packing import (
+    Bucket,
+    BufferPool,
+    as_bytes,
+    crc32,
+    max_packed_bucket,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+    wire_description,
+)
+from weightsync.impl.transfer.rounds import agree, status
+from weightsync.spec.errors import PeerFailedError, TransferTimeoutError
+
+PHASE_BUCKET = "update_weights/bucket"
+PHASE_BROADCAST = "update_weights/broadcast"
+
+
+def _resolve_backend(name: str) -> str:
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            "init_info['backend']='nccl' needs CUDA, which this process does not have; use 'gloo'"
+        )
+    return name
+
+
+def _gloo_device(address: str) -> Any:
+    try:
+        ip = socket.gethostbyname(address)
+    except OSError:
+        ip = ""
+    if ip.startswith("127."):
+        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+@dataclass
+class BroadcastGroup:
+    """A joined transfer group (both sides). Built by :func:`join_group`; the trainer's is its ``group``.
+
+    Attributes:
+        rank, world_size: this process's transfer rank and the group size.
+        backend: ``"gloo"`` or ``"nccl"``.
+        device: where payload tensors live (``cpu`` for gloo, the current CUDA device for NCCL).
+        timeout_s: deadline of every wait, seconds.
+        seq: number of updates started on this group.
+    """
+
+    store: TCPStore
+    cp: ControlPlane
+    pg: Any
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    timeout_s: float
+    seq: int = 0
+    pool: BufferPool = field(default_factory=BufferPool)
+    packer: concurrent.futures.ThreadPoolExecutor | None = None
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def broadcast(self, t: torch.Tensor) -> Any:
+        """Start an asynchronous broadcast of ``t`` from rank 0; returns the ``Work``."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        return self.pg.broadcast([t], opts)
+
+    def wait(self, work: Any, phase: str) -> None:
+        """Wait for ``work`` at most ``timeout_s``.
+
+        Raises:
+            TransferTimeoutError: the deadline passed.
+            PeerFailedError: the collective failed (e.g. a peer's connection closed).
+        """
+        t0 = time.monotonic()
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:
+            waited = time.monotonic() - t0
+            text = str(exc)
+            if "timed out" in text.lower() or "timeout" in text.lower() or waited >= self.timeout_s * 0.99:
+                raise TransferTimeoutError(phase, [], waited, text.splitlines()[0] if text else "") from None
+            raise PeerFailedError([], phase, text.splitlines()[0] if text else type(exc).__name__) from None
+
+    def close(self) -> None:
+        """Drop the process group, buffers and packing thread (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.pool.clear()
+        if self.packer is not None:
+            self.packer.shutdown(wait=False, cancel_futures=True)
+        pg, self.pg = self.pg, None
+        if pg is not None and hasattr(pg, "shutdown"):
+            with contextlib.suppress(Exception):
+                pg.shutdown()
+
+
+def join_group(info: RendezvousInitInfo, rank: int) -> BroadcastGroup:
+    """Rendezvous on the store and build this rank's process group (rule 1).
+
+    Raises:
+        PortInUseError: rank 0 could not host the store.
+        TransferTimeoutError: a rank never joined (naming it), or the group could not connect in time.
+        ValueError: the rank mapping is not a bijection, or NCCL was asked for without CUDA.
+    """
+    backend = _resolve_backend(info.backend)
+    store = open_store(info, rank)
+    try:
+        cp = ControlPlane(PrefixStore("ctl/", store), rank, info.world_size, info.timeout_s)
+        cp.join()
+        pg_store = PrefixStore("pg/", store)
+        timeout = datetime.timedelta(seconds=info.timeout_s)
+        try:
+            if backend == "gloo":
+                gloo: Any = dist.ProcessGroupGloo
+                opts = gloo._Options()
+                opts._timeout = timeout
+                opts._devices = [_gloo_device(info.master_address)]
+                pg: Any = gloo(pg_store, rank, info.world_size, opts)
+                device = torch.device("cpu")
+            else:  # pragma: no cover - needs CUDA
+                nccl_opts = dist.ProcessGroupNCCL.Options()
+                nccl_opts._timeout = timeout
+                pg = dist.ProcessGroupNCCL(pg_store, rank, info.world_size, nccl_opts)
+                device = torch.device("cuda", torch.cuda.current_device())
+        except dist.DistError as exc:
+            raise TransferTimeoutError(
+                "init_weight_transfer_engine/process_group", [], info.timeout_s, str(exc).splitlines()[0]
+            ) from None
+    except BaseException:
+        del store
+        raise
+    return BroadcastGroup(store, cp, pg, rank, info.world_size, backend, device, info.timeout_s)
+
+
+def _drain(group: BroadcastGroup, works: Iterable[Any]) -> None:
+    for w in works:
+        with contextlib.suppress(Exception):
+            w.wait(datetime.timedelta(seconds=group.timeout_s))
+
+
+# ----------------------------------------------------------------------------------------- trainer side
+
+
+def _send(group: BroadcastGroup, items: Sequence[tuple[str, torch.Tensor]], args: SendArgs) -> None:
+    group.seq += 1
+    seq = group.seq
+    veto: str | None = None
+    metas: list[TensorMeta] = []
+    try:
+        metas = [meta_of(n, t) for n, t in items]
+    except ValueError as exc:
+        veto = str(exc)
+    info = args.update_info(metas)
+    agree(group.cp, seq, wire_description(info) if veto is None else None, veto)
+    if veto is not None:
+        raise ValueError(f"trainer_send_weights: {veto}")
+    tensors = [t.detach() for _, t in items]
+    buckets = plan_buckets([m.nbytes for m in metas], args.packed_buffer_size_bytes, args.packed)
+    n = args.packed_num_buffers
+    if args.packed:
+        group.pool.reserve(n, max_packed_bucket(buckets), args.packed_buffer_size_bytes)
+    on_cpu = group.device.type == "cpu"
+    if on_cpu and group.packer is None:
+        group.packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-pack")
+
+    def payload(b: Bucket) -> tuple[torch.Tensor | None, int | None]:
+        if b.nbytes == 0:
+            return None, (0 if args.verify else None)
+        if b.oversized or not args.packed:
+            t = tensors[b.members[0]]
+            if t.device != group.device:
+                t = t.to(group.device)
+            buf = as_bytes(t.contiguous())
+        else:
+            buf = pack_bucket(group.pool.slot(b.number % n), b, tensors)
+        return buf, (crc32(buf) if args.verify else None)
+
+    def submit(b: Bucket) -> concurrent.futures.Future[tuple[torch.Tensor | None, int | None]]:
+        fut: concurrent.futures.Future[tuple[torch.Tensor | None, int | None]]
+        if group.packer is not None and args.packed and not b.oversized:
+            return group.packer.submit(payload, b)
+        fut = concurrent.futures.Future()
+        try:
+            fut.set_result(payload(b))
+        except BaseException as exc:
+            fut.set_exception(exc)
+        return fut
+
+    inflight: dict[int, Any] = {}
+    error: BaseException | None = None
+    fut = submit(buckets[0]) if buckets else None
+    try:
+        for k in range(len(buckets)):
+            assert fut is not None
+            buf: torch.Tensor | None = None
+            crc: int | None = None
+            try:
+                buf, crc = fut.result()
+            except Exception as exc:
+                error = exc
+            status(group.cp, seq, f"b{k}", error, PHASE_BUCKET, crc)
+            if buf is not None:
+                inflight[k] = group.broadcast(buf)
+            if k + 1 < len(buckets):
+                reuse = k + 1 - n
+                if reuse in inflight and args.packed:
+                    group.wait(inflight.pop(reuse), PHASE_BROADCAST)
+                fut = submit(buckets[k + 1])
+        for k in sorted(inflight):
+            group.wait(inflight.pop(k), PHASE_BROADCAST)
+    except BaseException:
+        _drain(group, inflight.values())
+        raise
+    status(group.cp, seq, "end", None, PHASE_BUCKET)
+
+
+class BroadcastTrainer:
+    """The trainer's side of a broadcast group (what vLLM's ``trainer_init`` returns as ``group``).
+
+    Args:
+        init_info: the same fields as the engines' ``init_info``; the trainer is rank 0.
+
+    Raises:
+        ValueError / PortInUseError / TransferTimeoutError: as :func:`join_group`.
+    """
+
+    def __init__(self, init_info: Mapping[str, Any] | RendezvousInitInfo) -> None:
+        info = init_info if isinstance(init_info, RendezvousInitInfo) else RendezvousInitInfo.parse(init_info)
+        self.info = info
+        self.group = join_group(info, 0)
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]], args: SendArgs | None = None) -> None:
+        """Send one update (see :meth:`BroadcastWeightTransferEngine.trainer_send_weights`)."""
+        if self.group.closed:
+            raise RuntimeError("trainer group is closed")
+        _send(self.group, list(weights), args or SendArgs())
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes held by the trainer's packing buffers."""
+        return self.group.pool.nbytes
+
+    def close(self) -> None:
+        """Release the group and the store (idempotent)."""
+        self.group.close()
+
+
+# ------------------------------------------------------------------------------------------ engine side
+
+
+class _Pending:
+    __slots__ = ("bucket", "buf", "crc", "tensors", "works")
+
+    def __init__(
+        self, bucket: Bucket, buf: torch.Tensor | None, tensors: list[torch.Tensor], works: list[Any]
+    ):
+        self.bucket = bucket
+        self.buf = buf
+        self.tensors = tensors
+        self.works = works
+        self.crc: int | None = None
+
+
+class BroadcastWeightTransferEngine(WeightTransferEngine):
+    """Engine-worker side of the broadcast transport (backend name ``nccl``; gloo on CPU).
+
+    Args:
+        parallel: this worker's place in its engine (transfer-rank formula, rule 2).
+    """
+
+    def __init__(self, parallel: ParallelInfo | None = None) -> None:
+        super().__init__(parallel)
+        self.group: BroadcastGroup | None = None
+
+    def init_transfer_engine(self, init_info: RendezvousInitInfo) -> None:
+        """Join the group as ``rank_offset + dp_index*tp*pp + local_rank``; a repeat replaces the group.
+
+        Raises:
+            ValueError: the rank is outside ``1..world_size-1``, or the mapping is not a bijection
+                (scenario B1). TransferTimeoutError: the trainer or a peer never joined, naming it.
+        """
+        rank = self.parallel.transfer_rank(init_info.rank_offset, init_info.world_size)
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.group = join_group(init_info, rank)
+        self.rank = rank
+
+    def _group(self) -> BroadcastGroup:
+        if self.group is None or self.group.closed:
+            raise RuntimeError(
+                "the broadcast transfer engine is not initialised (init_weight_transfer_engine)"
+            )
+        return self.group
+
+    def reject_update(self, error: BaseException) -> None:
+        """Veto this round in the wire agreement, then raise ``error`` (see base class)."""
+        g = self._group()
+        g.seq += 1
+        agree(g.cp, g.seq, None, f"{type(error).__name__}: {error}")
+        raise error
+
+    def receive_weights(
+        self, update_info: UpdateInfo, load_weights: LoadFn, local_check: LocalCheck | None = None
+    ) -> None:
+        """Receive one update and load it bucket by bucket (rules 3-5).
+
+        Raises:
+            ValueError: ``local_check`` vetoed (raised after the agreement, before any payload).
+            WireMismatchError: a peer vetoed or disagrees on the wire description.
+            ChecksumMismatchError: ``verify`` and a bucket's CRC differs from the trainer's.
+            PeerFailedError / TransferTimeoutError: a peer failed or missed a deadline.
+        """
+        g = self._group()
+        g.seq += 1
+        seq = g.seq
+        veto: BaseException | None = None
+        if local_check is not None:
+            try:
+                local_check(update_info)
+            except ValueError as exc:
+                veto = exc
+        agree(g.cp, seq, None if veto else wire_description(update_info), None if veto is None else f"{veto}")
+        if veto is not None:
+            raise veto
+        metas = update_info.metas()
+        info = update_info
+        buckets = plan_buckets([m.nbytes for m in metas], info.packed_buffer_size_bytes, info.packed)
+        n = info.packed_num_buffers
+        if info.packed:
+            g.pool.reserve(n, max_packed_bucket(buckets), info.packed_buffer_size_bytes)
+        pending: collections.deque[_Pending] = collections.deque()
+        error: BaseException | None = None
+
+        def finish(p: _Pending) -> None:
+            nonlocal error
+            for w in p.works:
+                g.wait(w, PHASE_BROADCAST)
+            if error is not None:
+                return
+            try:
+                if info.verify and p.buf is not None and crc32(p.buf) != p.crc:
+                    raise ChecksumMismatchError(
+                        f"bucket {p.bucket.number} of round {seq}: CRC32 {crc32(p.buf):#010x} on rank {g.rank} != "
+                        f"trainer's {p.crc:#010x} (verify=True)"
+                    )
+                if p.bucket.oversized or not info.packed:
+                    m = metas[p.bucket.members[0]]
+                    load_weights([(m.name, p.tensors[0])])
+                elif p.buf is not None or p.bucket.nbytes == 0:
+                    src = p.buf if p.buf is not None else torch.empty(0, dtype=torch.uint8, device=g.device)
+                    load_weights(unpack_bucket(src, p.bucket, metas))
+            except Exception as exc:
+                error = exc
+
+        try:
+            for k, b in enumerate(buckets):
+                vals = status(g.cp, seq, f"b{k}", error, PHASE_BUCKET)
+                while pending and pending[0].bucket.number <= k - n:
+                    finish(pending.popleft())
+                if b.oversized or not info.packed:
+                    m = metas[b.members[0]]
+                    t = torch.empty(m.shape, dtype=m.dtype, device=g.device)
+                    buf = as_bytes(t) if b.nbytes else None
+                    p = _Pending(b, buf, [t], [])
+                else:
+                    buf = g.pool.slot(k % n)[: b.nbytes] if b.nbytes else None
+                    p = _Pending(b, buf, [], [])
+                p.crc = vals[0].get("crc")
+                if p.buf is not None:
+                    p.works.append(g.broadcast(p.buf))
+                pending.append(p)
+                while len(pending) > 1:
+                    finish(pending.popleft())
+            while pending:
+                finish(pending.popleft())
+        except BaseException:
+            _drain(g, [w for p in pending for w in p.works])
+            raise
+        status(g.cp, seq, "end", error, PHASE_BUCKET)
+
+    def shutdown(self) -> None:
+        """Drop the group (idempotent)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    @staticmethod
+    def trainer_init(init_info: Mapping[str, Any]) -> BroadcastTrainer:
+        """Host the store as rank 0 and join the group; the result goes in ``trainer_args['group']``."""
+        return BroadcastTrainer(init_info)
+
+    @staticmethod
+    def trainer_send_weights(
+        iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: Mapping[str, Any]
+    ) -> None:
+        """Send one update from the trainer (rank 0) to every engine worker.
+
+        Args:
+            iterator: ``(name, tensor)`` in the order the engines' ``update_info['names']`` lists them;
+                tensors may be non-contiguous or zero-size; any dtype of :data:`~base.DTYPES`.
+            trainer_args: ``group`` (a :class:`BroadcastTrainer`) plus ``packed``,
+                ``packed_buffer_size_bytes``, ``packed_num_buffers``, ``verify`` (must equal the engines').
+
+        Raises:
+            ValueError: no ``group``, a bad packing argument or an unsupported dtype (the engines are told
+                through the wire agreement and raise WireMismatchError).
+            WireMismatchError / PeerFailedError / TransferTimeoutError: as on the engines.
+        """
+        group = trainer_args.get("group")
+        if not isinstance(group, BroadcastTrainer):
+            raise ValueError(
+                f"trainer_args['group'] must be the BroadcastTrainer from trainer_init, got {type(group).__name__}"
+            )
+        group.send(iterator, SendArgs.parse(trainer_args))
+
+
+__all__ = ["BroadcastGroup", "BroadcastTrainer", "BroadcastWeightTransferEngine", "join_group"]

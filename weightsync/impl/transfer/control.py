@@ -1,0 +1,191 @@
+"""The control plane of a transfer group: TCPStore rendezvous and JSON-only exchanges.
+
+Rules:
+
+1. The trainer is transfer rank 0 and hosts a ``torch.distributed.TCPStore`` at
+   ``master_address:master_port``; engine workers connect as clients (reference section 2). The default
+   process group is never touched.
+2. Every value written to the store is UTF-8 JSON, and every value read is parsed with ``json.loads``:
+   nothing received from the network is unpickled (vLLM refuses pickled IPC handles unless
+   ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+3. Joining: each rank increments ``claim/<rank>`` and ``joined``; whoever brings ``joined`` to
+   ``world_size`` publishes ``all_joined``. A rank claimed twice (and so another never claimed) is a
+   non-bijective rank mapping and is rejected on every rank (scenario B1, vLLM PR #36940). If
+   ``all_joined`` does not appear within the timeout, the ranks with no claim are named in a
+   :class:`~weightsync.spec.errors.TransferTimeoutError`.
+4. An exchange writes ``<key>/<rank>`` and waits for every rank's value; on timeout the ranks whose value is
+   absent are named. Each rank deletes its own keys two rounds later, so the store does not grow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store, TCPStore
+
+from weightsync.impl.transfer.base import PortInUseError, RendezvousInitInfo
+from weightsync.spec.errors import PeerFailedError, TransferTimeoutError
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def open_store(info: RendezvousInitInfo, rank: int) -> TCPStore:
+    """Host (rank 0) or connect to (other ranks) the group's TCPStore.
+
+    Raises:
+        PortInUseError: rank 0 and ``master_port`` is taken.
+        TransferTimeoutError: a worker found no store at the address within ``timeout_s`` (phase
+            ``"rendezvous"``, missing rank 0).
+    """
+    try:
+        return TCPStore(
+            info.master_address,
+            info.master_port,
+            None,
+            rank == 0,
+            _td(info.timeout_s),
+            wait_for_workers=False,
+        )
+    except dist.DistNetworkError as exc:
+        text = str(exc)
+        if rank == 0 and ("EADDRINUSE" in text or "address already in use" in text.lower()):
+            raise PortInUseError(
+                98,
+                f"init_weight_transfer_engine: master_port {info.master_port} on {info.master_address} is "
+                "already in use; the trainer (rank 0) must host the rendezvous TCPStore on a free port",
+            ) from None
+        if rank == 0:
+            raise
+        raise TransferTimeoutError(
+            "rendezvous",
+            [0],
+            info.timeout_s,
+            f"no TCPStore answered at {info.master_address}:{info.master_port} (the trainer hosts it)",
+        ) from None
+
+
+class ControlPlane:
+    """JSON exchanges over a TCPStore for one transfer group.
+
+    Args:
+        store: the group's store (already prefixed if shared).
+        rank: this process's transfer rank.
+        world_size: number of ranks.
+        timeout_s: deadline of every wait, seconds.
+    """
+
+    def __init__(self, store: Store, rank: int, world_size: int, timeout_s: float) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._own_keys: dict[int, list[str]] = {}
+
+    # ------------------------------------------------------------------------------------- rendezvous
+    def join(self) -> None:
+        """Rendezvous of all ``world_size`` ranks (rule 3).
+
+        Raises:
+            ValueError: some rank was claimed by more than one process (non-bijective rank mapping).
+            TransferTimeoutError: phase ``"rendezvous"``, naming the ranks that never joined.
+        """
+        s = self.store
+        s.set(f"hello/{self.rank}", json.dumps({"rank": self.rank}))
+        s.add(f"claim/{self.rank}", 1)
+        if s.add("joined", 1) >= self.world_size:
+            s.set("all_joined", "1")
+        try:
+            s.wait(["all_joined"], _td(self.timeout_s))
+        except dist.DistError:
+            missing = [r for r in range(self.world_size) if not s.check([f"claim/{r}"])]
+            self.settle("join_timeout", expected=self.world_size - 1 - len([r for r in missing if r != 0]))
+            raise TransferTimeoutError(
+                "rendezvous",
+                missing,
+                self.timeout_s,
+                f"{self.world_size - len(missing)} of {self.world_size} joined",
+            ) from None
+        claims = {r: s.add(f"claim/{r}", 0) if s.check([f"claim/{r}"]) else 0 for r in range(self.world_size)}
+        self.settle("joined")
+        dup = sorted(r for r, c in claims.items() if c > 1)
+        if dup:
+            absent = sorted(r for r, c in claims.items() if c == 0)
+            raise ValueError(
+                "init_weight_transfer_engine: the rank mapping is not a bijection onto 0.."
+                f"{self.world_size - 1}: rank(s) {dup} claimed by more than one worker "
+                f"({', '.join(f'{r}: {claims[r]}' for r in dup)}), rank(s) {absent} by none; each worker's rank "
+                "is rank_offset + dp_index * tp*pp + local_rank with the DP *index* (vLLM PR #36940)"
+            )
+
+    def settle(self, key: str, expected: int | None = None, seconds: float = 5.0) -> None:
+        """Every rank says it has read what it needs under ``key``; rank 0, which hosts the store, waits
+        until ``expected`` other ranks (default all) said so, at most ``min(seconds, timeout_s)``, so that
+        it never tears the store down under a peer still reading an error verdict. Never raises."""
+        want = self.world_size - 1 if expected is None else expected
+        with contextlib.suppress(dist.DistError):
+            if self.rank != 0:
+                if self.store.add(f"{key}/settled", 1) >= want:
+                    self.store.set(f"{key}/settled_all", "1")
+                return
+            if want > 0:
+                self.store.wait([f"{key}/settled_all"], _td(min(seconds, self.timeout_s)))
+
+    # --------------------------------------------------------------------------------------- exchange
+    def post(self, key: str, value: Any, seq: int) -> None:
+        """Write this rank's JSON ``value`` at ``<key>/<rank>`` (remembered for cleanup under ``seq``)."""
+        k = f"{key}/{self.rank}"
+        self.store.set(k, json.dumps(value, separators=(",", ":")))
+        self._own_keys.setdefault(seq, []).append(k)
+
+    def collect(self, key: str, phase: str, ranks: Sequence[int] | None = None) -> list[Any]:
+        """Wait for ``<key>/<r>`` of every rank in ``ranks`` (default all) and return the parsed values.
+
+        Raises:
+            TransferTimeoutError: naming ``phase`` and the ranks whose value never appeared.
+        """
+        rs = list(range(self.world_size)) if ranks is None else list(ranks)
+        keys = [f"{key}/{r}" for r in rs]
+        t0 = time.monotonic()
+        try:
+            self.store.wait(keys, _td(self.timeout_s))
+        except dist.DistNetworkError as exc:
+            raise PeerFailedError(
+                [0], phase, f"lost the trainer's TCPStore: {str(exc).splitlines()[0]}"
+            ) from None
+        except dist.DistError:
+            missing = [r for r, k in zip(rs, keys, strict=True) if not self.store.check([k])]
+            raise TransferTimeoutError(phase, missing, time.monotonic() - t0) from None
+        return [json.loads(v) for v in self.store.multi_get(keys)]
+
+    def exchange(self, key: str, value: Any, seq: int, phase: str) -> list[Any]:
+        """:meth:`post` then :meth:`collect` from every rank; returns values in rank order."""
+        self.post(key, value, seq)
+        return self.collect(key, phase)
+
+    def get(self, key: str, phase: str, rank: int) -> Any:
+        """Wait for one key written by ``rank`` and parse it.
+
+        Raises:
+            TransferTimeoutError: naming ``phase`` and ``rank``.
+        """
+        return self.collect(key, phase, [rank])[0]
+
+    def cleanup(self, before_seq: int) -> None:
+        """Delete this rank's keys of every round ``< before_seq`` (rule 4)."""
+        for seq in [s for s in self._own_keys if s < before_seq]:
+            for k in self._own_keys.pop(seq):
+                try:
+                    self.store.delete_key(k)
+                except dist.DistError:  # pragma: no cover - the store went away
+                    return
+
+
+__all__ = ["ControlPlane", "open_store"]

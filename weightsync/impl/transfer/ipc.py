@@ -1,0 +1,551 @@
+"""IPC transport, registered as ``ipc``: colocated trainer and engines share memory on one host.
+
+Rules:
+
+1. **Buffers.** The trainer (producer, rank 0) owns ``packed_num_buffers`` packing buffers, allocated once
+   and reused across syncs: CUDA tensors exported with ``torch.multiprocessing.reductions.reduce_tensor``
+   and keyed by GPU UUID (vLLM's ``ipc_handles``), or, on CPU, files in ``/dev/shm`` mapped with
+   ``torch.from_file(shared=True)`` by producer and consumers. A tensor larger than the buffer travels in a
+   temporary segment of its own, freed once every consumer acknowledged it.
+2. **Control channel.** Handles, chunk announcements and acknowledgements are JSON over the group's
+   TCPStore (``control.ControlPlane``); nothing received is unpickled (vLLM refuses pickled handles unless
+   ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Tensor data never crosses a socket.
+3. **Consumer copies.** A consumer rebuilds (once, cached) the shared buffer, views the chunk's tensors and
+   copies them out: CUDA clones each tensor before ``load_weights``; CPU hands views to ``load_weights``,
+   which copies them into the model, so exactly one copy lands in the destination. Nothing loaded aliases
+   the shared buffer.
+4. **Ack implies copy complete.** A consumer acknowledges chunk ``k`` only after ``load_weights`` returned
+   and (CUDA) the device synchronised; the producer refills a buffer only after every consumer
+   acknowledged the chunk it held (THUDM/slime #929, scenario B7: acking after *enqueuing* copies let the
+   producer overwrite data still being read).
+5. The wire agreement and abort rules are those of :mod:`weightsync.impl.transfer.rounds`; an error ack
+   makes the producer publish an abort that every consumer raises as PeerFailedError.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import re
+import secrets
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from weightsync.impl.transfer.base import (
+    DTYPES,
+    ChecksumMismatchError,
+    LoadFn,
+    LocalCheck,
+    ParallelInfo,
+    RendezvousInitInfo,
+    SendArgs,
+    TensorMeta,
+    UpdateInfo,
+    WeightTransferEngine,
+    dtype_name,
+    meta_of,
+)
+from weightsync.impl.transfer.control import ControlPlane, open_store
+from weightsync.impl.transfer.packing import (
+    Bucket,
+    as_bytes,
+    crc32,
+    max_packed_bucket,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+    wire_description,
+)
+from weightsync.impl.transfer.rounds import agree
+from weightsync.spec.errors import PeerFailedError
+
+PHASE_CHUNK = "update_weights/ipc_chunk"
+PHASE_ACK = "update_weights/ipc_ack"
+SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^/dev/shm/weightsync-[A-Za-z0-9_.-]+$")
+
+
+# ----------------------------------------------------------------------------------------------- handles
+
+
+def _b64(b: bytes | None) -> str | None:
+    return None if b is None else base64.b64encode(b).decode()
+
+
+def _unb64(s: object, what: str) -> bytes | None:
+    if s is None:
+        return None
+    if not isinstance(s, str):
+        raise ValueError(f"IPC handle field {what} must be base64 text, got {type(s).__name__}")
+    return base64.b64decode(s, validate=True)
+
+
+def gpu_uuid(device: int | None = None) -> str:  # pragma: no cover - needs CUDA
+    """The UUID of a CUDA device (the key of vLLM's ``ipc_handles`` maps)."""
+    idx = torch.cuda.current_device() if device is None else device
+    return str(torch.cuda.get_device_properties(idx).uuid)
+
+
+def encode_cuda_handle(t: torch.Tensor) -> dict[str, Any]:  # pragma: no cover - needs CUDA
+    """JSON-able form of ``reduce_tensor(t)`` for a CUDA tensor (no pickling)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(t)  # type: ignore[no-untyped-call]
+    (
+        _,
+        size,
+        stride,
+        offset,
+        _,
+        dtype,
+        device,
+        handle,
+        ssize,
+        soff,
+        _,
+        rc_handle,
+        rc_off,
+        ev_handle,
+        ev_sync,
+    ) = args
+    return {
+        "kind": "cuda",
+        "size": list(size),
+        "stride": list(stride),
+        "offset": int(offset),
+        "dtype": dtype_name(dtype),
+        "device": int(device),
+        "handle": _b64(handle),
+        "storage_size": int(ssize),
+        "storage_offset": int(soff),
+        "ref_counter_handle": _b64(rc_handle),
+        "ref_counter_offset": int(rc_off),
+        "event_handle": _b64(ev_handle),
+        "event_sync_required": bool(ev_sync),
+    }
+
+
+def decode_cuda_handle(d: Mapping[str, Any], device: int) -> torch.Tensor:  # pragma: no cover - needs CUDA
+    """Rebuild a CUDA tensor from :func:`encode_cuda_handle` output on local device ``device``.
+
+    Raises:
+        ValueError: a field is missing or malformed.
+    """
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    try:
+        dtype = DTYPES[str(d["dtype"])]
+        t: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
+            torch.Tensor,
+            torch.Size([int(x) for x in d["size"]]),
+            tuple(int(x) for x in d["stride"]),
+            int(d["offset"]),
+            torch.storage.TypedStorage,
+            dtype,
+            device,
+            _unb64(d["handle"], "handle"),
+            int(d["storage_size"]),
+            int(d["storage_offset"]),
+            False,
+            _unb64(d["ref_counter_handle"], "ref_counter_handle"),
+            int(d["ref_counter_offset"]),
+            _unb64(d["event_handle"], "event_handle"),
+            bool(d["event_sync_required"]),
+        )
+        return t
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"malformed CUDA IPC handle: {exc}") from None
+
+
+class _Segment:
+    """One exported buffer on the producer side: a uint8 tensor and its JSON handle map."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.id = secrets.token_hex(8)
+        self.path: str | None = None
+        if device.type == "cpu":
+            self.path = f"{SHM_DIR}/weightsync-{os.getpid()}-{self.id}"
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, max(nbytes, 1))
+            finally:
+                os.close(fd)
+            self._finalizer = weakref.finalize(self, _unlink, self.path)
+            self.tensor = torch.from_file(self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+            self.handles: dict[str, Any] = {"cpu": {"kind": "shm", "path": self.path, "size": max(nbytes, 1)}}
+        else:  # pragma: no cover - needs CUDA
+            self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            self.handles = {gpu_uuid(device.index): encode_cuda_handle(self.tensor)}
+
+    def close(self) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        if self.path is not None:
+            self._finalizer()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _local_key(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else gpu_uuid(device.index)  # pragma: no cover - cuda branch
+
+
+def _import(handles: Mapping[str, Any], device: torch.device) -> torch.Tensor:
+    """Map a producer's buffer into this process (rule 1). Validates everything it reads.
+
+    Raises:
+        ValueError: no handle for this process's device (vLLM: no handle for the local GPU UUID), or a
+            malformed handle (e.g. a shared-memory path outside ``/dev/shm/weightsync-*``).
+    """
+    key = _local_key(device)
+    if not isinstance(handles, Mapping) or key not in handles:
+        known = ", ".join(sorted(handles)) if isinstance(handles, Mapping) else type(handles).__name__
+        raise ValueError(f"no IPC handle for local device {key!r}; handles are for: {known} (vLLM ipc rule)")
+    h = handles[key]
+    if not isinstance(h, Mapping):
+        raise ValueError(f"IPC handle for {key!r} must be an object, got {type(h).__name__}")
+    if h.get("kind") == "shm":
+        path, size = h.get("path"), h.get("size")
+        if not isinstance(path, str) or not _SHM_NAME.match(path) or ".." in path:
+            raise ValueError(f"shared-memory handle path {path!r} is not a {SHM_DIR}/weightsync-* file")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"shared-memory handle size {size!r} must be a positive int")
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    if h.get("kind") == "cuda":  # pragma: no cover - needs CUDA
+        return decode_cuda_handle(
+            h, device.index if device.index is not None else torch.cuda.current_device()
+        )
+    raise ValueError(f"unknown IPC handle kind {h.get('kind')!r}")
+
+
+# ----------------------------------------------------------------------------------------- producer
+
+
+class IPCTrainer:
+    """The producer (trainer, rank 0) of an IPC group. Hosts the TCPStore; owns the shared buffers.
+
+    Args:
+        init_info: ``master_address``, ``master_port``, ``world_size`` (trainer + consumers),
+            ``rank_offset`` (>= 1), optional ``timeout_s``.
+        device: where the shared buffers live (``cpu`` or a CUDA device).
+
+    Raises:
+        ValueError / PortInUseError / TransferTimeoutError: as for the broadcast group.
+    """
+
+    def __init__(
+        self, init_info: Mapping[str, Any] | RendezvousInitInfo, device: torch.device | str = "cpu"
+    ) -> None:
+        info = init_info if isinstance(init_info, RendezvousInitInfo) else RendezvousInitInfo.parse(init_info)
+        self.info = info
+        self.device = torch.device(device)
+        self.store = open_store(info, 0)
+        self.cp = ControlPlane(self.store, 0, info.world_size, info.timeout_s)
+        self.cp.join()
+        self.seq = 0
+        self.slots: list[_Segment] = []
+        self.closed = False
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes held in shared buffers."""
+        return sum(s.nbytes for s in self.slots)
+
+    def _reserve(self, n: int, nbytes: int, buffer_size: int) -> None:
+        for s in self.slots[n:]:
+            s.close()
+        del self.slots[n:]
+        for i in range(n):
+            if i >= len(self.slots):
+                self.slots.append(_Segment(nbytes, self.device))
+            elif not nbytes <= self.slots[i].nbytes <= buffer_size:
+                self.slots[i].close()
+                self.slots[i] = _Segment(nbytes, self.device)
+
+    def _acks(self, seq: int, k: int) -> list[tuple[int, str]]:
+        vals = self.cp.collect(f"r{seq}/a{k}", PHASE_ACK, range(1, self.info.world_size))
+        return [
+            (r, str(v.get("error")))
+            for r, v in zip(range(1, self.info.world_size), vals, strict=True)
+            if not v["ok"]
+        ]
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]], args: SendArgs | None = None) -> None:
+        """Send one update through the shared buffers (rules 1-5).
+
+        Raises:
+            ValueError: an unsupported dtype (the consumers are told through the wire agreement).
+            WireMismatchError / PeerFailedError / TransferTimeoutError: as on the consumers.
+        """
+        if self.closed:
+            raise RuntimeError("IPC trainer is closed")
+        args = args or SendArgs()
+        items = list(weights)
+        self.seq += 1
+        seq = self.seq
+        veto: str | None = None
+        metas: list[TensorMeta] = []
+        try:
+            metas = [meta_of(n, t) for n, t in items]
+        except ValueError as exc:
+            veto = str(exc)
+        info = args.update_info(metas)
+        agree(self.cp, seq, wire_description(info) if veto is None else None, veto)
+        if veto is not None:
+            raise ValueError(f"trainer_send_weights: {veto}")
+        tensors = [t.detach() for _, t in items]
+        buckets = plan_buckets([m.nbytes for m in metas], args.packed_buffer_size_bytes, args.packed)
+        n = args.packed_num_buffers
+        self._reserve(n, max_packed_bucket(buckets), args.packed_buffer_size_bytes)
+        failures: list[tuple[int, str]] = []
+        waited = -1  # acks collected for every chunk <= waited
+        posted = 0  # chunks announced so far
+        for b in buckets:
+            k = b.number
+            # refill slot k % n only once every consumer acked chunk k - n (rule 4)
+            while not failures and waited < k - n:
+                waited += 1
+                failures = self._acks(seq, waited)
+            if failures:
+                break
+            msg: dict[str, Any] = {"nbytes": b.nbytes}
+            temp: _Segment | None = None
+            if b.oversized:
+                temp = _Segment(b.nbytes, self.device)
+                buf = temp.tensor
+                src = tensors[b.members[0]]
+                buf[: b.nbytes].copy_(as_bytes(src.contiguous()))
+                msg["handles"] = temp.handles
+                msg["slot"] = -1
+            else:
+                slot = self.slots[k % n]
+                buf = slot.tensor
+                pack_bucket(buf, b, tensors)
+                msg["handles"] = slot.handles
+                msg["slot"] = k % n
+                msg["segment"] = slot.id
+            if self.device.type == "cuda":  # pragma: no cover - needs CUDA
+                torch.cuda.current_stream(self.device).synchronize()
+            msg["crc"] = crc32(buf[: b.nbytes]) if args.verify else None
+            self.cp.post(f"r{seq}/c{k}", msg, seq)
+            posted = k + 1
+            if temp is not None:
+                while not failures and waited < k:
+                    waited += 1
+                    failures = self._acks(seq, waited)
+                temp.close()
+        last = len(buckets) - 1
+        while not failures and waited < last:
+            waited += 1
+            failures = self._acks(seq, waited)
+        verdict = {"ok": not failures, "failed": [[r, e] for r, e in failures]}
+        if failures:
+            # tell consumers still waiting for a chunk, then everyone else through the verdict
+            for k in range(posted, len(buckets)):
+                self.cp.post(f"r{seq}/c{k}", {"abort": verdict}, seq)
+        self.cp.post(f"r{seq}/done", verdict, seq)
+        if failures:
+            raise PeerFailedError(
+                [r for r, _ in failures],
+                f"{PHASE_ACK} (round {seq})",
+                "; ".join(f"rank {r}: {e}" for r, e in failures) + "; every rank aborts this update",
+            )
+
+    def close(self) -> None:
+        """Free and unlink the shared buffers (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        for s in self.slots:
+            s.close()
+        self.slots.clear()
+        if self.device.type == "cuda":  # pragma: no cover - needs CUDA
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+
+# ----------------------------------------------------------------------------------------- consumer
+
+
+class IPCWeightTransferEngine(WeightTransferEngine):
+    """Consumer (engine worker) side of the IPC transport (backend name ``ipc``).
+
+    Args:
+        parallel: this worker's place in its engine (transfer rank formula).
+        device: where this worker's model lives (``cpu`` or its CUDA device); selects which handle of the
+            producer's map to import.
+    """
+
+    def __init__(
+        self, parallel: ParallelInfo | None = None, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__(parallel)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.cp: ControlPlane | None = None
+        self.seq = 0
+        self._store: Any = None
+        self._mapped: dict[int, tuple[str, torch.Tensor]] = {}
+
+    def init_transfer_engine(self, init_info: RendezvousInitInfo) -> None:
+        """Join the producer's group (vLLM's IPC init is a no-op; weightsync needs the JSON channel).
+
+        Raises:
+            ValueError: rank outside ``1..world_size-1`` or a non-bijective mapping.
+            TransferTimeoutError: the producer or a peer never joined, naming it.
+        """
+        rank = self.parallel.transfer_rank(init_info.rank_offset, init_info.world_size)
+        self.shutdown()
+        self._store = open_store(init_info, rank)
+        cp = ControlPlane(self._store, rank, init_info.world_size, init_info.timeout_s)
+        cp.join()
+        self.cp, self.rank, self.seq = cp, rank, 0
+
+    def _cp(self) -> ControlPlane:
+        if self.cp is None:
+            raise RuntimeError("the IPC transfer engine is not initialised (init_weight_transfer_engine)")
+        return self.cp
+
+    def reject_update(self, error: BaseException) -> None:
+        """Veto this round in the wire agreement, then raise ``error``."""
+        cp = self._cp()
+        self.seq += 1
+        agree(cp, self.seq, None, f"{type(error).__name__}: {error}")
+        raise error
+
+    def _buffer(self, msg: Mapping[str, Any]) -> tuple[torch.Tensor, bool]:
+        slot = msg.get("slot")
+        handles = msg.get("handles")
+        if not isinstance(slot, int) or not isinstance(handles, Mapping):
+            raise ValueError(f"malformed IPC chunk message (slot={slot!r})")
+        if slot < 0:
+            return _import(handles, self.device), True
+        seg = str(msg.get("segment"))
+        cached = self._mapped.get(slot)
+        if cached is None or cached[0] != seg:
+            self._mapped[slot] = (seg, _import(handles, self.device))
+        return self._mapped[slot][1], False
+
+    def receive_weights(
+        self, update_info: UpdateInfo, load_weights: LoadFn, local_check: LocalCheck | None = None
+    ) -> None:
+        """Receive one update chunk by chunk from the shared buffers (rules 3-4).
+
+        Raises:
+            ValueError: ``local_check`` vetoed; a malformed handle; no handle for this device.
+            WireMismatchError: a peer vetoed or disagrees on the wire description.
+            ChecksumMismatchError: ``verify`` and a chunk's CRC differs from the producer's.
+            PeerFailedError / TransferTimeoutError: a peer failed or missed a deadline.
+        """
+        cp = self._cp()
+        self.seq += 1
+        seq = self.seq
+        veto: BaseException | None = None
+        if local_check is not None:
+            try:
+                local_check(update_info)
+            except ValueError as exc:
+                veto = exc
+        agree(cp, seq, None if veto else wire_description(update_info), None if veto is None else f"{veto}")
+        if veto is not None:
+            raise veto
+        metas = update_info.metas()
+        buckets = plan_buckets(
+            [m.nbytes for m in metas], update_info.packed_buffer_size_bytes, update_info.packed
+        )
+        for b in buckets:
+            msg = cp.get(f"r{seq}/c{b.number}", PHASE_CHUNK, 0)
+            if "abort" in msg:
+                self._raise_abort(seq, msg["abort"])
+            try:
+                self._consume(b, msg, metas, load_weights, update_info.verify, seq)
+            except Exception as exc:
+                cp.post(f"r{seq}/a{b.number}", {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, seq)
+                raise
+            cp.post(f"r{seq}/a{b.number}", {"ok": True}, seq)
+        verdict = cp.get(f"r{seq}/done", PHASE_ACK, 0)
+        if not verdict.get("ok"):
+            self._raise_abort(seq, verdict)
+
+    def _raise_abort(self, seq: int, verdict: Mapping[str, Any]) -> None:
+        failed = [(int(r), str(e)) for r, e in verdict.get("failed", [])]
+        raise PeerFailedError(
+            [r for r, _ in failed],
+            f"{PHASE_ACK} (round {seq})",
+            "; ".join(f"rank {r}: {e}" for r, e in failed) + "; every rank aborts this update",
+        )
+
+    def _consume(
+        self,
+        b: Bucket,
+        msg: Mapping[str, Any],
+        metas: Sequence[TensorMeta],
+        load: LoadFn,
+        verify: bool,
+        seq: int,
+    ) -> None:
+        if msg.get("nbytes") != b.nbytes:
+            raise ValueError(f"chunk {b.number} announces {msg.get('nbytes')!r} bytes, plan says {b.nbytes}")
+        buf, temp = self._buffer(msg)
+        try:
+            if buf.numel() < b.nbytes:
+                raise ValueError(
+                    f"shared buffer of {buf.numel()} bytes cannot hold chunk {b.number} ({b.nbytes})"
+                )
+            view = buf[: b.nbytes]
+            if verify and crc32(view) != msg.get("crc"):
+                raise ChecksumMismatchError(
+                    f"chunk {b.number} of round {seq}: CRC32 {crc32(view):#010x} on rank {self.rank} != "
+                    f"producer's {msg.get('crc')!r} (verify=True)"
+                )
+            pairs = unpack_bucket(view, b, metas)
+            if self.device.type == "cuda":  # pragma: no cover - needs CUDA
+                pairs = [(name, t.clone()) for name, t in pairs]
+            load(pairs)
+            if self.device.type == "cuda":  # pragma: no cover - needs CUDA
+                torch.cuda.current_stream(self.device).synchronize()
+        finally:
+            if temp:
+                del buf
+
+    def shutdown(self) -> None:
+        """Drop mappings and the store connection (idempotent)."""
+        self._mapped.clear()
+        self.cp = None
+        self._store = None
+
+    @staticmethod
+    def trainer_init(init_info: Mapping[str, Any], device: torch.device | str = "cpu") -> IPCTrainer:
+        """Host the store as rank 0; the result goes in ``trainer_args['group']``."""
+        return IPCTrainer(init_info, device)
+
+    @staticmethod
+    def trainer_send_weights(
+        iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: Mapping[str, Any]
+    ) -> None:
+        """Send one update through shared memory.
+
+        Args:
+            iterator: ``(name, tensor)`` in the engines' ``update_info['names']`` order.
+            trainer_args: ``group`` (an :class:`IPCTrainer`) plus ``packed``, ``packed_buffer_size_bytes``,
+                ``packed_num_buffers``, ``verify`` (must equal the engines').
+
+        Raises:
+            ValueError: no ``group`` or a bad argument; otherwise as :meth:`IPCTrainer.send`.
+        """
+        group = trainer_args.get("group")
+        if not isinstance(group, IPCTrainer):
+            raise ValueError(
+                f"trainer_args['group'] must be the IPCTrainer from trainer_init, got {type(group).__name__}"
+            )
+        group.send(iterator, SendArgs.parse(trainer_args))
+
+
+__all__ = ["IPCTrainer", "IPCWeightTransferEngine", "decode_cuda_handle", "encode_cuda_handle", "gpu_uuid"]
