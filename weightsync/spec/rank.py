@@ -136,6 +136,9 @@ GUARDS: dict[str, Callable[[RankVars, Args], bool]] = {
         )
     ),
     # pause
+    "pause_abort": lambda v, a: PauseMode(a["mode"]) is PauseMode.ABORT,
+    "pause_abort_idle": lambda v, a: PauseMode(a["mode"]) is PauseMode.ABORT and not v.engines_running,
+    "pause_abort_busy": lambda v, a: PauseMode(a["mode"]) is PauseMode.ABORT and v.engines_running,
     "pause_drains_now": _drains_now,
     "pause_must_drain": lambda v, a: not _drains_now(v, a),
     "pause_idle_fast_path": lambda v, a: _drains_now(v, a) and not v.engines_running,
@@ -317,8 +320,10 @@ def two_phase_table(epoch: bool) -> Table:
     """vLLM PR #39366 as shipped (``epoch=False``) or weightsync's ``two-phase-epoch`` fix (``epoch=True``)."""
     rows = _running_rows()
     pause_updates = ("set_pause_state", "set_pending_pause", "set_engines_running")
+    # Only mode=abort aborts requests (reference s4); keep freezes them and wait drains the running ones.
     rows[(_S.RUNNING, _E.PAUSE)] = (
-        _t("pause_drains_now", _S.PAUSED, pause_updates, ("abort_requests",), R39366 + " phase 1"),
+        _t("pause_abort", _S.PAUSED, pause_updates, ("abort_requests",), R39366 + " phase 1 (abort)"),
+        _t("pause_drains_now", _S.PAUSED, pause_updates, (), R39366 + " phase 1"),
         _t("pause_must_drain", _S.PAUSING, pause_updates, (), R39366 + " phase 1 (wait drains)"),
     )
     for s in (_S.PAUSING, _S.PAUSED):
@@ -389,15 +394,18 @@ def _engine_pause_table(ignore_waves_while_paused: bool) -> Table:
     rows = _running_rows()
     honour = not ignore_waves_while_paused
     pause_updates = ("set_pause_state",)
+    fast = "issue #36594: an idle engine completes pause at once"
     rows[(_S.RUNNING, _E.PAUSE)] = (
         _t(
-            "pause_idle_fast_path",
+            "pause_abort_idle",
             _S.VERIFIED,
             pause_updates,
             ("abort_requests", "clear_cache", "reply_pause"),
-            "issue #36594: an idle engine completes pause at once",
+            fast + " (abort)",
         ),
-        _t("pause_drains_now_busy", _S.PAUSED, pause_updates, ("abort_requests",), "reference s4"),
+        _t("pause_idle_fast_path", _S.VERIFIED, pause_updates, ("clear_cache", "reply_pause"), fast),
+        _t("pause_abort_busy", _S.PAUSED, pause_updates, ("abort_requests",), "reference s4 (abort)"),
+        _t("pause_drains_now_busy", _S.PAUSED, pause_updates, (), "reference s4"),
         _t("pause_must_drain", _S.PAUSING, pause_updates, (), "reference s4 (wait drains)"),
     )
     for s in (_S.PAUSING, _S.PAUSED):
@@ -549,18 +557,32 @@ def spec_digest() -> str:
     return table_digest((), *(v.digest() for v in VARIANTS.values()), worker_table_digest())
 
 
-def select(table: Table, v: RankVars, event: RankEvent, args: Args) -> Transition | None:
-    """The transition ``event`` takes from ``v`` under ``table`` (first guard that holds), or None."""
+def select(
+    table: Table,
+    v: RankVars,
+    event: RankEvent,
+    args: Args,
+    guards: Mapping[str, Callable[[RankVars, Args], bool]] = GUARDS,
+) -> Transition | None:
+    """The transition ``event`` takes from ``v`` under ``table`` (first guard that holds), or None.
+
+    ``guards`` defaults to :data:`GUARDS`; the model checker's mutation test passes an extended registry.
+    """
     for tr in table.get((v.state, event), ()):
-        if tr.guard == ALWAYS or GUARDS[tr.guard](v, args):
+        if tr.guard == ALWAYS or guards[tr.guard](v, args):
             return tr
     return None
 
 
-def apply(v: RankVars, tr: Transition, args: Args) -> RankVars:
+def apply(
+    v: RankVars,
+    tr: Transition,
+    args: Args,
+    updates: Mapping[str, Callable[[RankVars, Args], RankVars]] = UPDATES,
+) -> RankVars:
     """Apply ``tr``'s updates to ``v`` and move to its target (pure; used by the model's hot loop)."""
     for name in tr.updates:
-        v = UPDATES[name](v, args)
+        v = updates[name](v, args)
     return v._replace(state=tr.target)
 
 

@@ -1,0 +1,469 @@
+"""``weightsync check``: explore a variant's N-rank product and check every named property.
+
+Properties (name -> statement, source) are listed in :data:`PROPERTIES`. Safety properties are checked on
+the fly by :func:`weightsync.model.explorer.explore`; progress properties by reverse reachability over the
+integer-indexed edge list (every reachable state must be able to reach a goal state; this also catches
+livelocks, reference section 10); non-vacuity ("sometimes") properties by witnesses seen while exploring.
+With ``symmetry`` on, progress is "not checked" (symmetry reduction can hide liveness violations).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.model.explorer import Exploration, Violation, build_reverse_csr, explore, reverse_reachable_csr
+from weightsync.model.system import G, Bounds, Config, Label, Model, Step, describe
+from weightsync.spec.states import PauseMode
+
+HOLDS, VIOLATED, NOT_CHECKED = "holds", "violated", "not checked"
+
+#: name -> (one-line statement, source).
+PROPERTIES: dict[str, tuple[str, str]] = {
+    "collectives_match": (
+        "never two ranks blocked in different collectives, and each rank's recorded collective is the one "
+        "it is blocked in",
+        "reference s6/s10 (a deadlock is ranks waiting in different collectives); blog DP=2 scenario",
+    ),
+    "no_one_sided_collective": (
+        "no state without successors in which a rank (or the trainer) is blocked in a collective",
+        "vLLM issue #36594 (600 s one-sided collective)",
+    ),
+    "no_deadlock": (
+        "every state without successors is a legitimate end (controller done, requests finished, channels "
+        "empty, every rank running and unpaused)",
+        "reference s10",
+    ),
+    "quiescence": (
+        "no rank steps or enters a DP collective while another rank is inside a weight-transfer collective",
+        "vLLM issue #36594; PR #39366 guarantee (reference s6)",
+    ),
+    "phase_bracketing": (
+        "no protocol error: every call the controller makes and every message a rank receives is legal in "
+        "its state (no ERROR state), and no reply arrives for a call not made",
+        "reference s2 (four-phase API), h11-style fail-closed tables",
+    ),
+    "request_conservation": (
+        "each admitted request is in exactly one place; requests are aborted only in abort mode (keep and "
+        "wait keep every request)",
+        "reference s4 (pause modes)",
+    ),
+    "version_agreement": (
+        "when the controller's resume has returned, every rank reports the same weight_version",
+        "weightsync (RFC #31848: vLLM has no version counter)",
+    ),
+    "progress_pause": (
+        "every pause can reach all-verified (all pause replies)",
+        "PR #39366 liveness: every DP engine receives pause",
+    ),
+    "progress_resume": (
+        "every resume can reach all-running (all resume replies)",
+        "PR #39366 liveness: every rank receives resume (the barrier)",
+    ),
+    "progress_requests": (
+        "every admitted request can finish or be aborted",
+        "reference s4; AReaL #1160 (every pause followed by resume)",
+    ),
+    "sometimes_all_verified": (
+        "non-vacuity: some reachable state has every rank verified",
+        "reference s10",
+    ),
+    "sometimes_update_with_wave_in_flight": (
+        "non-vacuity: some weight broadcast completes while a START_DP_WAVE is in flight",
+        "reference s10",
+    ),
+}
+SAFETY = (
+    "collectives_match",
+    "no_one_sided_collective",
+    "no_deadlock",
+    "quiescence",
+    "phase_bracketing",
+    "request_conservation",
+    "version_agreement",
+)
+PROGRESS = ("progress_pause", "progress_resume", "progress_requests")
+SOMETIMES = ("sometimes_all_verified", "sometimes_update_with_wave_in_flight")
+#: Tie-break among violations at the same depth.
+PRIORITY = {name: k for k, name in enumerate(SAFETY + PROGRESS + SOMETIMES)}
+
+
+@dataclass
+class ModeResult:
+    """The check of one pause mode.
+
+    Attributes:
+        mode: the pause mode.
+        states, transitions, depth, seconds: exploration figures (depth: BFS levels, TLC convention).
+        properties: name -> holds / violated / not checked.
+        counterexample: the shortest violation's record (see :func:`counterexample_record`), or None.
+        complete: False if ``max_states`` stopped the exploration.
+        model, exploration: kept when asked (``keep=True``) for export / replay.
+    """
+
+    mode: PauseMode
+    states: int
+    transitions: int
+    depth: int
+    seconds: float
+    properties: dict[str, str]
+    counterexample: dict[str, Any] | None
+    complete: bool
+    model: Model | None = None
+    exploration: Exploration[G] | None = field(default=None, repr=False)
+
+
+def build_model(
+    variant: str,
+    ranks: int,
+    mode: PauseMode | str = PauseMode.KEEP,
+    channels: str = "per-socket",
+    bounds: Bounds | None = None,
+    **model_kwargs: Any,
+) -> Model:
+    """The model of ``variant`` with ``ranks`` DP ranks, one pause mode, channel semantics and bounds."""
+    return Model(Config(variant, ranks, PauseMode(mode), channels, bounds or Bounds()), **model_kwargs)
+
+
+def check_mode(
+    model: Model,
+    *,
+    symmetry: bool = False,
+    progress: bool = True,
+    max_states: int = 20_000_000,
+    stop_at_first: bool = False,
+    keep: bool = False,
+    keep_labels: bool = False,
+) -> ModeResult:
+    """Explore ``model`` exhaustively and check every property of :data:`PROPERTIES`."""
+    t0 = time.perf_counter()
+    do_progress = progress and not symmetry and not stop_at_first
+    ex = explore(
+        [model.initial()],
+        model.successors,
+        invariant=model.invariant,
+        edge_check=model.edge_check,
+        terminal_check=model.terminal_check,
+        canon=model.canon if symmetry else None,
+        keep_edges=do_progress or keep_labels,
+        keep_labels=keep_labels,
+        max_states=max_states,
+        stop_at_first=stop_at_first,
+    )
+    props: dict[str, str] = {}
+    complete = ex.complete
+    for name in SAFETY:
+        if name in ex.violations:
+            props[name] = VIOLATED
+        else:
+            props[name] = HOLDS if complete else NOT_CHECKED
+    if do_progress and complete and ex.src is not None and ex.dst is not None:
+        _progress(model, ex, props)
+    else:
+        for name in PROGRESS:
+            props[name] = NOT_CHECKED
+    wit = {
+        "sometimes_all_verified": model.seen_all_verified,
+        "sometimes_update_with_wave_in_flight": model.seen_update_with_wave_in_flight,
+    }
+    for name, seen in wit.items():
+        props[name] = HOLDS if seen else (VIOLATED if complete else NOT_CHECKED)
+    cx = None
+    if ex.violations:
+        # safety first (a concrete dead end or bad state), then progress; shortest within the group
+        v = min(
+            ex.violations.values(),
+            key=lambda v: (v.property in PROGRESS, _vdepth(ex, v), PRIORITY[v.property]),
+        )
+        cx = counterexample_record(model, ex, v, symmetry=symmetry)
+    elif VIOLATED in props.values():
+        name = next(n for n in SOMETIMES if props[n] == VIOLATED)
+        cx = {"property": name, "mode": model.mode.value, "steps": [], "records": [],
+              "note": "no reachable state or transition witnesses this; the check would be vacuous"}
+    seconds = time.perf_counter() - t0
+    return ModeResult(
+        model.mode,
+        len(ex.states),
+        ex.transitions,
+        ex.depth,
+        seconds,
+        props,
+        cx,
+        complete,
+        model if keep else None,
+        ex if keep else None,
+    )
+
+
+def _vdepth(ex: Exploration[G], v: Violation) -> int:
+    return int(ex.level[v.state]) + (1 if v.label is not None else 0)
+
+
+def _progress(model: Model, ex: Exploration[G], props: dict[str, str]) -> None:
+    """Reverse reachability from each progress goal over the int-indexed edges."""
+    assert ex.src is not None and ex.dst is not None
+    n = len(ex.states)
+    start, rev = build_reverse_csr(n, ex.src, ex.dst)
+    bad_states = {v.state for v in ex.violations.values() if v.label is None}
+    goals = {
+        "progress_pause": model.goal_pause,
+        "progress_resume": model.goal_resume,
+        "progress_requests": model.goal_requests,
+    }
+    for name, goal in goals.items():
+        ok = reverse_reachable_csr(n, start, rev, (i for i, s in enumerate(ex.states) if goal(s)))
+        stuck = next((i for i in range(n) if not ok[i] and i not in bad_states), None)
+        if stuck is None:
+            props[name] = HOLDS
+        else:
+            props[name] = VIOLATED
+            ex.violations[name] = Violation(name, stuck)
+
+
+def concrete_path(model: Model, ex: Exploration[G], i: int, symmetry: bool) -> list[tuple[G, Label, G]]:
+    """The shortest path to state ``i`` as concrete ``(state, label, next_state)`` edges of ``model``.
+
+    Under symmetry reduction the stored states are canonical; the path is re-derived concretely by
+    choosing, at every step, a successor whose canonical form is the next stored state."""
+    path = ex.path(i)
+    out: list[tuple[G, Label, G]] = []
+    if not symmetry:
+        for (_, a), (lab, b) in zip(path, path[1:], strict=False):
+            out.append((ex.states[a], lab, ex.states[b]))
+        return out
+    cur = model.initial()
+    for _, b in path[1:]:
+        target = ex.states[b]
+        for lab, t in model.successors(cur):
+            if model.canon(t) == target:
+                out.append((cur, lab, t))
+                cur = t
+                break
+        else:  # pragma: no cover - canon not in the orbit
+            raise RuntimeError("cannot concretize a symmetric counterexample path")
+    return out
+
+
+def counterexample_record(model: Model, ex: Exploration[G], v: Violation, *, symmetry: bool = False) -> dict[str, Any]:
+    """A counterexample as a dict: ``property``, ``mode``, ``statement``, ``steps`` (numbered strings) and
+    ``records`` (structured :class:`~weightsync.model.system.Step` dicts), and ``labels`` (the model's
+    successor labels, for replay)."""
+    edges = concrete_path(model, ex, v.state, symmetry)
+    if v.label is not None:
+        src = edges[-1][2] if edges else model.initial()
+        if symmetry:
+            cand = [(lab, t) for lab, t in model.successors(src) if v.property in model.edge_check(src, lab, t)]
+            lab, t = cand[0]
+        else:
+            lab, t = v.label, v.target
+        edges.append((src, lab, t))
+    steps = [describe(model, a, lab, b) for a, lab, b in edges]
+    texts = [f"{k}. {st.text}" for k, st in enumerate(steps, start=1)]
+    final = edges[-1][2] if edges else model.initial()
+    texts.append(f"{len(steps) + 1}. => {violation_text(model, v.property, final)}")
+    return {
+        "property": v.property,
+        "mode": model.mode.value,
+        "statement": PROPERTIES[v.property][0],
+        "steps": texts,
+        "records": [st._asdict() for st in steps],
+        "labels": [list(lab) for _, lab, _ in edges],
+    }
+
+
+def violation_text(model: Model, prop: str, s: G) -> str:
+    """One line describing how ``s`` violates ``prop``."""
+    blocked = [f"rank {i} in {r.blocked}" for i, r in enumerate(s.ranks) if r.blocked]
+    if s.trainer[0]:
+        blocked.append(f"trainer in {s.trainer[0]}")
+    states = ", ".join(f"rank {i} {r.vars.state.value}" for i, r in enumerate(s.ranks))
+    if prop == "no_one_sided_collective":
+        return f"one-sided collective: no transition enabled; blocked: {', '.join(blocked)}; {states}"
+    if prop == "no_deadlock":
+        return f"deadlock: no transition enabled and not a legitimate end; {states}"
+    if prop == "collectives_match":
+        return f"collectives do not match: {', '.join(blocked)}"
+    if prop == "quiescence":
+        return f"quiescence violated: a rank stepped into a DP collective; {', '.join(blocked)}"
+    if prop.startswith("progress_"):
+        return f"{prop}: from here no path reaches the goal ({PROPERTIES[prop][0]}); {states}"
+    return f"{prop} violated: {PROPERTIES[prop][0]}; {states}"
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def check(
+    variant: str,
+    ranks: int,
+    *,
+    mode: str = "all",
+    channels: str = "per-socket",
+    bounds: Bounds | None = None,
+    symmetry: bool = False,
+    max_states: int = 20_000_000,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run ``weightsync check`` and return its JSON object (design.md section 5).
+
+    Keys: variant, ranks, verdict ("verified" | "counterexample" | "incomplete"), states, transitions
+    (summed over modes), depth (max), seconds, symmetry, properties, bounds, channels, mode, per_mode,
+    peak_rss_mb, and for a violation ``counterexample {property, mode, steps, records, labels}``.
+    """
+    b = bounds or Bounds()
+    modes = list(PauseMode) if mode == "all" else [PauseMode(mode)]
+    t0 = time.perf_counter()
+    results = [
+        check_mode(
+            build_model(variant, ranks, m, channels, b),
+            symmetry=symmetry,
+            max_states=max_states,
+            progress=progress,
+        )
+        for m in modes
+    ]
+    props: dict[str, str] = {}
+    for name in PROPERTIES:
+        vals = [r.properties[name] for r in results]
+        props[name] = VIOLATED if VIOLATED in vals else (HOLDS if all(x == HOLDS for x in vals) else NOT_CHECKED)
+    cxs = [r.counterexample for r in results if r.counterexample is not None]
+    complete = all(r.complete for r in results)
+    if cxs:
+        verdict = "counterexample"
+    elif not complete:
+        verdict = "incomplete"
+    else:
+        verdict = "verified"
+    out: dict[str, Any] = {
+        "variant": variant,
+        "ranks": ranks,
+        "verdict": verdict,
+        "states": sum(r.states for r in results),
+        "transitions": sum(r.transitions for r in results),
+        "depth": max(r.depth for r in results),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "symmetry": symmetry,
+        "properties": props,
+        "bounds": b._asdict(),
+        "channels": channels,
+        "mode": mode,
+        "complete": complete,
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "per_mode": {
+            r.mode.value: {
+                "states": r.states,
+                "transitions": r.transitions,
+                "depth": r.depth,
+                "seconds": round(r.seconds, 3),
+                "verdict": "counterexample" if r.counterexample else ("verified" if r.complete else "incomplete"),
+            }
+            for r in results
+        },
+    }
+    if cxs:
+        out["counterexample"] = min(cxs, key=lambda c: (len(c["steps"]) == 1, len(c["steps"])))
+    return out
+
+
+def counterexample_mermaid(cx: dict[str, Any], ranks: int, title: str = "") -> str:
+    """A counterexample record (from :func:`check` / :func:`counterexample_record`) as a Mermaid
+    ``sequenceDiagram`` with one lane per process: controller, front-end, coordinator, trainer, rank 0..N-1."""
+    lanes = ["controller", "front-end", "coordinator", "trainer", *(f"rank {i}" for i in range(ranks))]
+    ids = {name: name.replace(" ", "").replace("-", "") for name in lanes}
+
+    def clean(x: str) -> str:
+        return x.replace(";", ",").replace("#", "no. ").replace("\n", " ")
+
+    lines = ["sequenceDiagram"]
+    if title:
+        lines.insert(0, f"%% {clean(title)}")
+    for name in lanes:
+        lines.append(f"    participant {ids[name]} as {name}")
+    for k, rec in enumerate(cx.get("records", []), start=1):
+        st = Step(**rec)
+        lanes_ = [ln for ln in st.lanes if ln in ids]
+        text = clean(f"{k}. {st.text}")
+        if st.action in ("fans out", "sends") and st.lane_from in ids and lanes_:
+            lines.append(f"    {ids[st.lane_from]}-){ids[lanes_[0]]}: {text}")
+        elif st.process == "coordinator":
+            lines.append(f"    Note over {ids['coordinator']}: {text}")
+        elif len(lanes_) > 1:
+            lines.append(f"    Note over {ids[lanes_[0]]},{ids[lanes_[-1]]}: {text}")
+        elif lanes_:
+            lines.append(f"    Note over {ids[lanes_[0]]}: {text}")
+    if cx.get("steps"):
+        lines.append(f"    Note over {ids['controller']},{ids[lanes[-1]]}: {clean(cx['steps'][-1])}")
+    return "\n".join(lines) + "\n"
+
+
+def state_graph(
+    variant: str = "two-phase-epoch",
+    ranks: int = 2,
+    mode: PauseMode | str = PauseMode.KEEP,
+    channels: str = "per-socket",
+    bounds: Bounds | None = None,
+) -> Any:
+    """The explored state graph as a ``networkx.DiGraph`` (meant for N=2): nodes are state indices with
+    scalar attributes only (``repr``, ``level``, ``initial``, per-rank ``state_i`` / ``wave_i``, ``phase``,
+    ``end``), edges carry the human ``label``. GraphML-safe."""
+    import networkx as nx
+
+    from weightsync.model.explorer import to_networkx
+
+    model = build_model(variant, ranks, mode, channels, bounds)
+    ex = explore(
+        [model.initial()],
+        model.successors,
+        invariant=model.invariant,
+        edge_check=model.edge_check,
+        terminal_check=model.terminal_check,
+        keep_edges=True,
+        keep_labels=True,
+    )
+
+    def attrs(s: G) -> dict[str, Any]:
+        d: dict[str, Any] = {"phase": int(s.ctrl[0]), "end": model.is_end(s), "violation": bool(model.invariant(s))}
+        for i, r in enumerate(s.ranks):
+            d[f"state_{i}"] = r.vars.state.value
+            d[f"wave_{i}"] = int(r.vars.current_wave)
+            d[f"blocked_{i}"] = r.blocked
+        return d
+
+    g = to_networkx(ex, attrs)
+    assert ex.src is not None and ex.dst is not None and ex.labels is not None
+    for k, (a, b) in enumerate(zip(ex.src, ex.dst, strict=True)):
+        g.edges[int(a), int(b)]["label"] = describe(model, ex.states[a], ex.labels[k], ex.states[b]).text
+    g.graph.update(
+        {"variant": variant, "ranks": ranks, "mode": PauseMode(mode).value, "channels": channels,
+         "bounds": repr(model.config.bounds), "symmetry": False, "states": len(ex.states),
+         "transitions": ex.transitions}
+    )
+    assert isinstance(g, nx.DiGraph)
+    return g
+
+
+def step_edge(model: Model, s: G, label: Label) -> G | None:
+    """Validate one recorded step: the successor of ``s`` along ``label`` if that is an edge of the model,
+    else None (trace validation / replay)."""
+    lab = tuple(label)
+    for l2, t in model.successors(s):
+        if l2 == lab:
+            return t
+    return None
+
+
+def replay_labels(model: Model, labels: list[Any]) -> tuple[list[G], int | None]:
+    """Replay a label sequence from the initial state; returns the visited states and the index of the
+    first label that is not an edge (None when every step is an edge)."""
+    cur = model.initial()
+    seen = [cur]
+    for k, lab in enumerate(labels):
+        nxt = step_edge(model, cur, lab)
+        if nxt is None:
+            return seen, k
+        cur = nxt
+        seen.append(cur)
+    return seen, None

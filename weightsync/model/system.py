@@ -1,0 +1,858 @@
+"""The global model: N rank machines x DP coordinator x API front-end x controller x trainer x channels.
+
+Each rank's protocol state is a :class:`~weightsync.spec.rank.RankVars` advanced *only* through
+:func:`weightsync.spec.rank.select` / :func:`~weightsync.spec.rank.apply` on the variant's table; this
+module interprets the table's *effects* symbolically (reference section 10, design.md section 3):
+
+- ``queue_request`` / ``abort_requests`` / ``execute_step`` / ``clear_cache``: scheduler changes on the rank;
+- ``emit_start_wave`` / ``emit_wave_complete``: a message on the rank's socket to the DP coordinator;
+- ``enter_<collective>``: the rank is blocked in that collective until every member entered it;
+- ``reply`` / ``reply_pause`` / ``reply_resume``: the controller sees the rank's reply;
+- ``front_end_gate`` / ``front_end_ungate``: the API front-end holds / releases new requests.
+
+Processes (reference sections 1, 5, 6):
+
+- **Ranks**: take one input (the head of one of their FIFOs) or run one loop step per transition.
+- **DP coordinator** (vLLM's ``DPCoordinator``): ``(current_wave, engines_running)``.
+- **Front-end**: stamps each request with its believed wave, sends ADD to any rank, and FIRST_REQ to the
+  coordinator when it believes engines idle; a nondeterministic stats refresh copies the coordinator's
+  ``(current_wave, engines_running)`` (the 100 ms stats).
+- **Controller** (the RL orchestrator, its own socket per rank): pause -> start -> update (with the trainer
+  joining the broadcast) -> finish -> resume, or pause -> resume; at most ``cycles`` cycles, started at
+  any point.
+- **Trainer**: the sender of the weight broadcast.
+
+Channels: ``per-socket`` (default): one FIFO per (source, destination, socket) -- front-end->rank (ADD),
+controller->rank (utility calls), coordinator->rank (START_DP_WAVE), rank->coordinator, front-end->
+coordinator -- mutually unordered, and fan-outs reach ranks one at a time in any order. ``ordered``: one
+FIFO per destination for everything sent to it, and atomic fan-outs.
+
+The global state is a plain tuple (see :class:`G`); everything in it is hashable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from weightsync.spec.table import Transition
+from weightsync.spec.rank import GUARDS, UPDATES, RankVars, Table, Variant, apply, get_variant, select
+from weightsync.spec.states import (
+    DP_COLLECTIVES,
+    PauseMode,
+    PauseState,
+    RankEvent,
+    RankState,
+    schedulable,
+    unfinished_for_sync,
+)
+
+# Controller phases.
+IDLE, PAUSE, START, UPDATE, FINISH, RESUME = range(6)
+PHASE_CALL = {
+    PAUSE: "pause",
+    START: "start_weight_update",
+    UPDATE: "update_weights",
+    FINISH: "finish_weight_update",
+    RESUME: "resume",
+}
+CALL_EVENT = {
+    "pause": RankEvent.PAUSE,
+    "resume": RankEvent.RESUME,
+    "start_weight_update": RankEvent.START_UPDATE,
+    "update_weights": RankEvent.UPDATE_WEIGHTS,
+    "finish_weight_update": RankEvent.FINISH_UPDATE,
+}
+# Controller per-rank call status.
+NOT_SENT, SENT, REPLIED, SPURIOUS = 0, 1, 2, 3
+
+# Per-socket rank input FIFOs.
+F_ADD, F_CTRL, F_WAVE = 0, 1, 2
+
+DONE_EVENT = {
+    "dp_step": RankEvent.DP_STEP_DONE,
+    "dp_sync": RankEvent.DP_SYNC_DONE,
+    "resume_barrier": RankEvent.RESUME_BARRIER_DONE,
+    "weight_broadcast": RankEvent.WEIGHT_BROADCAST_DONE,
+    "transfer_init": RankEvent.TRANSFER_INIT_DONE,
+}
+ENTER_EFFECT = {f"enter_{k}": k for k in DONE_EVENT}
+DP_KINDS = frozenset(str(c.value) for c in DP_COLLECTIVES)
+TRANSFER_KINDS = frozenset({"weight_broadcast", "transfer_init"})
+
+
+class Bounds(NamedTuple):
+    """Bounds of the model.
+
+    Attributes:
+        requests: client requests in total (R).
+        cycles: pause/update/resume cycles the controller may run (C).
+        sync_interval: K, the DP sync all-reduce every K steps (vLLM: 32, PR #21617).
+        tokens: steps each request needs to finish (>= 2 lets keep mode freeze a request mid-generation).
+        clear_cache: the pause's ``clear_cache`` argument (vLLM default True).
+    """
+
+    requests: int = 1
+    cycles: int = 1
+    sync_interval: int = 2
+    tokens: int = 2
+    clear_cache: bool = True
+
+
+class Config(NamedTuple):
+    """One model instance: variant, number of DP ranks, pause mode, channel semantics and bounds."""
+
+    variant: str = "two-phase-epoch"
+    ranks: int = 2
+    mode: PauseMode = PauseMode.KEEP
+    channels: str = "per-socket"
+    bounds: Bounds = Bounds()
+
+
+class Rank(NamedTuple):
+    """One rank's slice of the global state.
+
+    Attributes:
+        vars: protocol variables (advanced only by the table).
+        blocked: the collective the rank is blocked in according to the effects it fired ("" if none).
+        waiting: scheduler waiting queue, sorted ``(request, tokens_left)``.
+        running: scheduler running batch, sorted ``(request, tokens_left)``.
+        inq: input FIFOs (per-socket: ADD, controller, wave; ordered: one).
+        outq: FIFO to the coordinator (per-socket only; ordered mode uses the coordinator's single FIFO).
+        status: the controller's current call to this rank: 0 not sent, 1 sent, 2 replied, 3 spurious reply.
+    """
+
+    vars: RankVars
+    blocked: str
+    waiting: tuple[tuple[int, int], ...]
+    running: tuple[tuple[int, int], ...]
+    inq: tuple[tuple[tuple[Any, ...], ...], ...]
+    outq: tuple[tuple[Any, ...], ...]
+    status: int
+
+
+class G(NamedTuple):
+    """Global state.
+
+    Attributes:
+        ranks: one :class:`Rank` per DP rank.
+        coord_q: the coordinator's input FIFOs other than the ranks' (per-socket: FIRST_REQ from the
+            front-end; ordered: the single FIFO of everything sent to the coordinator, with senders).
+        coord: ``(current_wave, engines_running)``.
+        front: ``(believed_wave, believed_running, next_request, gated)``.
+        ctrl: ``(phase, cycles_started)``.
+        trainer: ``(blocked, status)``.
+        done: finished requests (sorted).
+        aborted: aborted requests (sorted).
+    """
+
+    ranks: tuple[Rank, ...]
+    coord_q: tuple[tuple[tuple[Any, ...], ...], ...]
+    coord: tuple[int, bool]
+    front: tuple[int, bool, int, bool]
+    ctrl: tuple[int, int]
+    trainer: tuple[str, int]
+    done: tuple[int, ...]
+    aborted: tuple[int, ...]
+
+
+#: A compact transition label; see :meth:`Model.describe` for the human form.
+Label = tuple[Any, ...]
+
+
+class Model:
+    """The N-rank product of one :class:`Config`, with its successor function and property checks.
+
+    Args:
+        config: variant, N, mode, channels, bounds.
+        table: override the variant's table (mutation testing).
+        guards: guard registry (default :data:`weightsync.spec.rank.GUARDS`).
+        updates: update registry (default :data:`weightsync.spec.rank.UPDATES`).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        table: Table | None = None,
+        guards: Mapping[str, Callable[[RankVars, Mapping[str, Any]], bool]] | None = None,
+        updates: Mapping[str, Callable[[RankVars, Mapping[str, Any]], RankVars]] | None = None,
+    ) -> None:
+        if config.ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {config.ranks}")
+        if config.channels not in ("per-socket", "ordered"):
+            raise ValueError(f"channels must be 'per-socket' or 'ordered', got {config.channels!r}")
+        b = config.bounds
+        if b.sync_interval < 1 or b.tokens < 1 or b.requests < 0 or b.cycles < 0:
+            raise ValueError(f"bad bounds {b}")
+        self.config = config
+        self.variant: Variant = get_variant(config.variant)
+        self.table: Table = table if table is not None else self.variant.table
+        self.guards = guards if guards is not None else GUARDS
+        self.updates = updates if updates is not None else UPDATES
+        self.n = config.ranks
+        self.ordered = config.channels == "ordered"
+        self.mode = PauseMode(config.mode)
+        self.K = b.sync_interval
+        self.T = b.tokens
+        self.R = b.requests
+        self.C = b.cycles
+        self.clear = b.clear_cache
+        self._cache: dict[tuple[Any, ...], tuple[Transition | None, RankVars]] = {}
+        # non-vacuity witnesses, set while exploring
+        self.seen_all_verified = False
+        self.seen_update_with_wave_in_flight = False
+
+    # ------------------------------------------------------------------ state construction
+
+    def initial(self) -> G:
+        """Every rank running and idle, wave 0, no messages, controller idle, no request sent."""
+        nq = 1 if self.ordered else 3
+        r = Rank(RankVars(), "", (), (), ((),) * nq, (), NOT_SENT)
+        return G((r,) * self.n, ((),), (0, False), (0, False, 0, False), (IDLE, 0), ("", NOT_SENT), (), ())
+
+    # ------------------------------------------------------------------ the table
+
+    def fire(self, i: int, v: RankVars, event: RankEvent, extra: tuple[tuple[str, Any], ...]) -> tuple[Transition | None, RankVars]:
+        """Fire ``event`` on rank ``i`` with variables ``v`` through the table: ``(transition, new vars)``;
+        an illegal event gives ``(None, vars in ERROR)`` (the sticky error state)."""
+        key = (v, event, i, extra)
+        r = self._cache.get(key)
+        if r is None:
+            args: dict[str, Any] = {"rank": i, "dp_size": self.n, "sync_interval": self.K}
+            args.update(extra)
+            tr = select(self.table, v, event, args, self.guards)
+            if tr is None:
+                r = (None, v._replace(state=RankState.ERROR))
+            else:
+                r = (tr, apply(v, tr, args, self.updates))
+            self._cache[key] = r
+        return r
+
+    # ------------------------------------------------------------------ successors
+
+    def successors(self, s: G) -> list[tuple[Label, G]]:
+        """Every enabled transition of ``s`` as ``(label, next_state)``, in a deterministic order:
+        rank inputs and steps (rank by rank), collective completions, the coordinator, the front-end,
+        the controller and the trainer. Transitions that change nothing (an idle loop pass) are omitted."""
+        out: list[tuple[Label, G]] = []
+        n = self.n
+        ranks = s.ranks
+        for i in range(n):
+            rk = ranks[i]
+            if rk.blocked or rk.vars.state is RankState.ERROR:
+                continue
+            for f, q in enumerate(rk.inq):
+                if q:
+                    out.append((("recv", i, f), self._recv(s, i, f)))
+            t = self._step(s, i)
+            if t is not None:
+                out.append((("step", i), t))
+        # collectives
+        k0 = ranks[0].blocked
+        if k0 and all(r.blocked == k0 for r in ranks):
+            if k0 in DP_KINDS:
+                out.append((("done", k0), self._complete(s, k0)))
+            elif k0 == "weight_broadcast" and s.trainer[0] == k0:
+                out.append((("done", k0), self._complete(s, k0)))
+        # coordinator
+        for f, q in enumerate(s.coord_q):
+            if q:
+                out.append((("coord", -1, f), self._coord_recv(s, -1, f)))
+        if not self.ordered:
+            for i in range(n):
+                if ranks[i].outq:
+                    out.append((("coord", i, 0), self._coord_recv(s, i, 0)))
+        # front-end
+        bw, brun, nxt, gated = s.front
+        if nxt < self.R and not gated:
+            for i in range(n):
+                out.append((("send", i), self._send_request(s, i)))
+        if (bw, brun) != s.coord:
+            out.append((("refresh",), s._replace(front=(s.coord[0], s.coord[1], nxt, gated))))
+        # controller and trainer
+        self._controller(s, out)
+        return out
+
+    # -- ranks
+
+    def _has_work(self, rk: Rank) -> bool:
+        return schedulable(rk.vars.pause_state, len(rk.waiting), len(rk.running))
+
+    def _recv(self, s: G, i: int, f: int) -> G:
+        rk = s.ranks[i]
+        q = rk.inq[f]
+        msg = q[0]
+        inq = rk.inq[:f] + (q[1:],) + rk.inq[f + 1 :]
+        rk = rk._replace(inq=inq)
+        kind = msg[0]
+        if kind == "ADD":
+            return self._rank_event(s, i, rk, RankEvent.ADD, (("wave", msg[2]),), req=msg[1])
+        if kind == "W":
+            return self._rank_event(s, i, rk, RankEvent.START_DP_WAVE, (("exclude", msg[2]), ("wave", msg[1])))
+        call = msg[1]
+        ev = CALL_EVENT[call]
+        if ev is RankEvent.PAUSE:
+            extra: tuple[tuple[str, Any], ...] = (
+                ("clear_cache", self.clear),
+                ("mode", self.mode),
+                ("running", len(rk.running)),
+            )
+        else:
+            extra = ()
+        return self._rank_event(s, i, rk, ev, extra)
+
+    def _step(self, s: G, i: int) -> G | None:
+        rk = s.ranks[i]
+        t = self._rank_event(s, i, rk, RankEvent.STEP, (("has_work", self._has_work(rk)),))
+        return None if t == s else t
+
+    def _rank_event(
+        self, s: G, i: int, rk: Rank, event: RankEvent, extra: tuple[tuple[str, Any], ...], req: int = -1
+    ) -> G:
+        """Fire ``event`` on rank ``i`` (whose slice is already ``rk``) and interpret the effects."""
+        before = rk.vars
+        tr, after = self.fire(i, before, event, extra)
+        rk = rk._replace(vars=after)
+        if tr is None or not tr.effects:
+            ranks = s.ranks[:i] + (rk,) + s.ranks[i + 1 :]
+            return s._replace(ranks=ranks)
+        w = _Work(s)
+        w.ranks[i] = rk
+        for eff in tr.effects:
+            self._effect(w, i, eff, before, req)
+        return w.freeze()
+
+    def _effect(self, w: _Work, i: int, eff: str, before: RankVars, req: int) -> None:
+        rk = w.ranks[i]
+        if eff == "queue_request":
+            w.ranks[i] = rk._replace(waiting=tuple(sorted((*rk.waiting, (req, self.T)))))
+        elif eff == "execute_step":
+            ps = rk.vars.pause_state
+            waiting, running = rk.waiting, rk.running
+            if ps is PauseState.UNPAUSED:
+                running = tuple(sorted(running + waiting))
+                waiting = ()
+            if ps is not PauseState.PAUSED_ALL and running:
+                keep: list[tuple[int, int]] = []
+                for r, left in running:
+                    if left > 1:
+                        keep.append((r, left - 1))
+                    else:
+                        w.done.append(r)
+                running = tuple(keep)
+            w.ranks[i] = rk._replace(waiting=waiting, running=running)
+        elif eff in ENTER_EFFECT:
+            w.ranks[i] = rk._replace(blocked=ENTER_EFFECT[eff])
+        elif eff in ("reply", "reply_pause", "reply_resume"):
+            w.ranks[i] = rk._replace(status=REPLIED if rk.status == SENT else SPURIOUS)
+        elif eff == "abort_requests":
+            w.aborted.extend(r for r, _ in rk.waiting + rk.running)
+            w.ranks[i] = rk._replace(waiting=(), running=())
+        elif eff == "clear_cache":
+            if rk.vars.clear_cache and rk.running:
+                w.ranks[i] = rk._replace(waiting=tuple(sorted(rk.waiting + rk.running)), running=())
+        elif eff == "emit_wave_complete":
+            if i == 0:
+                self._to_coord(w, i, ("wave_complete", before.current_wave, i))
+        elif eff == "emit_start_wave":
+            self._to_coord(w, i, ("start_wave", rk.vars.current_wave, i))
+        elif eff == "front_end_gate":
+            w.front = (w.front[0], w.front[1], w.front[2], True)
+        elif eff == "front_end_ungate":
+            w.front = (w.front[0], w.front[1], w.front[2], False)
+        elif eff in ("start_weight_update", "finish_weight_update", "abort_request"):
+            pass  # worker machine calls / client ABORT: no protocol-visible change in this model
+        else:  # pragma: no cover - a table naming an effect the model does not know
+            raise ValueError(f"unknown effect {eff!r}")
+
+    def _to_coord(self, w: _Work, i: int, msg: tuple[Any, ...]) -> None:
+        if self.ordered:
+            w.coord_q = ((*w.coord_q[0], msg),)
+        else:
+            rk = w.ranks[i]
+            w.ranks[i] = rk._replace(outq=(*rk.outq, msg))
+
+    def _complete(self, s: G, kind: str) -> G:
+        """The joint completion of collective ``kind``: the outcome event fires on every member."""
+        ranks = s.ranks
+        ev = DONE_EVENT[kind]
+        common: tuple[tuple[str, Any], ...] = ()
+        if kind == "dp_sync":
+            su = sum(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
+            sp = sum(1 for r in ranks if r.vars.pending_pause)
+            common = (("sum_pending_pause", sp), ("sum_unfinished", su))
+        elif kind == "resume_barrier":
+            mu = max(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
+            mw = max(r.vars.current_wave for r in ranks)
+            common = (("max_unfinished", mu), ("max_wave", mw))
+        w = _Work(s)
+        for i in range(self.n):
+            rk = w.ranks[i]._replace(blocked="")
+            w.ranks[i] = rk
+            before = rk.vars
+            extra = (("has_work", self._has_work(rk)), *common)
+            tr, after = self.fire(i, before, ev, extra)
+            w.ranks[i] = rk._replace(vars=after)
+            if tr is not None:
+                for eff in tr.effects:
+                    self._effect(w, i, eff, before, -1)
+        if kind == "weight_broadcast":
+            w.trainer = ("", REPLIED if w.trainer[1] == SENT else SPURIOUS)
+        return w.freeze()
+
+    # -- coordinator (vLLM DPCoordinator, reference section 5)
+
+    def _coord_recv(self, s: G, src: int, f: int) -> G:
+        w = _Work(s)
+        if src < 0:
+            q = w.coord_q[f]
+            msg = q[0]
+            w.coord_q = w.coord_q[:f] + (q[1:],) + w.coord_q[f + 1 :]
+        else:
+            rk = w.ranks[src]
+            msg = rk.outq[0]
+            w.ranks[src] = rk._replace(outq=rk.outq[1:])
+        wave, running = w.coord
+        kind = msg[0]
+        if kind == "FIRST_REQ":
+            exclude, mw = msg[1], msg[2]
+            if mw < wave:
+                exclude = -1
+            if not running:
+                w.coord = (wave, True)
+                self._broadcast(w, wave, exclude)
+        elif kind == "start_wave":
+            sw, sender = msg[1], msg[2]
+            if sw > wave or (sw == wave and not running):
+                w.coord = (sw, True)
+                self._broadcast(w, sw, sender)
+        elif kind == "wave_complete":
+            if wave <= msg[1]:
+                w.coord = (msg[1] + 1, False)
+        return w.freeze()
+
+    def _broadcast(self, w: _Work, wave: int, exclude: int) -> None:
+        f = 0 if self.ordered else F_WAVE
+        for i in range(self.n):
+            rk = w.ranks[i]
+            q = rk.inq[f]
+            w.ranks[i] = rk._replace(inq=rk.inq[:f] + ((*q, ("W", wave, exclude)),) + rk.inq[f + 1 :])
+
+    # -- front-end
+
+    def _send_request(self, s: G, i: int) -> G:
+        bw, brun, nxt, gated = s.front
+        w = _Work(s)
+        f = 0 if self.ordered else F_ADD
+        rk = w.ranks[i]
+        w.ranks[i] = rk._replace(inq=rk.inq[:f] + ((*rk.inq[f], ("ADD", nxt, bw)),) + rk.inq[f + 1 :])
+        if not brun:
+            msg = ("FIRST_REQ", i, bw)
+            w.coord_q = ((*w.coord_q[0], msg),)
+            brun = True
+        w.front = (bw, brun, nxt + 1, gated)
+        return w.freeze()
+
+    # -- controller and trainer
+
+    def _all_replied(self, s: G, phase: int) -> bool:
+        if not all(r.status == REPLIED for r in s.ranks):
+            return False
+        return phase != UPDATE or s.trainer[1] == REPLIED
+
+    def _controller(self, s: G, out: list[tuple[Label, G]]) -> None:
+        phase, started = s.ctrl
+        nexts: list[int] = []
+        if phase == IDLE or (phase == RESUME and self._all_replied(s, phase)):
+            if started < self.C:
+                nexts = [PAUSE]
+        elif phase == PAUSE and self._all_replied(s, phase):
+            nexts = [START, RESUME]
+        elif phase == START and self._all_replied(s, phase):
+            nexts = [UPDATE]
+        elif phase == UPDATE and self._all_replied(s, phase):
+            nexts = [FINISH]
+        elif phase == FINISH and self._all_replied(s, phase):
+            nexts = [RESUME]
+        for nph in nexts:
+            started2 = started + 1 if nph == PAUSE else started
+            if self.variant.pause_in_front_end and nph in (PAUSE, RESUME):
+                out.append((("fe", PHASE_CALL[nph]), self._front_end_call(s, nph, started2)))
+            elif self.ordered:
+                out.append((("fan", PHASE_CALL[nph], -1), self._fan_out(s, nph, started2, None, True)))
+            else:
+                for i in range(self.n):
+                    out.append((("fan", PHASE_CALL[nph], i), self._fan_out(s, nph, started2, i, True)))
+                if nph == UPDATE:
+                    out.append((("trainer",), self._fan_out(s, nph, started2, None, True, trainer=True)))
+        # continue the current phase's fan-out
+        if phase != IDLE and not self.ordered and not (
+            self.variant.pause_in_front_end and phase in (PAUSE, RESUME)
+        ):
+            for i in range(self.n):
+                if s.ranks[i].status == NOT_SENT:
+                    out.append((("fan", PHASE_CALL[phase], i), self._fan_out(s, phase, started, i, False)))
+            if phase == UPDATE and s.trainer[1] == NOT_SENT:
+                out.append((("trainer",), self._fan_out(s, phase, started, None, False, trainer=True)))
+
+    def _fan_out(
+        self, s: G, phase: int, started: int, target: int | None, new_phase: bool, trainer: bool = False
+    ) -> G:
+        """Send ``phase``'s call to rank ``target`` (None: every rank at once, ``ordered`` channels), or
+        let the trainer join the weight broadcast (``trainer=True``)."""
+        w = _Work(s)
+        call = PHASE_CALL[phase]
+        f = 0 if self.ordered else F_CTRL
+        if new_phase:
+            for i in range(self.n):
+                w.ranks[i] = w.ranks[i]._replace(status=NOT_SENT)
+            w.trainer = ("", NOT_SENT)
+        w.ctrl = (phase, started)
+        targets = [] if trainer else (list(range(self.n)) if target is None else [target])
+        for i in targets:
+            rk = w.ranks[i]
+            w.ranks[i] = rk._replace(
+                inq=rk.inq[:f] + ((*rk.inq[f], ("U", call)),) + rk.inq[f + 1 :], status=SENT
+            )
+        if phase == UPDATE and (trainer or target is None):
+            w.trainer = ("weight_broadcast", SENT)
+        return w.freeze()
+
+    def _front_end_call(self, s: G, phase: int, started: int) -> G:
+        """front-end-pause: the API front-end applies pause/resume to every rank machine at once."""
+        w = _Work(s)
+        w.ctrl = (phase, started)
+        w.trainer = ("", NOT_SENT)
+        ev = CALL_EVENT[PHASE_CALL[phase]]
+        for i in range(self.n):
+            rk = w.ranks[i]._replace(status=SENT)
+            w.ranks[i] = rk
+            extra: tuple[tuple[str, Any], ...] = ()
+            if ev is RankEvent.PAUSE:
+                extra = (("clear_cache", self.clear), ("mode", self.mode), ("running", len(rk.running)))
+            before = rk.vars
+            tr, after = self.fire(i, before, ev, extra)
+            w.ranks[i] = rk._replace(vars=after)
+            if tr is not None:
+                for eff in tr.effects:
+                    self._effect(w, i, eff, before, -1)
+        return w.freeze()
+
+    # ------------------------------------------------------------------ properties
+
+    def invariant(self, s: G) -> list[str]:
+        """Names of the state properties ``s`` violates (see :data:`weightsync.model.check.PROPERTIES`)."""
+        bad: list[str] = []
+        ranks = s.ranks
+        blocked = {r.blocked for r in ranks if r.blocked}
+        if len(blocked) > 1 or any(r.vars.collective != r.blocked for r in ranks):
+            bad.append("collectives_match")
+        if any(r.vars.state is RankState.ERROR or r.status == SPURIOUS for r in ranks) or s.trainer[1] == SPURIOUS:
+            bad.append("phase_bracketing")
+        if not self._conserved(s):
+            bad.append("request_conservation")
+        if s.ctrl[0] == RESUME and self._all_replied(s, RESUME):
+            if len({r.vars.weight_version for r in ranks}) > 1:
+                bad.append("version_agreement")
+        if not self.seen_all_verified and all(r.vars.state is RankState.VERIFIED for r in ranks):
+            self.seen_all_verified = True
+        return bad
+
+    def _conserved(self, s: G) -> bool:
+        nxt = s.front[2]
+        seen = list(s.done) + list(s.aborted)
+        for r in s.ranks:
+            seen.extend(q for q, _ in r.waiting)
+            seen.extend(q for q, _ in r.running)
+            for f in r.inq:
+                seen.extend(m[1] for m in f if m[0] == "ADD")
+        if len(seen) != nxt or sorted(seen) != list(range(nxt)):
+            return False
+        return not (s.aborted and self.mode is not PauseMode.ABORT)
+
+    def edge_check(self, s: G, label: Label, t: G) -> list[str]:
+        """Transition properties: quiescence (no rank steps or enters a DP collective while another rank
+        is inside a weight-transfer collective; issue #36594, PR #39366), plus the non-vacuity witness
+        'an update completes while a START_DP_WAVE is in flight'."""
+        kind = label[0]
+        if kind == "step":
+            i = label[1]
+            if t.ranks[i].blocked in DP_KINDS and any(r.blocked in TRANSFER_KINDS for r in s.ranks):
+                return ["quiescence"]
+        elif kind == "done" and label[1] == "weight_broadcast" and not self.seen_update_with_wave_in_flight:
+            if any(m[0] == "W" for r in s.ranks for q in r.inq for m in q):
+                self.seen_update_with_wave_in_flight = True
+        return []
+
+    def is_end(self, s: G) -> bool:
+        """A legitimate end: the controller finished its cycles, every request was sent and finished (or
+        aborted), all channels are empty, nobody is blocked, and every rank is running and unpaused."""
+        phase, started = s.ctrl
+        if started != self.C or not (phase == IDLE or self._all_replied(s, phase)):
+            return False
+        if phase not in (IDLE, RESUME):
+            return False
+        if s.front[2] != self.R or len(s.done) + len(s.aborted) != self.R:
+            return False
+        if any(s.coord_q) or s.trainer[0]:
+            return False
+        for r in s.ranks:
+            if r.blocked or any(r.inq) or r.outq or r.waiting or r.running:
+                return False
+            if r.vars.state is not RankState.RUNNING or r.vars.pause_state is not PauseState.UNPAUSED:
+                return False
+        return True
+
+    def terminal_check(self, s: G) -> list[str]:
+        """A state without successors that is not a legitimate end: 'no_one_sided_collective' when some
+        rank is blocked in a collective there, else 'no_deadlock'."""
+        if self.is_end(s):
+            return []
+        if any(r.blocked for r in s.ranks) or s.trainer[0]:
+            return ["no_one_sided_collective"]
+        return ["no_deadlock"]
+
+    # progress goals (reverse reachability)
+    def goal_pause(self, s: G) -> bool:
+        """No pause outstanding: the controller is not waiting for a pause reply."""
+        return s.ctrl[0] != PAUSE or self._all_replied(s, PAUSE)
+
+    def goal_resume(self, s: G) -> bool:
+        """No resume outstanding."""
+        return s.ctrl[0] != RESUME or self._all_replied(s, RESUME)
+
+    def goal_requests(self, s: G) -> bool:
+        """Every admitted request finished or was aborted."""
+        return len(s.done) + len(s.aborted) == s.front[2]
+
+    # ------------------------------------------------------------------ symmetry
+
+    def canon(self, s: G) -> G:
+        """Canonical representative under permutations of ranks 1..N-1 (rank 0 emits wave_complete and
+        stays fixed). Ranks are sorted by a key that renames rank ids relative to the rank itself; the
+        chosen permutation is then applied to everything naming a rank: rank slices (with their FIFOs),
+        ``exclude`` values of START_DP_WAVE and FIRST_REQ, and senders in the coordinator's FIFO."""
+        n = self.n
+        if n <= 2:
+            return s
+        ranks = s.ranks
+
+        def rel(x: int, j: int) -> int:
+            return -2 if x == j else (x if x <= 0 else -3)
+
+        def key(j: int) -> tuple[Any, ...]:
+            r = ranks[j]
+            inq = tuple(
+                tuple((m[0], m[1], rel(m[2], j)) if m[0] == "W" else m for m in q) for q in r.inq
+            )
+            return (r.vars, r.blocked, r.waiting, r.running, inq, r.outq, r.status)
+
+        order = sorted(range(1, n), key=key)
+        if order == list(range(1, n)):
+            return s
+        perm = [0] * n  # old -> new
+        for new, old in enumerate(order, start=1):
+            perm[old] = new
+
+        def ren(x: int) -> int:
+            return perm[x] if x >= 0 else x
+
+        def fix_msg(m: tuple[Any, ...]) -> tuple[Any, ...]:
+            k = m[0]
+            if k == "W":
+                return (k, m[1], ren(m[2]))
+            if k == "FIRST_REQ":
+                return (k, ren(m[1]), m[2])
+            if k in ("start_wave", "wave_complete"):
+                return (k, m[1], ren(m[2]))
+            return m
+
+        new_ranks = []
+        for old in [0, *order]:
+            r = ranks[old]
+            inq = tuple(tuple(fix_msg(m) for m in q) for q in r.inq)
+            outq = tuple(fix_msg(m) for m in r.outq)
+            new_ranks.append(r._replace(inq=inq, outq=outq))
+        coord_q = tuple(tuple(fix_msg(m) for m in q) for q in s.coord_q)
+        return s._replace(ranks=tuple(new_ranks), coord_q=coord_q)
+
+
+class _Work:
+    """Mutable scratch copy of a global state used while building one successor."""
+
+    __slots__ = ("aborted", "coord", "coord_q", "ctrl", "done", "front", "ranks", "trainer")
+
+    def __init__(self, s: G) -> None:
+        self.ranks = list(s.ranks)
+        self.coord_q = s.coord_q
+        self.coord = s.coord
+        self.front = s.front
+        self.ctrl = s.ctrl
+        self.trainer = s.trainer
+        self.done = list(s.done)
+        self.aborted = list(s.aborted)
+
+    def freeze(self) -> G:
+        return G(
+            tuple(self.ranks),
+            self.coord_q,
+            self.coord,
+            self.front,
+            self.ctrl,
+            self.trainer,
+            tuple(sorted(self.done)),
+            tuple(sorted(self.aborted)),
+        )
+
+
+class Step(NamedTuple):
+    """One counterexample step as a structured record.
+
+    Attributes:
+        process: who acts ("rank 1", "controller", "front-end", "coordinator", "trainer", "ranks 0,1").
+        action: what it does ("receives", "steps", "enters", "fans out", "sends", "completes", ...).
+        message: the message, call or collective involved (e.g. ``START_DP_WAVE(wave=1, exclude=0)``).
+        detail: what the table did (guard, state change, effects) or the coordinator's reaction.
+        lane_from: Mermaid lane of the sender for message arrows ("" for notes).
+        lanes: Mermaid lanes the step concerns.
+    """
+
+    process: str
+    action: str
+    message: str
+    detail: str
+    lane_from: str
+    lanes: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        """The human-readable one-liner, e.g. ``rank 1 receives START_DP_WAVE(wave=1, exclude=0) (...)``."""
+        base = f"{self.process} {self.action} {self.message}".rstrip()
+        return f"{base} ({self.detail})" if self.detail else base
+
+
+def fmt_msg(m: tuple[Any, ...], mode: PauseMode) -> str:
+    """A message as text: ``ADD(req=0, wave=1)``, ``START_DP_WAVE(wave=1, exclude=0)``, ``pause(keep)``..."""
+    k = m[0]
+    if k == "ADD":
+        return f"ADD(req={m[1]}, wave={m[2]})"
+    if k == "W":
+        return f"START_DP_WAVE(wave={m[1]}, exclude={m[2]})"
+    if k == "U":
+        return f"pause({mode.value})" if m[1] == "pause" else str(m[1])
+    if k == "FIRST_REQ":
+        return f"FIRST_REQ(exclude={m[1]}, wave={m[2]})"
+    return f"{k}(wave={m[1]})"
+
+
+def _lane_of_sender(m: tuple[Any, ...]) -> str:
+    return {"ADD": "front-end", "W": "coordinator", "U": "controller"}.get(m[0], "")
+
+
+def describe(model: Model, s: G, label: Label, t: G) -> Step:
+    """The :class:`Step` record of the edge ``s --label--> t`` (a successor of ``model``)."""
+    kind = label[0]
+    mode = model.mode
+
+    def rank_detail(i: int, event: RankEvent, extra: tuple[tuple[str, Any], ...]) -> str:
+        before = s.ranks[i].vars
+        tr, after = model.fire(i, before, event, extra)
+        if tr is None:
+            return f"illegal in {before.state.value}: protocol error, rank {i} -> error"
+        d = f"{tr.guard}: {before.state.value}->{after.state.value}"
+        eff = [e for e in tr.effects if e not in ("execute_step",) and not e.startswith("enter_")]
+        if eff:
+            d += "; " + ", ".join(eff)
+        if before.current_wave != after.current_wave:
+            d += f"; wave {before.current_wave}->{after.current_wave}"
+        if before.engines_running != after.engines_running:
+            d += f"; engines_running={after.engines_running}"
+        return d
+
+    if kind == "recv":
+        i, f = label[1], label[2]
+        m = s.ranks[i].inq[f][0]
+        if m[0] == "ADD":
+            ev, extra = RankEvent.ADD, (("wave", m[2]),)
+        elif m[0] == "W":
+            ev, extra = RankEvent.START_DP_WAVE, (("exclude", m[2]), ("wave", m[1]))
+        else:
+            ev = CALL_EVENT[m[1]]
+            extra = ()
+            if ev is RankEvent.PAUSE:
+                extra = (("clear_cache", model.clear), ("mode", mode), ("running", len(s.ranks[i].running)))
+        d = rank_detail(i, ev, extra)
+        if t.ranks[i].blocked and not s.ranks[i].blocked:
+            d += f"; enters {t.ranks[i].blocked}"
+        return Step(f"rank {i}", "receives", fmt_msg(m, mode), d, _lane_of_sender(m), (f"rank {i}",))
+    if kind == "step":
+        i = label[1]
+        rk = s.ranks[i]
+        has = model._has_work(rk)
+        d = rank_detail(i, RankEvent.STEP, (("has_work", has),))
+        batch = "a real batch" if has else "a dummy batch"
+        after = t.ranks[i]
+        msg = after.blocked if after.blocked else ""
+        return Step(f"rank {i}", f"steps ({batch}) and enters", msg, d, "", (f"rank {i}",))
+    if kind == "done":
+        k = label[1]
+        members = ",".join(str(i) for i in range(model.n))
+        proc = f"ranks {members}" + (" and trainer" if k == "weight_broadcast" else "")
+        args = ""
+        ranks = s.ranks
+        if k == "dp_sync":
+            su = sum(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
+            sp = sum(1 for r in ranks if r.vars.pending_pause)
+            args = f"(sum_unfinished={su}, sum_pending_pause={sp})"
+        elif k == "resume_barrier":
+            mu = max(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
+            mw = max(r.vars.current_wave for r in ranks)
+            args = f"(max_unfinished={mu}, max_wave={mw})"
+        states = ", ".join(
+            f"r{i}:{t.ranks[i].vars.state.value}/w{t.ranks[i].vars.current_wave}" for i in range(model.n)
+        )
+        lanes = tuple(f"rank {i}" for i in range(model.n)) + (("trainer",) if k == "weight_broadcast" else ())
+        return Step(proc, "complete", k + args, states, "", lanes)
+    if kind == "coord":
+        src, f = label[1], label[2]
+        m = s.coord_q[f][0] if src < 0 else s.ranks[src].outq[0]
+        frm = "front-end" if m[0] == "FIRST_REQ" else f"rank {m[2]}"
+        w0, r0 = s.coord
+        w1, r1 = t.coord
+        bc = [fmt_msg(q[-1], mode) for q, q0 in zip((r.inq[-1] for r in t.ranks), (r.inq[-1] for r in s.ranks), strict=True) if len(q) > len(q0)]
+        if (w0, r0) == (w1, r1) and not bc:
+            d = f"ignored: current_wave={w0}, running={r0}"
+        else:
+            d = f"current_wave {w0}->{w1}, running {r0}->{r1}"
+            if bc:
+                d += f"; broadcasts {bc[0]}"
+        return Step("coordinator", "receives", fmt_msg(m, mode) + f" from {frm}", d, frm, ("coordinator",))
+    if kind == "send":
+        i = label[1]
+        bw, brun, nxt, _ = s.front
+        d = f"stamped with believed wave {bw}"
+        if not brun:
+            d += f"; believes engines idle: FIRST_REQ(exclude={i}, wave={bw}) to the coordinator"
+        return Step("front-end", "sends", f"ADD(req={nxt}, wave={bw}) to rank {i}", d, "front-end", (f"rank {i}",))
+    if kind == "refresh":
+        return Step(
+            "front-end", "refreshes", "stats", f"believes wave={s.coord[0]}, running={s.coord[1]}", "", ("front-end",)
+        )
+    if kind == "fan":
+        call, i = label[1], label[2]
+        msg = f"pause({mode.value})" if call == "pause" else call
+        if i < 0:
+            return Step("controller", "fans out", f"{msg} to every rank (atomic)", "", "controller",
+                        tuple(f"rank {j}" for j in range(model.n)))
+        return Step("controller", "fans out", f"{msg} to rank {i}", "", "controller", (f"rank {i}",))
+    if kind == "fe":
+        call = label[1]
+        msg = f"pause({mode.value})" if call == "pause" else call
+        d = "; ".join(
+            f"r{i}:{s.ranks[i].vars.state.value}->{t.ranks[i].vars.state.value}" for i in range(model.n)
+        )
+        return Step("front-end", "applies", f"{msg} to every rank machine (no message)", d, "",
+                    tuple(f"rank {j}" for j in range(model.n)))
+    if kind == "trainer":
+        return Step("trainer", "enters", "weight_broadcast", "trainer_send_weights", "", ("trainer",))
+    raise ValueError(f"unknown label {label!r}")  # pragma: no cover
