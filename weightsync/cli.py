@@ -107,6 +107,118 @@ for _name in ("variants", "check", "export", "prove", "bench", "demo", "repro", 
     HANDLERS[_name] = _not_built(_name)
 
 
+# --------------------------------------------------------------------------- bench dispatcher
+def _bench_pause(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.impl.engine.bench import run_pause_bench
+
+    return run_pause_bench(quick=bool(getattr(args, "quick", False)))
+
+
+#: ``weightsync bench WHAT``: what -> function(args) returning the JSON object (with "ok" when it checks).
+BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"pause": _bench_pause}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    fn = BENCHES.get(args.what)
+    if fn is None:
+        code: int = _not_built(f"bench {args.what}")(args)
+        return code
+    out = fn(args)
+    emit(out, args.json, lambda: print(json.dumps(out, indent=2, default=str)))
+    return EXIT_OK if out.get("ok", True) else EXIT_VIOLATION
+
+
+HANDLERS["bench"] = _bench
+
+
+# --------------------------------------------------------------------------- repro / replay
+def _repro(args: argparse.Namespace) -> int:
+    from weightsync.impl.engine.repro import EXPECTED, repro
+
+    if args.variant not in EXPECTED:
+        msg = f"unknown variant {args.variant!r}; known: {', '.join(EXPECTED)}"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
+    runs = repro(args.variant, timeout_s=min(float(args.timeout), 10.0))
+    expected = EXPECTED[args.variant]
+    results = {r.result for r in runs}
+    result = expected if results == {expected} else sorted(results - {expected})[0]
+    out: dict[str, Any] = {
+        "variant": args.variant,
+        "result": result,
+        "expected": expected,
+        "seconds": round(sum(r.seconds for r in runs), 3),
+        "ranks": sorted({q for r in runs for q in r.ranks}),
+        "collectives": runs[0].collectives if len(runs) == 1 else {r.schedule: r.collectives for r in runs},
+        "schedules": [r.as_dict() for r in runs],
+    }
+
+    def human() -> None:
+        for r in runs:
+            print(f"{r.variant} on schedule {r.schedule}: {r.result} in {r.seconds:.1f} s")
+            for i, st in enumerate(r.steps, 1):
+                print(f"  {i}. {st}")
+            for q, c in sorted(r.collectives.items()):
+                print(f"  rank {q} blocked in {c}")
+        print(f"{args.variant}: {result} (expected {expected})")
+
+    emit(out, args.json, human)
+    return EXIT_OK if result == expected else EXIT_VIOLATION
+
+
+HANDLERS["repro"] = _repro
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from weightsync.impl.checked import replay_trace
+
+    validate = None
+    try:  # the model's per-step check, when the model exposes one
+        from weightsync.model import replay_validator  # type: ignore[attr-defined]
+
+        validate = replay_validator
+    except ImportError:
+        pass
+    results = []
+    for path in args.traces:
+        try:
+            results.append(replay_trace(path, validate))
+        except (OSError, ValueError) as exc:
+            err = {"error": str(exc)}
+            emit(err, args.json, lambda err=err: print(err["error"], file=sys.stderr))  # type: ignore[misc]
+            return EXIT_USAGE
+    ok = all(r.ok for r in results)
+    out = {
+        "ok": ok,
+        "traces": [
+            {
+                "path": r.path,
+                "ok": r.ok,
+                "steps": r.steps,
+                "ranks": r.ranks,
+                "variant": r.variant,
+                "collectives": r.collectives,
+                "divergence": None if r.divergence is None else r.divergence.__dict__,
+            }
+            for r in results
+        ],
+    }
+
+    def human() -> None:
+        for r in results:
+            if r.ok:
+                print(f"{r.path}: ok, {r.steps} steps on {r.ranks} ranks ({r.variant})")
+            else:
+                assert r.divergence is not None
+                print(f"{r.path}: DIVERGES at {r.divergence.describe()}")
+
+    emit(out, args.json, human)
+    return EXIT_OK if ok else EXIT_VIOLATION
+
+
+HANDLERS["replay"] = _replay
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``weightsync`` console script; returns the exit code."""
     parser = build_parser()

@@ -339,11 +339,11 @@ def replay_trace(path: str | Path, validate: StepValidator | None = None) -> Rep
     lines = p.read_text(encoding="utf-8").splitlines()
     recs: list[tuple[int, dict[str, Any]]] = []
     header: dict[str, Any] | None = None
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
+    for i, text in enumerate(lines, 1):
+        if not text.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{p}:{i}: not JSON: {exc}") from exc
         if obj.get("kind") == "header":

@@ -162,6 +162,7 @@ class DPEngineClient:
         self.dp_size = cfg.dp_size
         self.sync_interval = cfg.sync_interval
         self.hold = hold
+        self.routed = hold  # the coordinator's wave socket goes through the client (holdable)
         self.start_timeout_s = start_timeout_s
         self._ctx = tmp.get_context("spawn")
         n = cfg.dp_size
@@ -293,7 +294,10 @@ class DPEngineClient:
                         break
                     busy = True
                     with self._lock:
-                        self.held[(r, "wave")].append(wmsg)
+                        if self.hold:
+                            self.held[(r, "wave")].append(wmsg)
+                        else:
+                            self.queues[r].wave_in.put(wmsg)
                         self._trans_cv.notify_all()
             if not busy:
                 time.sleep(0.001)
@@ -372,6 +376,11 @@ class DPEngineClient:
         q = self.queues[rank]
         {"front": q.front_in, "control": q.control_in, "wave": q.wave_in}[sock].put(msg)
 
+    def has_held(self, rank: int, sock: str) -> bool:
+        """Repro mode: whether a message is held for (rank, socket)."""
+        with self._lock:
+            return bool(self.held[(rank, sock)])
+
     def release(self, rank: int, sock: str) -> Any:
         """Repro mode: deliver the oldest held message for (rank, socket); returns it.
 
@@ -398,8 +407,15 @@ class DPEngineClient:
         return n
 
     def set_hold(self, hold: bool) -> None:
-        """Turn holding of front-end/controller messages on or off (wave messages stay routed)."""
-        self.hold = hold
+        """Turn holding on or off (only for a client created with ``hold=True``, whose wave socket is routed).
+
+        Raises:
+            ValueError: the client was created without ``hold=True``.
+        """
+        if not self.routed:
+            raise ValueError("set_hold: create the client with hold=True to route the wave socket")
+        with self._lock:
+            self.hold = hold
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -492,16 +508,23 @@ class DPEngineClient:
     ) -> None:
         """``pause_generation(mode, clear_cache)`` on every rank; returns when every rank's pause completed."""
         m = PauseMode(mode)
-        self.fan_out("pause", timeout, mode=m.value, clear_cache=clear_cache)
         if self.variant.pause_in_front_end:
+            # PR #28037: the pause is a flag in the front-end and returns at once; the ranks only record it
             with self._lock:
                 if self._gate is None:
                     self._gate = []
+            for r in range(self.dp_size):
+                self.call_rank(r, "pause", mode=m.value, clear_cache=clear_cache)
+            return
+        self.fan_out("pause", timeout, mode=m.value, clear_cache=clear_cache)
 
     def resume(self, timeout: float | None = None) -> None:
         """``resume_generation`` on every rank (the resume barrier); returns when all answered."""
-        self.fan_out("resume", timeout)
-        if self.variant.pause_in_front_end:
+        if not self.variant.pause_in_front_end:
+            self.fan_out("resume", timeout)
+        else:
+            for r in range(self.dp_size):
+                self.call_rank(r, "resume")
             with self._lock:
                 gated, self._gate = self._gate or [], None
                 for r, add in gated:
