@@ -267,7 +267,7 @@ def test_peer_never_joins_times_out_naming_the_missing_rank() -> None:
         ]
     )
     for r in res:
-        msg, attrs = err(r, "TransferTimeoutError")
+        _msg, attrs = err(r, "TransferTimeoutError")
         assert attrs["missing_ranks"] == (2,) and attrs["phase"] == "rendezvous"
         assert attrs["seconds"] <= timeout + 1
     assert time.monotonic() - t0 < 30

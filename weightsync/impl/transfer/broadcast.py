@@ -93,7 +93,7 @@ class BroadcastGroup:
         backend: ``"gloo"`` or ``"nccl"``.
         device: where payload tensors live (``cpu`` for gloo, the current CUDA device for NCCL).
         timeout_s: deadline of every wait, seconds.
-        seq: number of updates started on this group.
+        seq: number of updates started on this group; ok_seq: the last one that completed everywhere.
     """
 
     store: TCPStore
@@ -105,6 +105,7 @@ class BroadcastGroup:
     device: torch.device
     timeout_s: float
     seq: int = 0
+    ok_seq: int = 0
     pool: BufferPool = field(default_factory=BufferPool)
     packer: concurrent.futures.ThreadPoolExecutor | None = None
     closed: bool = False
@@ -140,6 +141,8 @@ class BroadcastGroup:
         if self.closed:
             return
         self.closed = True
+        if self.rank == 0:
+            self.cp.wait_seen(self.ok_seq)
         self.pool.clear()
         if self.packer is not None:
             self.packer.shutdown(wait=False, cancel_futures=True)
@@ -267,6 +270,7 @@ def _send(group: BroadcastGroup, items: Sequence[tuple[str, torch.Tensor]], args
         _drain(group, inflight.values())
         raise
     status(group.cp, seq, "end", None, PHASE_BUCKET)
+    group.ok_seq = seq
 
 
 class BroadcastTrainer:
@@ -433,6 +437,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
             _drain(g, [w for p in pending for w in p.works])
             raise
         status(g.cp, seq, "end", error, PHASE_BUCKET)
+        g.cp.mark_seen(seq)
 
     def shutdown(self) -> None:
         """Drop the group (idempotent)."""

@@ -130,13 +130,31 @@ class ControlPlane:
         until ``expected`` other ranks (default all) said so, at most ``min(seconds, timeout_s)``, so that
         it never tears the store down under a peer still reading an error verdict. Never raises."""
         want = self.world_size - 1 if expected is None else expected
+        end = time.monotonic() + min(seconds, self.timeout_s)
         with contextlib.suppress(dist.DistError):
             if self.rank != 0:
-                if self.store.add(f"{key}/settled", 1) >= want:
-                    self.store.set(f"{key}/settled_all", "1")
+                self.store.add(f"{key}/settled", 1)
                 return
-            if want > 0:
-                self.store.wait([f"{key}/settled_all"], _td(min(seconds, self.timeout_s)))
+            while self.store.add(f"{key}/settled", 0) < want and time.monotonic() < end:
+                time.sleep(0.002)
+
+    def mark_seen(self, seq: int) -> None:
+        """A worker says it has read everything of round ``seq`` (overwrites one key: no growth)."""
+        if self.rank != 0:
+            with contextlib.suppress(dist.DistError):
+                self.store.set(f"seen/{self.rank}", str(seq))
+
+    def wait_seen(self, seq: int, seconds: float = 5.0) -> None:
+        """Rank 0, before closing the store: wait (bounded) until every worker marked round ``seq`` seen."""
+        end = time.monotonic() + min(seconds, self.timeout_s)
+        pending = set(range(1, self.world_size)) if seq > 0 else set()
+        with contextlib.suppress(dist.DistError):
+            while pending and time.monotonic() < end:
+                for r in sorted(pending):
+                    if self.store.check([f"seen/{r}"]) and int(self.store.get(f"seen/{r}")) >= seq:
+                        pending.discard(r)
+                if pending:
+                    time.sleep(0.005)
 
     # --------------------------------------------------------------------------------------- exchange
     def post(self, key: str, value: Any, seq: int) -> None:
@@ -163,7 +181,13 @@ class ControlPlane:
         except dist.DistError:
             missing = [r for r, k in zip(rs, keys, strict=True) if not self.store.check([k])]
             raise TransferTimeoutError(phase, missing, time.monotonic() - t0) from None
-        return [json.loads(v) for v in self.store.multi_get(keys)]
+        try:
+            raw = self.store.multi_get(keys)
+        except dist.DistNetworkError as exc:
+            raise PeerFailedError(
+                [0], phase, f"lost the trainer's TCPStore: {str(exc).splitlines()[0]}"
+            ) from None
+        return [json.loads(v) for v in raw]
 
     def exchange(self, key: str, value: Any, seq: int, phase: str) -> list[Any]:
         """:meth:`post` then :meth:`collect` from every rank; returns values in rank order."""

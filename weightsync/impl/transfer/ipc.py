@@ -250,6 +250,7 @@ class IPCTrainer:
         self.cp = ControlPlane(self.store, 0, info.world_size, info.timeout_s)
         self.cp.join()
         self.seq = 0
+        self.ok_seq = 0
         self.slots: list[_Segment] = []
         self.closed = False
 
@@ -352,17 +353,20 @@ class IPCTrainer:
                 self.cp.post(f"r{seq}/c{k}", {"abort": verdict}, seq)
         self.cp.post(f"r{seq}/done", verdict, seq)
         if failures:
+            self.cp.settle(f"r{seq}/abort", expected=self.info.world_size - 1 - len(failures))
             raise PeerFailedError(
                 [r for r, _ in failures],
                 f"{PHASE_ACK} (round {seq})",
                 "; ".join(f"rank {r}: {e}" for r, e in failures) + "; every rank aborts this update",
             )
+        self.ok_seq = seq
 
     def close(self) -> None:
         """Free and unlink the shared buffers (idempotent)."""
         if self.closed:
             return
         self.closed = True
+        self.cp.wait_seen(self.ok_seq)
         for s in self.slots:
             s.close()
         self.slots.clear()
@@ -473,9 +477,11 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         verdict = cp.get(f"r{seq}/done", PHASE_ACK, 0)
         if not verdict.get("ok"):
             self._raise_abort(seq, verdict)
+        cp.mark_seen(seq)
 
     def _raise_abort(self, seq: int, verdict: Mapping[str, Any]) -> None:
         failed = [(int(r), str(e)) for r, e in verdict.get("failed", [])]
+        self._cp().settle(f"r{seq}/abort")
         raise PeerFailedError(
             [r for r, _ in failed],
             f"{PHASE_ACK} (round {seq})",
