@@ -1,0 +1,306 @@
+"""Single-process tests of the transfer layer: parsing, registry, packing, worker call order, completeness.
+
+Bad input of acceptance 3 (out-of-order calls, unknown backend, malformed init/update info) and scenario
+B4 (vLLM PR #37334: a never-loaded buffer must not block completeness).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from transfer_procs import (
+    DictModel,
+    bytes_equal,
+    free_port,
+    init_info,
+    make_tensors,
+    model_spec,
+    update_info_for,
+)
+
+from weightsync.impl.transfer.base import RendezvousInitInfo, UpdateInfo, WeightTransferEngine
+from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine
+from weightsync.impl.transfer.packing import (
+    ALIGN,
+    BufferPool,
+    first_difference,
+    max_packed_bucket,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+    wire_description,
+)
+from weightsync.impl.transfer.registry import WeightTransferEngineFactory
+from weightsync.impl.transfer.worker import WeightTransferWorker
+from weightsync.spec.errors import IncompleteUpdateError, LocalProtocolError
+from weightsync.spec.worker import WorkerState
+
+pytestmark = pytest.mark.timeout(60)
+
+GOOD_UPDATE = {"names": ["a", "b"], "dtype_names": ["float32", "bfloat16"], "shapes": [[2, 3], [4]]}
+
+
+# ------------------------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"dtype_names": ["float32"], "shapes": [[1]]}, "missing required field 'names'"),
+        (
+            {**GOOD_UPDATE, "shapes": [[2, 3]]},
+            "length mismatch: names has 2, dtype_names has 2, shapes has 1",
+        ),
+        (
+            {**GOOD_UPDATE, "dtype_names": ["float32", "float33"]},
+            r"dtype_names'\]\[1\]='float33' \(for 'b'\)",
+        ),
+        (
+            {**GOOD_UPDATE, "shapes": [[2, -3], [4]]},
+            r"shapes'\]\[0\]=\[2, -3\] \(for 'a'\) has negative dimension -3",
+        ),
+        ({**GOOD_UPDATE, "names": ["a", "a"]}, "lists 'a' twice"),
+        ({**GOOD_UPDATE, "packed": "yes"}, r"\['packed'\] must be a bool"),
+        ({**GOOD_UPDATE, "packed_buffer_size_bytes": 0}, r"packed_buffer_size_bytes'\]=0 must be >= 1"),
+        ({**GOOD_UPDATE, "packed_num_buffers": 0}, r"packed_num_buffers'\]=0 must be >= 1"),
+        ({**GOOD_UPDATE, "shapes": [[2, 3.0], [4]]}, "must contain only ints"),
+        ({**GOOD_UPDATE, "typo": 1}, "unknown field 'typo'"),
+        (["names"], "update_info must be a dict, got list"),
+    ],
+)
+def test_update_info_rejects_malformed(bad: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BroadcastWeightTransferEngine().parse_update_info(bad)
+
+
+def test_update_info_defaults_and_round_trip() -> None:
+    info = UpdateInfo.parse(GOOD_UPDATE)
+    assert (info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers) == (False, 1 << 30, 2)
+    assert UpdateInfo.parse(info.to_dict()) == info
+    assert UpdateInfo.parse({"names": [], "dtype_names": [], "shapes": []}).names == ()  # empty is valid
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (
+            {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2},
+            "missing required field 'rank_offset'",
+        ),
+        ({**init_info(1, 2), "master_port": 70000}, r"master_port'\]=70000 must be <= 65535"),
+        ({**init_info(1, 2), "master_port": "29500"}, r"master_port'\] must be an int, got str"),
+        ({**init_info(1, 2), "rank_offset": 0}, r"rank_offset'\]=0 must be >= 1"),
+        ({**init_info(1, 2), "world_size": 1}, r"world_size'\]=1 must be >= 2"),
+        ({**init_info(1, 2), "timeout_s": -1}, "positive finite number of seconds"),
+        ({**init_info(1, 2), "backend": "mpi"}, "must be one of 'auto', 'gloo', 'nccl'"),
+    ],
+)
+def test_init_info_rejects_malformed(bad: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BroadcastWeightTransferEngine().parse_init_info(bad)
+
+
+# ------------------------------------------------------------------------------------------ registry
+
+
+def test_registry_semantics() -> None:
+    assert {"nccl", "ipc"} <= set(WeightTransferEngineFactory.names())
+    with pytest.raises(
+        ValueError, match=r"unknown weight transfer backend 'rdma'; known backends: .*ipc.*nccl"
+    ):
+        WeightTransferEngineFactory.create_engine("rdma")
+    with pytest.raises(ValueError, match="'nccl' is already registered; registered: "):
+        WeightTransferEngineFactory.register_engine("nccl", BroadcastWeightTransferEngine)
+    with pytest.raises(ValueError, match="class_name is required with a module path"):
+        WeightTransferEngineFactory.register_engine("custom", "some.module")
+    WeightTransferEngineFactory.register_engine(
+        "custom", "weightsync.impl.transfer.broadcast", "BroadcastWeightTransferEngine"
+    )
+    try:
+        assert isinstance(
+            WeightTransferEngineFactory.create_engine({"backend": "custom"}), WeightTransferEngine
+        )
+    finally:
+        WeightTransferEngineFactory.unregister_engine("custom")
+    with pytest.raises(ValueError, match="unknown weight transfer backend"):
+        WeightTransferWorker(DictModel(model_spec()), "rdma")
+
+
+# ------------------------------------------------------------------------------------------- packing
+
+
+def test_partition_is_deterministic_bounded_and_aligned() -> None:
+    sizes = [7, 100, 0, 4096, 5000, 1, 33, 2048, 2048]
+    a, b = plan_buckets(sizes, 4096), plan_buckets(list(sizes), 4096)
+    assert a == b
+    assert [m for bk in a for m in bk.members] == list(range(len(sizes)))
+    for bk in a:
+        if bk.oversized:
+            assert len(bk.members) == 1 and sizes[bk.members[0]] > 4096
+        else:
+            assert bk.nbytes <= 4096
+            assert all(off % ALIGN == 0 for off in bk.offsets)
+    assert [bk.oversized for bk in a].count(True) == 1  # only the 5000-byte tensor
+
+
+def test_b5_both_sides_compute_identical_partitions_only_with_equal_buffers() -> None:
+    """B5 (vLLM PR #31943 review): five 20 MiB tensors; 64 MiB vs 32 MiB give different partitions, which is
+    why B is part of the wire digest."""
+    sizes = [20 << 20] * 5
+    assert [len(b.members) for b in plan_buckets(sizes, 64 << 20)] == [3, 2]
+    assert [len(b.members) for b in plan_buckets(sizes, 32 << 20)] == [1] * 5
+    info = update_info_for([(f"w{i}", torch.empty(1, dtype=torch.uint8).expand(20 << 20)) for i in range(5)])
+    d64 = wire_description(UpdateInfo.parse({**info, "packed": True, "packed_buffer_size_bytes": 64 << 20}))
+    d32 = wire_description(UpdateInfo.parse({**info, "packed": True, "packed_buffer_size_bytes": 32 << 20}))
+    assert first_difference(d64, d32) == "packed_buffer_size_bytes: 67108864 vs 33554432"
+
+
+def test_pack_unpack_bit_exact_and_pool_does_not_grow() -> None:
+    pairs = make_tensors(3)
+    info = UpdateInfo.parse(update_info_for(pairs))
+    metas = info.metas()
+    tensors = [t for _, t in pairs]
+    pool = BufferPool()
+    for _ in range(3):
+        buckets = plan_buckets([m.nbytes for m in metas], 1024)
+        pool.reserve(2, max_packed_bucket(buckets), 1024)
+        held = pool.nbytes
+        for bk in buckets:
+            if bk.oversized:
+                continue
+            view = pack_bucket(pool.slot(bk.number % 2), bk, tensors)
+            for (name, got), i in zip(unpack_bucket(view, bk, metas), bk.members, strict=True):
+                assert name == pairs[i][0] and bytes_equal(got, tensors[i].contiguous())
+        assert pool.nbytes == held <= 2 * 1024
+
+
+# ------------------------------------------------------------------------------------ worker, 1 process
+
+
+class _Pair:
+    """A trainer and one worker in one process (two threads), for quick worker-level tests."""
+
+    def __init__(self, model: DictModel, **worker_kw: Any) -> None:
+        self.port = free_port()
+        self.worker = WeightTransferWorker(model, "nccl", **worker_kw)
+        out: dict[str, Any] = {}
+
+        def trainer() -> None:
+            out["t"] = BroadcastWeightTransferEngine.trainer_init(init_info(self.port, 2, 10.0))
+
+        th = threading.Thread(target=trainer)
+        th.start()
+        self.worker.init_weight_transfer_engine(init_info(self.port, 2, 10.0))
+        th.join(10)
+        self.trainer = out["t"]
+
+    def round(self, pairs: list[tuple[str, torch.Tensor]], info: dict[str, Any] | None = None) -> None:
+        errors: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                BroadcastWeightTransferEngine.trainer_send_weights(iter(pairs), {"group": self.trainer})
+            except BaseException as exc:
+                errors.append(exc)
+
+        th = threading.Thread(target=send)
+        th.start()
+        try:
+            self.worker.update_weights(info or update_info_for(pairs))
+        finally:
+            th.join(15)
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
+def test_out_of_order_calls_raise_local_protocol_error_before_side_effects() -> None:
+    model = DictModel(model_spec())
+    w = WeightTransferWorker(model, "nccl")
+    with pytest.raises(LocalProtocolError, match="start_weight_update.*guard"):
+        w.start_weight_update()  # before init
+    assert w.state is WorkerState.ERROR
+    with pytest.raises(LocalProtocolError, match="legal events here: shutdown"):
+        w.update_weights(GOOD_UPDATE)  # sticky error: nothing but shutdown
+    w.shutdown()
+    with pytest.raises(LocalProtocolError):
+        w.init_weight_transfer_engine(init_info(1, 2))
+
+    w2 = WeightTransferWorker(model, None)  # weight transfer not configured
+    with pytest.raises(LocalProtocolError, match="no_engine"):
+        w2.init_weight_transfer_engine(init_info(1, 2))
+
+    w3 = WeightTransferWorker(model, "nccl")
+    with pytest.raises(ValueError, match="missing required field 'master_port'"):
+        w3.init_weight_transfer_engine({"master_address": "x", "rank_offset": 1, "world_size": 2})
+    assert w3.state is WorkerState.READY  # bad input changes nothing
+    with pytest.raises(LocalProtocolError, match="update_weights"):
+        w3.update_weights(GOOD_UPDATE)  # update before start: illegal before parsing anything
+
+
+def test_round_completeness_b4_buffers_kernel_format_and_incomplete() -> None:
+    model = DictModel(model_spec())
+    p = _Pair(model)
+    w = p.worker
+    try:
+        w.start_weight_update(True)
+        with pytest.raises(LocalProtocolError, match="init_weight_transfer_engine"):
+            w.init_weight_transfer_engine(init_info(p.port, 2))  # re-init mid-round is rejected (weightsync)
+        assert w.state is WorkerState.ERROR  # sticky until shutdown: use a fresh pair for the rest
+    finally:
+        p.close()
+
+    model = DictModel(model_spec())
+    p = _Pair(model)
+    w = p.worker
+    try:
+        # B4: a checkpoint round with every parameter but never the inv_freq buffer completes
+        pairs = make_tensors(1)
+        w.start_weight_update(True)
+        half = len(pairs) // 2
+        p.round(pairs[:half])
+        with pytest.raises(IncompleteUpdateError) as ei:
+            w.finish_weight_update()
+        assert set(ei.value.missing) == {n for n, _ in pairs[half:]}
+        assert w.state is WorkerState.ACTIVE  # the round stays open
+        with pytest.raises(ValueError, match="already loaded in this round"):
+            p.round(pairs[:1])
+        with pytest.raises(ValueError, match="unknown weight 'model.rotary.inv_freq'"):
+            p.round([("model.rotary.inv_freq", torch.zeros(4))])
+        p.round(pairs[half:])
+        w.finish_weight_update()
+        assert (w.weight_version, model.processed) == (1, 1)
+        stats = w.round_stats()
+        assert stats["loaded"] == stats["expected"] == len(pairs)
+        assert torch.equal(model.inv_freq, torch.arange(4, dtype=torch.float32))  # buffer untouched
+        for name, t in pairs:
+            assert bytes_equal(model.weights()[name], t.contiguous())
+
+        # kernel format: exact parameter names, dtype and shape checked before the collective
+        w.start_weight_update(False)
+        kp = [(n, t.contiguous()) for n, t in model.named_parameters()]
+        bad = update_info_for(kp[:1])
+        bad["shapes"][0] = [1, 2]
+        with pytest.raises(ValueError, match="declared with shape"):
+            p.round(kp[:1], bad)
+        bad = update_info_for(kp[:1])
+        bad["dtype_names"][0] = "float16"
+        with pytest.raises(ValueError, match="declared as float16 but the model holds float32"):
+            p.round(kp[:1], bad)
+        new = [(n, torch.ones_like(t)) for n, t in kp]
+        p.round(new)
+        w.finish_weight_update()
+        assert w.weight_version == 2 and stats["expected_bytes"] == 0
+        assert w.round_stats()["expected_bytes"] == sum(t.numel() * t.element_size() for _, t in kp)
+        assert all(bool((t == 1).all()) for _, t in model.named_parameters())
+        w.shutdown()
+    finally:
+        p.close()
+
+
+def test_rendezvous_info_parse_roundtrip() -> None:
+    info = RendezvousInitInfo.parse(init_info(29500, 3))
+    assert (info.rank_offset, info.world_size, info.backend) == (1, 3, "auto")
