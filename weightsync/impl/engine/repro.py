@@ -12,7 +12,9 @@ interleaving of the model's counterexample is forced on real processes:
 - ``("release", rank, socket)``: deliver the oldest held message (waits up to ``step_s`` for one to appear;
   skipped if none does: a later message may depend on a reply the variant never gives);
 - ``("await", rank, event)``: wait up to ``step_s`` until ``rank`` fired ``event``;
-- ``("join",)``: wait for the controller's background call.
+- ``("join",)``: wait for the controller's background call;
+- ``("stats",)``: wait until the front-end's coordinator stats show the ranks' wave and idle engines;
+- ``("call_rank", rank, method)``, ``("send",)``: one call to one rank; the trainer's send.
 
 After the steps every message flows freely. The outcome is ``reproduced`` when a rank failed in a DP
 collective (a one-sided or mismatched collective, caught by the collective timeout), ``completed`` when the
@@ -96,6 +98,7 @@ SCHEDULES: dict[str, list[Step]] = {
         ("release", 0, "control"),
         ("release", 1, "control"),
         ("join",),
+        ("stats",),  # the coordinator processed wave_complete; the front-end saw its stats
         ("add", 0),
         ("release", 1, "wave"),
         ("await", 1, "START_DP_WAVE"),
@@ -239,6 +242,17 @@ def run_schedule(
                     last.join(max(0.0, min(step_s * 3, deadline - time.monotonic())))
                 ok = last is None or not last.is_alive()
                 log.append("controller call returned" if ok else "join timed out")
+            elif op == "stats":
+
+                def synced() -> bool:
+                    top = max(int(v.get("current_wave", 0)) for v in client.rank_vars)
+                    return client.current_wave >= top and not client.engines_running
+
+                try:
+                    client.wait_for(synced, step_s, "coordinator stats")
+                    log.append(f"front-end sees coordinator stats: wave {client.current_wave}, idle")
+                except TimeoutError:
+                    log.append("coordinator stats not in sync (skipped)")
             elif op == "send":
                 background(lambda: trainer.send(ws))
                 log.append("trainer starts trainer_send_weights")
