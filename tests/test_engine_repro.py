@@ -13,8 +13,11 @@ from weightsync.impl.engine.repro import SCHEDULES, run_schedule
 BUGGY = ["front-end-pause", "idle-fast-path", "ignore-wave", "two-phase"]
 
 
+# two-phase runs in the default suite through test_cli_repro_json_and_exit_codes
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("variant", BUGGY)
+@pytest.mark.parametrize(
+    "variant", [pytest.param(v, marks=pytest.mark.slow) if v == "two-phase" else v for v in BUGGY]
+)
 def test_buggy_variant_deadlock_reproduced(variant: str) -> None:
     r = run_schedule(variant, variant)
     assert r.result == "reproduced", r.as_dict()
