@@ -220,7 +220,7 @@ class _Pair:
 def test_out_of_order_calls_raise_local_protocol_error_before_side_effects() -> None:
     model = DictModel(model_spec())
     w = WeightTransferWorker(model, "nccl")
-    with pytest.raises(LocalProtocolError, match="start_weight_update.*guard"):
+    with pytest.raises(LocalProtocolError, match=r"start_weight_update.*guard"):
         w.start_weight_update()  # before init
     assert w.state is WorkerState.ERROR
     with pytest.raises(LocalProtocolError, match="legal events here: shutdown"):
@@ -268,7 +268,7 @@ def test_round_completeness_b4_buffers_kernel_format_and_incomplete() -> None:
         assert w.state is WorkerState.ACTIVE  # the round stays open
         with pytest.raises(ValueError, match="already loaded in this round"):
             p.round(pairs[:1])
-        with pytest.raises(ValueError, match="unknown weight 'model.rotary.inv_freq'"):
+        with pytest.raises(ValueError, match=r"unknown weight 'model\.rotary\.inv_freq'"):
             p.round([("model.rotary.inv_freq", torch.zeros(4))])
         p.round(pairs[half:])
         w.finish_weight_update()

@@ -118,13 +118,68 @@ def _bench_pause(args: argparse.Namespace) -> dict[str, Any]:
 BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"pause": _bench_pause}
 
 
+def _bench_transfer(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.impl.transfer.bench import run_transfer_bench
+
+    out = run_transfer_bench(quick=bool(getattr(args, "quick", False)))
+    out["ok"] = bool(out["targets_met"])
+    return out
+
+
+def _human_transfer(out: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"bench transfer: {out['ranks']} ranks, gloo, {out['model_bytes'] / 2**20:.0f} MiB")
+    for col in ("figure", "GB/s", "ratio", "target"):
+        t.add_column(col)
+    tg = out["targets"]
+    t.add_row("raw broadcast (ceiling)", f"{out['raw_gbps']:.3f}", "", "")
+    t.add_row(
+        "packed broadcast",
+        f"{out['packed_gbps']:.3f}",
+        f"{out['packed_vs_raw']:.2f} x raw",
+        str(tg["packed_vs_raw>=0.9"]),
+    )
+    t.add_row(
+        "per-tensor broadcast",
+        f"{out['per_tensor_gbps']:.3f}",
+        f"packed {out['packed_vs_per_tensor']:.2f} x",
+        str(tg["packed_vs_per_tensor>=3"]),
+    )
+    t.add_row("memcpy", f"{out['memcpy_gbps']:.3f}", "", "")
+    t.add_row(
+        "CPU IPC",
+        f"{out['ipc_gbps']:.3f}",
+        f"{out['ipc_vs_memcpy']:.2f} x memcpy",
+        str(tg["ipc_vs_memcpy>=0.5"]),
+    )
+    t.add_row(
+        f"RSS growth, {out['rss_syncs']} syncs",
+        f"{out['rss_growth_bytes']} B",
+        f"bucket {out['bucket_bytes']} B",
+        str(tg["rss_growth<bucket"]),
+    )
+    Console().print(t)
+
+
+BENCHES["transfer"] = _bench_transfer
+#: optional human renderers per bench (default: indented JSON)
+BENCH_HUMAN: dict[str, Callable[[dict[str, Any]], None]] = {"transfer": _human_transfer}
+
+
 def _bench(args: argparse.Namespace) -> int:
     fn = BENCHES.get(args.what)
     if fn is None:
         code: int = _not_built(f"bench {args.what}")(args)
         return code
     out = fn(args)
-    emit(out, args.json, lambda: print(json.dumps(out, indent=2, default=str)))
+    human = BENCH_HUMAN.get(args.what)
+    emit(
+        out,
+        args.json,
+        (lambda: human(out)) if human else (lambda: print(json.dumps(out, indent=2, default=str))),
+    )
     return EXIT_OK if out.get("ok", True) else EXIT_VIOLATION
 
 
