@@ -60,10 +60,9 @@ def _wait_round(c: Cluster, n: int, max_new: int, tag: str) -> None:
     assert late.wait(30).finish_reason == "length" and len(late.tokens) == 4
 
 
-# The requests drain before the wave's first DP sync (K=64 steps, 20-token requests): under the current
-# table, a wait-mode pause whose consensus sync still sees running requests never verifies afterwards
-# (pending_pause is cleared at consensus, so no later sync matches 'sync_consensus_stop'); see
-# test_wait_draining_across_a_sync_verifies (xfail) and the report to the lead.
+# The requests drain before the wave's first DP sync (K=64 steps, 20-token requests); the case where the
+# consensus sync still sees running requests is test_wait_draining_across_a_sync_verifies (row
+# 'sync_paused_and_idle': stop at the first later sync with no unfinished work).
 def test_wait_drains_running_requests_before_pause_returns() -> None:
     c = Cluster(dp_size=2, sync_interval=64, step_sleep_s=0.003)
     try:
@@ -73,7 +72,6 @@ def test_wait_drains_running_requests_before_pause_returns() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="spec gap: no stop row after a wait-mode consensus with work left")
 def test_wait_draining_across_a_sync_verifies() -> None:
     c = Cluster(dp_size=2, sync_interval=2, step_sleep_s=0.003, timeout_s=10)
     try:

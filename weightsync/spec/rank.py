@@ -109,7 +109,11 @@ GUARDS: dict[str, Callable[[RankVars, Args], bool]] = {
     # DP sync all-reduce outcomes (reference section 5, 'DP sync')
     "sync_keep_running": lambda v, a: _keep_running(a),
     "sync_stop": lambda v, a: not _keep_running(a),
-    "sync_consensus_stop": lambda v, a: _consensus(a) and int(a["sum_unfinished"]) == 0,
+    # Phase 2 stop: every rank paused (this sync's consensus, or an earlier one that set
+    # ignore_start_dp_wave while wait-mode requests still ran) and no unfinished work anywhere.
+    "sync_paused_and_idle": lambda v, a: (
+        (_consensus(a) or v.ignore_start_dp_wave) and int(a["sum_unfinished"]) == 0
+    ),
     "sync_consensus_drained": lambda v, a: (
         _consensus(a) and int(a["sum_unfinished"]) > 0 and not bool(a["has_work"])
     ),
@@ -331,7 +335,7 @@ def two_phase_table(epoch: bool) -> Table:
     rows.update(_step_done_rows(_S.PAUSING, drained_target=_S.PAUSED))
     rows.update(_step_done_rows(_S.PAUSED))
     verify = _t(
-        "sync_consensus_stop",
+        "sync_paused_and_idle",
         _S.VERIFIED,
         ("leave_collective", "set_ignore_start_dp_wave", "clear_pending_pause", "end_wave"),
         ("emit_wave_complete", "clear_cache", "reply_pause"),
