@@ -107,6 +107,55 @@ for _name in ("variants", "check", "export", "prove", "bench", "demo", "repro", 
     HANDLERS[_name] = _not_built(_name)
 
 
+# --------------------------------------------------------------------------- variants / check
+def _variants(args: argparse.Namespace) -> int:
+    from weightsync.spec.rank import VARIANTS
+
+    rows = [
+        {"name": v.name, "description": v.description, "source": v.source, "expected": v.expected}
+        for v in VARIANTS.values()
+    ]
+
+    def human() -> None:
+        for r in rows:
+            print(f"{r['name']:<16} {r['description']}  [{r['source']}; expected: {r['expected']}]")
+
+    emit({"variants": rows}, args.json, human)
+    return EXIT_OK
+
+
+def _check(args: argparse.Namespace) -> int:
+    from weightsync.model.check import check, print_human
+    from weightsync.model.system import Bounds
+    from weightsync.spec.rank import VARIANTS
+
+    err = None
+    if args.variant not in VARIANTS:
+        err = f"unknown variant {args.variant!r}; known: {', '.join(VARIANTS)}"
+    elif args.ranks < 1 or args.requests < 0 or args.cycles < 0 or args.sync_interval < 1:
+        err = "need --ranks >= 1, --requests >= 0, --cycles >= 0, --sync-interval >= 1"
+    if err:
+        msg = err
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
+    bounds = Bounds(requests=args.requests, cycles=args.cycles, sync_interval=args.sync_interval)
+    out = check(
+        args.variant,
+        args.ranks,
+        mode=args.mode,
+        channels=args.channels,
+        bounds=bounds,
+        symmetry=args.symmetry,
+        max_states=args.max_states,
+    )
+    emit(out, args.json, lambda: print_human(out))
+    return EXIT_OK if out["verdict"] == "verified" else EXIT_VIOLATION
+
+
+HANDLERS["variants"] = _variants
+HANDLERS["check"] = _check
+
+
 # --------------------------------------------------------------------------- bench dispatcher
 def _bench_pause(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.impl.engine.bench import run_pause_bench
@@ -114,8 +163,15 @@ def _bench_pause(args: argparse.Namespace) -> dict[str, Any]:
     return run_pause_bench(quick=bool(getattr(args, "quick", False)))
 
 
+def _bench_explorer(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.model.bench import run_explorer_bench
+
+    return run_explorer_bench(quick=bool(getattr(args, "quick", False)))
+
+
 #: ``weightsync bench WHAT``: what -> function(args) returning the JSON object (with "ok" when it checks).
 BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"pause": _bench_pause}
+BENCHES["explorer"] = _bench_explorer
 
 
 def _bench_transfer(args: argparse.Namespace) -> dict[str, Any]:

@@ -9,13 +9,20 @@ With ``symmetry`` on, progress is "not checked" (symmetry reduction can hide liv
 
 from __future__ import annotations
 
+import itertools
 import resource
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.model.explorer import Exploration, Violation, build_reverse_csr, explore, reverse_reachable_csr
-from weightsync.model.system import G, Bounds, Config, Label, Model, Step, describe
+from weightsync.model.explorer import (
+    Exploration,
+    Violation,
+    build_reverse_csr,
+    explore,
+    reverse_reachable_csr,
+)
+from weightsync.model.system import Bounds, Config, G, Label, Model, Step, describe
 from weightsync.spec.states import PauseMode
 
 HOLDS, VIOLATED, NOT_CHECKED = "holds", "violated", "not checked"
@@ -113,6 +120,7 @@ class ModeResult:
     complete: bool
     model: Model | None = None
     exploration: Exploration[G] | None = field(default=None, repr=False)
+    violation_depths: dict[str, int] = field(default_factory=dict)
 
 
 def build_model(
@@ -172,16 +180,19 @@ def check_mode(
         props[name] = HOLDS if seen else (VIOLATED if complete else NOT_CHECKED)
     cx = None
     if ex.violations:
-        # safety first (a concrete dead end or bad state), then progress; shortest within the group
-        v = min(
-            ex.violations.values(),
-            key=lambda v: (v.property in PROGRESS, _vdepth(ex, v), PRIORITY[v.property]),
-        )
+        # The most specific diagnosis first (PRIORITY: mismatched collectives, one-sided collective,
+        # deadlock, quiescence, ...; safety before progress), the shortest path for that property.
+        v = min(ex.violations.values(), key=lambda v: (PRIORITY[v.property], _vdepth(ex, v)))
         cx = counterexample_record(model, ex, v, symmetry=symmetry)
     elif VIOLATED in props.values():
         name = next(n for n in SOMETIMES if props[n] == VIOLATED)
-        cx = {"property": name, "mode": model.mode.value, "steps": [], "records": [],
-              "note": "no reachable state or transition witnesses this; the check would be vacuous"}
+        cx = {
+            "property": name,
+            "mode": model.mode.value,
+            "steps": [],
+            "records": [],
+            "note": "no reachable state or transition witnesses this; the check would be vacuous",
+        }
     seconds = time.perf_counter() - t0
     return ModeResult(
         model.mode,
@@ -194,6 +205,7 @@ def check_mode(
         complete,
         model if keep else None,
         ex if keep else None,
+        {name: _vdepth(ex, v) for name, v in ex.violations.items()},
     )
 
 
@@ -230,7 +242,7 @@ def concrete_path(model: Model, ex: Exploration[G], i: int, symmetry: bool) -> l
     path = ex.path(i)
     out: list[tuple[G, Label, G]] = []
     if not symmetry:
-        for (_, a), (lab, b) in zip(path, path[1:], strict=False):
+        for (_, a), (lab, b) in itertools.pairwise(path):
             out.append((ex.states[a], lab, ex.states[b]))
         return out
     cur = model.initial()
@@ -246,7 +258,9 @@ def concrete_path(model: Model, ex: Exploration[G], i: int, symmetry: bool) -> l
     return out
 
 
-def counterexample_record(model: Model, ex: Exploration[G], v: Violation, *, symmetry: bool = False) -> dict[str, Any]:
+def counterexample_record(
+    model: Model, ex: Exploration[G], v: Violation, *, symmetry: bool = False
+) -> dict[str, Any]:
     """A counterexample as a dict: ``property``, ``mode``, ``statement``, ``steps`` (numbered strings) and
     ``records`` (structured :class:`~weightsync.model.system.Step` dicts), and ``labels`` (the model's
     successor labels, for replay)."""
@@ -254,7 +268,9 @@ def counterexample_record(model: Model, ex: Exploration[G], v: Violation, *, sym
     if v.label is not None:
         src = edges[-1][2] if edges else model.initial()
         if symmetry:
-            cand = [(lab, t) for lab, t in model.successors(src) if v.property in model.edge_check(src, lab, t)]
+            cand = [
+                (lab, t) for lab, t in model.successors(src) if v.property in model.edge_check(src, lab, t)
+            ]
             lab, t = cand[0]
         else:
             lab, t = v.label, v.target
@@ -328,7 +344,9 @@ def check(
     props: dict[str, str] = {}
     for name in PROPERTIES:
         vals = [r.properties[name] for r in results]
-        props[name] = VIOLATED if VIOLATED in vals else (HOLDS if all(x == HOLDS for x in vals) else NOT_CHECKED)
+        props[name] = (
+            VIOLATED if VIOLATED in vals else (HOLDS if all(x == HOLDS for x in vals) else NOT_CHECKED)
+        )
     cxs = [r.counterexample for r in results if r.counterexample is not None]
     complete = all(r.complete for r in results)
     if cxs:
@@ -358,13 +376,16 @@ def check(
                 "transitions": r.transitions,
                 "depth": r.depth,
                 "seconds": round(r.seconds, 3),
-                "verdict": "counterexample" if r.counterexample else ("verified" if r.complete else "incomplete"),
+                "verdict": "counterexample"
+                if r.counterexample
+                else ("verified" if r.complete else "incomplete"),
             }
             for r in results
         },
     }
     if cxs:
-        out["counterexample"] = min(cxs, key=lambda c: (len(c["steps"]) == 1, len(c["steps"])))
+        out["counterexample"] = min(cxs, key=lambda c: (PRIORITY[c["property"]], len(c["steps"])))
+        out["violations"] = {r.mode.value: r.violation_depths for r in results if r.violation_depths}
     return out
 
 
@@ -425,7 +446,11 @@ def state_graph(
     )
 
     def attrs(s: G) -> dict[str, Any]:
-        d: dict[str, Any] = {"phase": int(s.ctrl[0]), "end": model.is_end(s), "violation": bool(model.invariant(s))}
+        d: dict[str, Any] = {
+            "phase": int(s.ctrl[0]),
+            "end": model.is_end(s),
+            "violation": bool(model.invariant(s)),
+        }
         for i, r in enumerate(s.ranks):
             d[f"state_{i}"] = r.vars.state.value
             d[f"wave_{i}"] = int(r.vars.current_wave)
@@ -437,9 +462,16 @@ def state_graph(
     for k, (a, b) in enumerate(zip(ex.src, ex.dst, strict=True)):
         g.edges[int(a), int(b)]["label"] = describe(model, ex.states[a], ex.labels[k], ex.states[b]).text
     g.graph.update(
-        {"variant": variant, "ranks": ranks, "mode": PauseMode(mode).value, "channels": channels,
-         "bounds": repr(model.config.bounds), "symmetry": False, "states": len(ex.states),
-         "transitions": ex.transitions}
+        {
+            "variant": variant,
+            "ranks": ranks,
+            "mode": PauseMode(mode).value,
+            "channels": channels,
+            "bounds": repr(model.config.bounds),
+            "symmetry": False,
+            "states": len(ex.states),
+            "transitions": ex.transitions,
+        }
     )
     assert isinstance(g, nx.DiGraph)
     return g
@@ -467,3 +499,32 @@ def replay_labels(model: Model, labels: list[Any]) -> tuple[list[G], int | None]
         cur = nxt
         seen.append(cur)
     return seen, None
+
+
+def print_human(result: dict[str, Any]) -> None:
+    """Print a :func:`check` result for people (rich table of properties, numbered counterexample)."""
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    con = Console()
+    colour = {"verified": "green", "counterexample": "red"}.get(result["verdict"], "yellow")
+    con.print(
+        f"[bold]{result['variant']}[/bold]  N={result['ranks']}  mode={result['mode']}  "
+        f"channels={result['channels']}  bounds={result['bounds']}  symmetry={result['symmetry']}"
+    )
+    con.print(
+        f"[{colour}]{result['verdict']}[/{colour}]: {result['states']:,} states, "
+        f"{result['transitions']:,} transitions, depth {result['depth']}, {result['seconds']:.2f} s, "
+        f"peak RSS {result['peak_rss_mb']:.0f} MB"
+    )
+    t = RichTable("property", "result", "statement (source)")
+    for name, val in result["properties"].items():
+        c = {"holds": "green", "violated": "red"}.get(val, "yellow")
+        st, src = PROPERTIES[name]
+        t.add_row(name, f"[{c}]{val}[/{c}]", f"{st} ({src})")
+    con.print(t)
+    cx = result.get("counterexample")
+    if cx:
+        con.print(f"[bold red]counterexample[/bold red] for {cx['property']} (mode {cx['mode']}):")
+        for line in cx["steps"]:
+            con.print("  " + line, markup=False, highlight=False)

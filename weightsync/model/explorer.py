@@ -299,8 +299,9 @@ def to_networkx(ex: Exploration[Any], state_attrs: Callable[[Any], dict[str, Any
 def networkx_bfs(initial: Iterable[S], successors: Successors[S]) -> tuple[Any, int]:
     """Baseline for ``bench explorer``: the same BFS building a ``networkx.DiGraph`` of hashable states
     with one labelled edge per transition (the approach the design replaced). Returns (graph, transitions)."""
-    import networkx as nx
     from collections import deque
+
+    import networkx as nx
 
     g = nx.DiGraph()
     q: deque[S] = deque()

@@ -35,7 +35,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from weightsync.spec.table import Transition
 from weightsync.spec.rank import GUARDS, UPDATES, RankVars, Table, Variant, apply, get_variant, select
 from weightsync.spec.states import (
     DP_COLLECTIVES,
@@ -46,6 +45,7 @@ from weightsync.spec.states import (
     schedulable,
     unfinished_for_sync,
 )
+from weightsync.spec.table import Transition
 
 # Controller phases.
 IDLE, PAUSE, START, UPDATE, FINISH, RESUME = range(6)
@@ -212,7 +212,9 @@ class Model:
 
     # ------------------------------------------------------------------ the table
 
-    def fire(self, i: int, v: RankVars, event: RankEvent, extra: tuple[tuple[str, Any], ...]) -> tuple[Transition | None, RankVars]:
+    def fire(
+        self, i: int, v: RankVars, event: RankEvent, extra: tuple[tuple[str, Any], ...]
+    ) -> tuple[Transition | None, RankVars]:
         """Fire ``event`` on rank ``i`` with variables ``v`` through the table: ``(transition, new vars)``;
         an illegal event gives ``(None, vars in ERROR)`` (the sticky error state)."""
         key = (v, event, i, extra)
@@ -249,11 +251,12 @@ class Model:
                 out.append((("step", i), t))
         # collectives
         k0 = ranks[0].blocked
-        if k0 and all(r.blocked == k0 for r in ranks):
-            if k0 in DP_KINDS:
-                out.append((("done", k0), self._complete(s, k0)))
-            elif k0 == "weight_broadcast" and s.trainer[0] == k0:
-                out.append((("done", k0), self._complete(s, k0)))
+        if (
+            k0
+            and all(r.blocked == k0 for r in ranks)
+            and (k0 in DP_KINDS or (k0 == "weight_broadcast" and s.trainer[0] == k0))
+        ):
+            out.append((("done", k0), self._complete(s, k0)))
         # coordinator
         for f, q in enumerate(s.coord_q):
             if q:
@@ -282,13 +285,15 @@ class Model:
         rk = s.ranks[i]
         q = rk.inq[f]
         msg = q[0]
-        inq = rk.inq[:f] + (q[1:],) + rk.inq[f + 1 :]
-        rk = rk._replace(inq=inq)
+        inq = (*rk.inq[:f], q[1:], *rk.inq[f + 1 :])
+        rk = Rank(rk[0], rk[1], rk[2], rk[3], inq, rk[5], rk[6])
         kind = msg[0]
         if kind == "ADD":
             return self._rank_event(s, i, rk, RankEvent.ADD, (("wave", msg[2]),), req=msg[1])
         if kind == "W":
-            return self._rank_event(s, i, rk, RankEvent.START_DP_WAVE, (("exclude", msg[2]), ("wave", msg[1])))
+            return self._rank_event(
+                s, i, rk, RankEvent.START_DP_WAVE, (("exclude", msg[2]), ("wave", msg[1]))
+            )
         call = msg[1]
         ev = CALL_EVENT[call]
         if ev is RankEvent.PAUSE:
@@ -303,7 +308,11 @@ class Model:
 
     def _step(self, s: G, i: int) -> G | None:
         rk = s.ranks[i]
-        t = self._rank_event(s, i, rk, RankEvent.STEP, (("has_work", self._has_work(rk)),))
+        extra = (("has_work", self._has_work(rk)),)
+        tr, after = self.fire(i, rk.vars, RankEvent.STEP, extra)
+        if tr is not None and not tr.effects and after == rk.vars:
+            return None  # an idle loop pass changes nothing
+        t = self._rank_event(s, i, rk, RankEvent.STEP, extra)
         return None if t == s else t
 
     def _rank_event(
@@ -312,10 +321,10 @@ class Model:
         """Fire ``event`` on rank ``i`` (whose slice is already ``rk``) and interpret the effects."""
         before = rk.vars
         tr, after = self.fire(i, before, event, extra)
-        rk = rk._replace(vars=after)
+        rk = Rank(after, rk[1], rk[2], rk[3], rk[4], rk[5], rk[6])
         if tr is None or not tr.effects:
-            ranks = s.ranks[:i] + (rk,) + s.ranks[i + 1 :]
-            return s._replace(ranks=ranks)
+            ranks = (*s.ranks[:i], rk, *s.ranks[i + 1 :])
+            return G(ranks, s[1], s[2], s[3], s[4], s[5], s[6], s[7])
         w = _Work(s)
         w.ranks[i] = rk
         for eff in tr.effects:
@@ -407,7 +416,7 @@ class Model:
         if src < 0:
             q = w.coord_q[f]
             msg = q[0]
-            w.coord_q = w.coord_q[:f] + (q[1:],) + w.coord_q[f + 1 :]
+            w.coord_q = (*w.coord_q[:f], q[1:], *w.coord_q[f + 1 :])
         else:
             rk = w.ranks[src]
             msg = rk.outq[0]
@@ -426,9 +435,8 @@ class Model:
             if sw > wave or (sw == wave and not running):
                 w.coord = (sw, True)
                 self._broadcast(w, sw, sender)
-        elif kind == "wave_complete":
-            if wave <= msg[1]:
-                w.coord = (msg[1] + 1, False)
+        elif kind == "wave_complete" and wave <= msg[1]:
+            w.coord = (msg[1] + 1, False)
         return w.freeze()
 
     def _broadcast(self, w: _Work, wave: int, exclude: int) -> None:
@@ -436,7 +444,7 @@ class Model:
         for i in range(self.n):
             rk = w.ranks[i]
             q = rk.inq[f]
-            w.ranks[i] = rk._replace(inq=rk.inq[:f] + ((*q, ("W", wave, exclude)),) + rk.inq[f + 1 :])
+            w.ranks[i] = rk._replace(inq=(*rk.inq[:f], (*q, ("W", wave, exclude)), *rk.inq[f + 1 :]))
 
     # -- front-end
 
@@ -445,7 +453,7 @@ class Model:
         w = _Work(s)
         f = 0 if self.ordered else F_ADD
         rk = w.ranks[i]
-        w.ranks[i] = rk._replace(inq=rk.inq[:f] + ((*rk.inq[f], ("ADD", nxt, bw)),) + rk.inq[f + 1 :])
+        w.ranks[i] = rk._replace(inq=(*rk.inq[:f], (*rk.inq[f], ("ADD", nxt, bw)), *rk.inq[f + 1 :]))
         if not brun:
             msg = ("FIRST_REQ", i, bw)
             w.coord_q = ((*w.coord_q[0], msg),)
@@ -486,8 +494,10 @@ class Model:
                 if nph == UPDATE:
                     out.append((("trainer",), self._fan_out(s, nph, started2, None, True, trainer=True)))
         # continue the current phase's fan-out
-        if phase != IDLE and not self.ordered and not (
-            self.variant.pause_in_front_end and phase in (PAUSE, RESUME)
+        if (
+            phase != IDLE
+            and not self.ordered
+            and not (self.variant.pause_in_front_end and phase in (PAUSE, RESUME))
         ):
             for i in range(self.n):
                 if s.ranks[i].status == NOT_SENT:
@@ -512,7 +522,7 @@ class Model:
         for i in targets:
             rk = w.ranks[i]
             w.ranks[i] = rk._replace(
-                inq=rk.inq[:f] + ((*rk.inq[f], ("U", call)),) + rk.inq[f + 1 :], status=SENT
+                inq=(*rk.inq[:f], (*rk.inq[f], ("U", call)), *rk.inq[f + 1 :]), status=SENT
             )
         if phase == UPDATE and (trainer or target is None):
             w.trainer = ("weight_broadcast", SENT)
@@ -547,26 +557,33 @@ class Model:
         blocked = {r.blocked for r in ranks if r.blocked}
         if len(blocked) > 1 or any(r.vars.collective != r.blocked for r in ranks):
             bad.append("collectives_match")
-        if any(r.vars.state is RankState.ERROR or r.status == SPURIOUS for r in ranks) or s.trainer[1] == SPURIOUS:
+        if (
+            any(r.vars.state is RankState.ERROR or r.status == SPURIOUS for r in ranks)
+            or s.trainer[1] == SPURIOUS
+        ):
             bad.append("phase_bracketing")
         if not self._conserved(s):
             bad.append("request_conservation")
-        if s.ctrl[0] == RESUME and self._all_replied(s, RESUME):
-            if len({r.vars.weight_version for r in ranks}) > 1:
-                bad.append("version_agreement")
+        if (
+            s.ctrl[0] == RESUME
+            and self._all_replied(s, RESUME)
+            and len({r.vars.weight_version for r in ranks}) > 1
+        ):
+            bad.append("version_agreement")
         if not self.seen_all_verified and all(r.vars.state is RankState.VERIFIED for r in ranks):
             self.seen_all_verified = True
         return bad
 
     def _conserved(self, s: G) -> bool:
         nxt = s.front[2]
-        seen = list(s.done) + list(s.aborted)
+        seen = [*s.done, *s.aborted]
         for r in s.ranks:
-            seen.extend(q for q, _ in r.waiting)
-            seen.extend(q for q, _ in r.running)
+            seen += [q for q, _ in r.waiting]
+            seen += [q for q, _ in r.running]
             for f in r.inq:
-                seen.extend(m[1] for m in f if m[0] == "ADD")
-        if len(seen) != nxt or sorted(seen) != list(range(nxt)):
+                if f:
+                    seen += [m[1] for m in f if m[0] == "ADD"]
+        if len(seen) != nxt or (nxt > 1 and sorted(seen) != list(range(nxt))) or (nxt == 1 and seen[0] != 0):
             return False
         return not (s.aborted and self.mode is not PauseMode.ABORT)
 
@@ -579,9 +596,13 @@ class Model:
             i = label[1]
             if t.ranks[i].blocked in DP_KINDS and any(r.blocked in TRANSFER_KINDS for r in s.ranks):
                 return ["quiescence"]
-        elif kind == "done" and label[1] == "weight_broadcast" and not self.seen_update_with_wave_in_flight:
-            if any(m[0] == "W" for r in s.ranks for q in r.inq for m in q):
-                self.seen_update_with_wave_in_flight = True
+        elif (
+            kind == "done"
+            and label[1] == "weight_broadcast"
+            and not self.seen_update_with_wave_in_flight
+            and any(m[0] == "W" for r in s.ranks for q in r.inq for m in q)
+        ):
+            self.seen_update_with_wave_in_flight = True
         return []
 
     def is_end(self, s: G) -> bool:
@@ -642,9 +663,7 @@ class Model:
 
         def key(j: int) -> tuple[Any, ...]:
             r = ranks[j]
-            inq = tuple(
-                tuple((m[0], m[1], rel(m[2], j)) if m[0] == "W" else m for m in q) for q in r.inq
-            )
+            inq = tuple(tuple((m[0], m[1], rel(m[2], j)) if m[0] == "W" else m for m in q) for q in r.inq)
             return (r.vars, r.blocked, r.waiting, r.running, inq, r.outq, r.status)
 
         order = sorted(range(1, n), key=key)
@@ -693,6 +712,8 @@ class _Work:
         self.aborted = list(s.aborted)
 
     def freeze(self) -> G:
+        done = self.done
+        aborted = self.aborted
         return G(
             tuple(self.ranks),
             self.coord_q,
@@ -700,8 +721,8 @@ class _Work:
             self.front,
             self.ctrl,
             self.trainer,
-            tuple(sorted(self.done)),
-            tuple(sorted(self.aborted)),
+            tuple(sorted(done)) if len(done) > 1 else tuple(done),
+            tuple(sorted(aborted)) if len(aborted) > 1 else tuple(aborted),
         )
 
 
@@ -772,6 +793,7 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
     if kind == "recv":
         i, f = label[1], label[2]
         m = s.ranks[i].inq[f][0]
+        extra: tuple[tuple[str, Any], ...]
         if m[0] == "ADD":
             ev, extra = RankEvent.ADD, (("wave", m[2]),)
         elif m[0] == "W":
@@ -819,7 +841,11 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
         frm = "front-end" if m[0] == "FIRST_REQ" else f"rank {m[2]}"
         w0, r0 = s.coord
         w1, r1 = t.coord
-        bc = [fmt_msg(q[-1], mode) for q, q0 in zip((r.inq[-1] for r in t.ranks), (r.inq[-1] for r in s.ranks), strict=True) if len(q) > len(q0)]
+        bc = [
+            fmt_msg(q[-1], mode)
+            for q, q0 in zip((r.inq[-1] for r in t.ranks), (r.inq[-1] for r in s.ranks), strict=True)
+            if len(q) > len(q0)
+        ]
         if (w0, r0) == (w1, r1) and not bc:
             d = f"ignored: current_wave={w0}, running={r0}"
         else:
@@ -833,17 +859,30 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
         d = f"stamped with believed wave {bw}"
         if not brun:
             d += f"; believes engines idle: FIRST_REQ(exclude={i}, wave={bw}) to the coordinator"
-        return Step("front-end", "sends", f"ADD(req={nxt}, wave={bw}) to rank {i}", d, "front-end", (f"rank {i}",))
+        return Step(
+            "front-end", "sends", f"ADD(req={nxt}, wave={bw}) to rank {i}", d, "front-end", (f"rank {i}",)
+        )
     if kind == "refresh":
         return Step(
-            "front-end", "refreshes", "stats", f"believes wave={s.coord[0]}, running={s.coord[1]}", "", ("front-end",)
+            "front-end",
+            "refreshes",
+            "stats",
+            f"believes wave={s.coord[0]}, running={s.coord[1]}",
+            "",
+            ("front-end",),
         )
     if kind == "fan":
         call, i = label[1], label[2]
         msg = f"pause({mode.value})" if call == "pause" else call
         if i < 0:
-            return Step("controller", "fans out", f"{msg} to every rank (atomic)", "", "controller",
-                        tuple(f"rank {j}" for j in range(model.n)))
+            return Step(
+                "controller",
+                "fans out",
+                f"{msg} to every rank (atomic)",
+                "",
+                "controller",
+                tuple(f"rank {j}" for j in range(model.n)),
+            )
         return Step("controller", "fans out", f"{msg} to rank {i}", "", "controller", (f"rank {i}",))
     if kind == "fe":
         call = label[1]
@@ -851,8 +890,14 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
         d = "; ".join(
             f"r{i}:{s.ranks[i].vars.state.value}->{t.ranks[i].vars.state.value}" for i in range(model.n)
         )
-        return Step("front-end", "applies", f"{msg} to every rank machine (no message)", d, "",
-                    tuple(f"rank {j}" for j in range(model.n)))
+        return Step(
+            "front-end",
+            "applies",
+            f"{msg} to every rank machine (no message)",
+            d,
+            "",
+            tuple(f"rank {j}" for j in range(model.n)),
+        )
     if kind == "trainer":
         return Step("trainer", "enters", "weight_broadcast", "trainer_send_weights", "", ("trainer",))
     raise ValueError(f"unknown label {label!r}")  # pragma: no cover

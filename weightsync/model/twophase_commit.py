@@ -40,13 +40,13 @@ def successors(s: TPState) -> Iterator[tuple[str, TPState]]:
         if s.tm == INIT and ("Prepared", r) in s.msgs:
             yield f"TMRcvPrepared({r})", s._replace(prepared=s.prepared | {r})
         if s.rm[r] == WORKING:
-            rm = s.rm[:r] + (PREPARED,) + s.rm[r + 1 :]
+            rm = (*s.rm[:r], PREPARED, *s.rm[r + 1 :])
             yield f"RMPrepare({r})", s._replace(rm=rm, msgs=s.msgs | {("Prepared", r)})
-            yield f"RMChooseToAbort({r})", s._replace(rm=s.rm[:r] + (ABORTED,) + s.rm[r + 1 :])
+            yield f"RMChooseToAbort({r})", s._replace(rm=(*s.rm[:r], ABORTED, *s.rm[r + 1 :]))
         if ("Commit", -1) in s.msgs:
-            yield f"RMRcvCommitMsg({r})", s._replace(rm=s.rm[:r] + (COMMITTED,) + s.rm[r + 1 :])
+            yield f"RMRcvCommitMsg({r})", s._replace(rm=(*s.rm[:r], COMMITTED, *s.rm[r + 1 :]))
         if ("Abort", -1) in s.msgs:
-            yield f"RMRcvAbortMsg({r})", s._replace(rm=s.rm[:r] + (ABORTED,) + s.rm[r + 1 :])
+            yield f"RMRcvAbortMsg({r})", s._replace(rm=(*s.rm[:r], ABORTED, *s.rm[r + 1 :]))
 
 
 def consistent(s: TPState) -> list[str]:

@@ -1,0 +1,149 @@
+"""The weightsync model: the fix verifies, every historical variant yields its counterexample."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from weightsync.cli import main
+from weightsync.model.check import (
+    PROPERTIES,
+    check,
+    counterexample_mermaid,
+    replay_labels,
+    state_graph,
+)
+from weightsync.model.explorer import explore
+from weightsync.model.system import Bounds, Config, Model
+from weightsync.spec.states import PauseMode
+
+
+def _all_hold(out: dict[str, object]) -> bool:
+    props = out["properties"]
+    assert isinstance(props, dict)
+    return all(v == "holds" for v in props.values())
+
+
+def test_two_phase_epoch_n2_verifies_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["check", "--variant", "two-phase-epoch", "--ranks", "2", "--mode", "all", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert out["verdict"] == "verified"
+    assert _all_hold(out)
+    assert set(out["properties"]) == set(PROPERTIES)
+    assert out["symmetry"] is False
+    for key in (
+        "variant",
+        "ranks",
+        "states",
+        "transitions",
+        "depth",
+        "seconds",
+        "bounds",
+        "channels",
+        "mode",
+    ):
+        assert key in out
+
+
+def test_two_phase_ordered_channels_n2_verifies() -> None:
+    out = check("two-phase", 2, channels="ordered", bounds=Bounds(requests=1))
+    assert out["verdict"] == "verified" and _all_hold(out)
+
+
+def _steps(variant: str) -> tuple[dict[str, object], str]:
+    out = check(variant, 2)
+    assert out["verdict"] == "counterexample"
+    cx = out["counterexample"]
+    assert isinstance(cx, dict)
+    return cx, "\n".join(cx["steps"])
+
+
+def test_front_end_pause_blog_deadlock() -> None:
+    cx, text = _steps("front-end-pause")
+    assert cx["property"] == "collectives_match"
+    assert "applies pause" in text and "enters weight_broadcast" in text
+    assert "rank 0 in dp_step, rank 1 in weight_broadcast" in text
+
+
+def test_idle_fast_path_late_wave_rearms_paused_rank() -> None:
+    cx, text = _steps("idle-fast-path")
+    assert cx["property"] == "collectives_match"
+    assert "pause_abort_idle" in text or "pause_idle_fast_path" in text
+    assert "receives START_DP_WAVE(wave=0, exclude=0) (wave_for_me_not_ignoring: verified->verified" in text
+    assert "weight_broadcast" in text and "dp_step" in text
+
+
+def test_ignore_wave_working_rank_waits_forever() -> None:
+    cx, text = _steps("ignore-wave")
+    assert cx["property"] == "no_one_sided_collective"
+    assert "blocked: rank 0 in dp_step" in text
+
+
+def test_two_phase_resume_time_race_per_socket() -> None:
+    cx, text = _steps("two-phase")
+    assert cx["property"] == "no_one_sided_collective"
+    assert "(wave_dropped: verified->verified)" in text
+    assert "complete resume_barrier(max_unfinished=0" in text
+    assert text.splitlines()[-1].endswith("rank 0 running, rank 1 running")
+
+
+def test_counterexample_replays_and_renders(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["check", "--variant", "two-phase", "--ranks", "2", "--mode", "keep", "--json"])
+    assert code == 1
+    cx = json.loads(capsys.readouterr().out)["counterexample"]
+    model = Model(Config("two-phase", 2, PauseMode.KEEP))
+    states, bad = replay_labels(model, cx["labels"])
+    assert bad is None and len(states) == len(cx["labels"]) + 1
+    assert model.terminal_check(states[-1]) == ["no_one_sided_collective"]
+    mmd = counterexample_mermaid(cx, 2, title="two-phase N=2")
+    assert mmd.splitlines()[1] == "sequenceDiagram"
+    for lane in ("controller", "frontend", "coordinator", "trainer", "rank0", "rank1"):
+        assert f"participant {lane} as" in mmd
+    assert "Note over rank0" in mmd
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--variant", "nope", "--json"]) == 2
+    assert main(["check", "--ranks", "0", "--json"]) == 2
+    assert main(["check", "--mode", "bogus"]) == 2
+    capsys.readouterr()
+
+
+def test_variants_lists_all(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["variants", "--json"]) == 0
+    names = {v["name"] for v in json.loads(capsys.readouterr().out)["variants"]}
+    assert names == {"two-phase-epoch", "two-phase", "front-end-pause", "idle-fast-path", "ignore-wave"}
+
+
+def test_symmetry_canon_is_sound_and_reduces() -> None:
+    m = Model(Config("two-phase-epoch", 3, PauseMode.KEEP, bounds=Bounds(requests=1)))
+    ex = explore([m.initial()], m.successors, max_states=4000)
+    for s in ex.states[::7]:
+        c = m.canon(s)
+        assert m.canon(c) == c  # idempotent
+        assert sorted(map(repr, (r.vars for r in c.ranks))) == sorted(map(repr, (r.vars for r in s.ranks)))
+        assert c.ranks[0] == s.ranks[0] or c.ranks[0].vars == s.ranks[0].vars  # rank 0 stays fixed
+        assert m.invariant(c) == m.invariant(s)
+    plain = explore([m.initial()], m.successors, max_states=3000)
+    sym = explore([m.initial()], m.successors, canon=m.canon, max_states=3000)
+    assert sym.depth >= plain.depth  # the same budget reaches deeper with symmetry
+
+
+def test_symmetry_finds_the_same_bug() -> None:
+    out = check("two-phase", 3, mode="keep", symmetry=True, bounds=Bounds(requests=1))
+    assert out["verdict"] == "counterexample" and out["symmetry"] is True
+    assert out["properties"]["progress_pause"] == "not checked"
+    steps = out["counterexample"]["steps"]
+    assert "one-sided collective" in steps[-1]
+
+
+def test_state_graph_graphml(tmp_path: Path) -> None:
+    import networkx as nx
+
+    g = state_graph("two-phase-epoch", 2, "keep", bounds=Bounds(requests=0))
+    assert g.number_of_nodes() > 10 and g.number_of_edges() >= g.number_of_nodes() - 1
+    nx.write_graphml(g, tmp_path / "g.graphml")
+    assert (tmp_path / "g.graphml").stat().st_size > 0
