@@ -224,8 +224,11 @@ def _send(group: BroadcastGroup, items: Sequence[tuple[str, torch.Tensor]], args
     def payload(b: Bucket) -> tuple[torch.Tensor | None, int | None]:
         if b.nbytes == 0:
             return None, (0 if args.verify else None)
-        if b.oversized or not args.packed:
-            t = tensors[b.members[0]]
+        first = tensors[b.members[0]]
+        direct = len(b.members) == 1 and first.is_contiguous() and first.device == group.device
+        if b.oversized or not args.packed or direct:
+            # the bucket's bytes are exactly this tensor's bytes (offset 0): send it without packing
+            t = first
             if t.device != group.device:
                 t = t.to(group.device)
             buf = as_bytes(t.contiguous())
@@ -235,7 +238,7 @@ def _send(group: BroadcastGroup, items: Sequence[tuple[str, torch.Tensor]], args
 
     def submit(b: Bucket) -> concurrent.futures.Future[tuple[torch.Tensor | None, int | None]]:
         fut: concurrent.futures.Future[tuple[torch.Tensor | None, int | None]]
-        if group.packer is not None and args.packed and not b.oversized:
+        if group.packer is not None and args.packed and not b.oversized and len(b.members) > 1:
             return group.packer.submit(payload, b)
         fut = concurrent.futures.Future()
         try:
