@@ -330,6 +330,16 @@ def _replay(args: argparse.Namespace) -> int:
 HANDLERS["replay"] = _replay
 
 
+# --------------------------------------------------------------------------- demo
+def _demo(args: argparse.Namespace) -> int:
+    from weightsync.impl.demo import demo_command
+
+    return demo_command(args)
+
+
+HANDLERS["demo"] = _demo
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``weightsync`` console script; returns the exit code."""
     parser = build_parser()
