@@ -156,6 +156,55 @@ HANDLERS["variants"] = _variants
 HANDLERS["check"] = _check
 
 
+# --------------------------------------------------------------------------- export / prove
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from weightsync.model.export import ExportError, export
+
+    try:
+        out = export(
+            args.what,
+            args.format,
+            Path(args.out),
+            variant=args.variant,
+            ranks=args.ranks,
+            mode=args.mode,
+            channels=args.channels,
+            requests=args.requests,
+        )
+    except (ExportError, ValueError) as exc:
+        msg = f"weightsync export: {exc}"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
+    emit(out, args.json, lambda: print(f"wrote {out['out']} ({out['what']}, {out['format']})"))
+    return EXIT_OK
+
+
+def _prove(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from weightsync.model.proofs import check_fresh, prove
+
+    root = Path.cwd()
+    if args.check:
+        problems = check_fresh(root)
+        emit(
+            {"fresh": not problems, "problems": problems},
+            args.json,
+            lambda: print("\n".join(problems) if problems else "proofs/ and spec/ are fresh"),
+        )
+        return EXIT_VIOLATION if problems else EXIT_OK
+    summary = prove(root, log=(lambda _m: None) if args.json else print)
+    bad = [p for p in summary["proofs"] if p["verdict"] != p["expected"]]
+    emit(summary, args.json, lambda: print(f"wrote proofs/ and spec/ ({summary['seconds']} s)"))
+    return EXIT_VIOLATION if bad else EXIT_OK
+
+
+HANDLERS["export"] = _export
+HANDLERS["prove"] = _prove
+
+
 # --------------------------------------------------------------------------- bench dispatcher
 def _bench_pause(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.impl.engine.bench import run_pause_bench

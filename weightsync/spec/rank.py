@@ -476,7 +476,9 @@ class Variant:
         table: ``{(RankState, RankEvent): (Transition, ...)}``.
         pause_in_front_end: pause/resume are answered by the API front-end without reaching engines.
         resume_barrier_carries_wave: the resume all-reduce also carries MAX(current_wave).
-        expected: what the model checker should find ("verified" or "counterexample").
+        expected: what the model checker should find under per-socket channels ("verified" or
+            "counterexample").
+        verified_channels: channel semantics under which the variant is expected to verify.
     """
 
     name: str
@@ -486,6 +488,11 @@ class Variant:
     pause_in_front_end: bool = False
     resume_barrier_carries_wave: bool = False
     expected: str = "counterexample"
+    verified_channels: tuple[str, ...] = ()
+
+    def expected_verdict(self, channels: str) -> str:
+        """"verified" if the variant should verify under ``channels``, else "counterexample"."""
+        return "verified" if channels in self.verified_channels else "counterexample"
 
     def digest(self) -> str:
         """SHA-256 of this variant's table rows (sorted)."""
@@ -508,12 +515,14 @@ VARIANTS: dict[str, Variant] = {
             two_phase_table(epoch=True),
             resume_barrier_carries_wave=True,
             expected="verified",
+            verified_channels=("per-socket", "ordered"),
         ),
         Variant(
             "two-phase",
             "vLLM's two-phase pause/resume as shipped: honour waves until consensus, resume is a barrier",
             "vLLM PR #39366",
             two_phase_table(epoch=False),
+            verified_channels=("ordered",),
         ),
         Variant(
             "front-end-pause",
