@@ -848,7 +848,16 @@ class _Run:
         finally:
             if client is not None and guard is not None and not guard.dead():
                 with contextlib.suppress(Exception):
-                    client.trace_to(None)  # flush and close the engines' trace files
+                    if error is None:
+                        # Stop tracing only once every rank left the wave: a rank that stopped tracing while
+                        # its peers still step would leave them completing DP collectives it never entered
+                        # in the trace (replay rejects that as an unmatched collective).
+                        client.wait_for(
+                            lambda: all(not v.get("engines_running", False) for v in client.rank_vars),
+                            cfg.timeout_s,
+                            "every rank idle",
+                        )
+                    client.trace_to(None)  # close the engines' trace files
             # engines first: the trainer hosts the store their transfer engines are connected to
             if client is not None:
                 client.shutdown()
