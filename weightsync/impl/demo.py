@@ -1047,7 +1047,8 @@ def _print_summary(result: dict[str, Any], con: Any) -> None:
         f"max logit diff {result['max_logit_diff']}   weight versions {result['weight_versions']}"
     )
     if result["trace"]:
-        con.print(f"trace: {result['trace']}  (check it: weightsync replay {result['trace']})")
+        con.print(f"trace: {result['trace']}", highlight=False)
+        con.print(f"check it against the model: weightsync replay {result['trace']}", highlight=False)
     failed = [k for k, v in result["checks"].items() if not v]
     if result["error"]:
         con.print(f"[bold red]error:[/] {result['error']}", highlight=False)
@@ -1085,10 +1086,14 @@ class DemoRenderer:
     def __call__(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "start":
             self.console.print(
-                f"weightsync demo: trainer {data['architecture']} ({data['parameters'] / 1e6:.2f} M params, "
-                f"{data['tensors']} tensors, {data['dtype']}, {data['bytes'] / 1e6:.1f} MB) -> "
-                f"{data['ranks']} DP engine ranks over {data['transport']} ({data['backend']}), "
-                f"pause mode {data['mode']}, variant {data['variant']}"
+                f"trainer: {data['architecture']}, {data['parameters'] / 1e6:.2f} M parameters in "
+                f"{data['tensors']} tensors, {data['dtype']}, {data['bytes'] / 1e6:.1f} MB per sync",
+                highlight=False,
+            )
+            self.console.print(
+                f"engines: {data['ranks']} DP ranks, transport {data['transport']} ({data['backend']} backend), "
+                f"pause mode {data['mode']}, variant {data['variant']}",
+                highlight=False,
             )
             self.task = self.progress.add_task("steps", total=data["steps"], info="starting engines")
         elif kind == "step" and self.task is not None:
