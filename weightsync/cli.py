@@ -293,16 +293,32 @@ HANDLERS["bench"] = _bench
 
 # --------------------------------------------------------------------------- repro / replay
 def _repro(args: argparse.Namespace) -> int:
-    from weightsync.impl.engine.repro import EXPECTED, repro
+    from weightsync.impl.engine.repro import EXPECTED, repro, schedules_for
+    from weightsync.model.check import check
 
     if args.variant not in EXPECTED:
         msg = f"unknown variant {args.variant!r}; known: {', '.join(EXPECTED)}"
         emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
         return EXIT_USAGE
-    runs = repro(args.variant, timeout_s=min(float(args.timeout), 10.0))
+    # glue (design s2: model and impl meet only here): the model's shortest counterexample of each
+    # schedule's variant, as plain data, handed to the router compiler
+    cxs: dict[str, dict[str, Any]] = {}
+    model_errors: dict[str, str] = {}
+    for name in schedules_for(args.variant):
+        try:
+            cx = check(name, 2, progress=False).get("counterexample")
+        except Exception as exc:  # fall back to the hand-written schedule, and say so
+            model_errors[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        if cx is not None:
+            cxs[name] = {k: cx[k] for k in ("property", "mode", "steps", "records", "labels")}
+        else:
+            model_errors[name] = "the model found no counterexample"
+    runs = repro(args.variant, cxs, timeout_s=min(float(args.timeout), 10.0))
     expected = EXPECTED[args.variant]
     results = {r.result for r in runs}
     result = expected if results == {expected} else sorted(results - {expected})[0]
+    sources = sorted({r.source for r in runs})
     out: dict[str, Any] = {
         "variant": args.variant,
         "result": result,
@@ -310,12 +326,20 @@ def _repro(args: argparse.Namespace) -> int:
         "seconds": round(sum(r.seconds for r in runs), 3),
         "ranks": sorted({q for r in runs for q in r.ranks}),
         "collectives": runs[0].collectives if len(runs) == 1 else {r.schedule: r.collectives for r in runs},
+        "schedule_source": sources[0] if len(sources) == 1 else "mixed",
+        "counterexample": (
+            {"property": cxs[runs[0].schedule]["property"], "steps": runs[0].counterexample}
+            if len(runs) == 1 and runs[0].schedule in cxs
+            else {n: {"property": c["property"], "steps": c["steps"]} for n, c in cxs.items()}
+        ),
         "schedules": [r.as_dict() for r in runs],
     }
+    if model_errors:
+        out["model_errors"] = model_errors
 
     def human() -> None:
         for r in runs:
-            print(f"{r.variant} on schedule {r.schedule}: {r.result} in {r.seconds:.1f} s")
+            print(f"{r.variant} on the {r.schedule} schedule ({r.source}): {r.result} in {r.seconds:.1f} s")
             for i, st in enumerate(r.steps, 1):
                 print(f"  {i}. {st}")
             for q, c in sorted(r.collectives.items()):
@@ -331,18 +355,14 @@ HANDLERS["repro"] = _repro
 
 def _replay(args: argparse.Namespace) -> int:
     from weightsync.impl.checked import replay_trace
+    from weightsync.model.replay import TraceChecker
 
-    validate = None
-    try:  # the model's per-step check, when the model exposes one
-        from weightsync.model import replay_validator  # type: ignore[attr-defined]
-
-        validate = replay_validator
-    except ImportError:
-        pass
     results = []
+    checkers: list[TraceChecker] = []
     for path in args.traces:
-        try:
-            results.append(replay_trace(path, validate))
+        try:  # table edges (impl) + the model's composition check (collective outcomes, blocked ranks)
+            checkers.append(TraceChecker())
+            results.append(replay_trace(path, checkers[-1]))
         except (OSError, ValueError) as exc:
             err = {"error": str(exc)}
             emit(err, args.json, lambda err=err: print(err["error"], file=sys.stderr))  # type: ignore[misc]
@@ -358,9 +378,12 @@ def _replay(args: argparse.Namespace) -> int:
                 "ranks": r.ranks,
                 "variant": r.variant,
                 "collectives": r.collectives,
+                "outcomes_checked": ck.outcomes_checked,
+                "has_work_checked": ck.has_work_checked,
+                "notes": ck.notes,
                 "divergence": None if r.divergence is None else r.divergence.__dict__,
             }
-            for r in results
+            for r, ck in zip(results, checkers, strict=True)
         ],
     }
 

@@ -21,8 +21,10 @@
 :func:`replay_trace` validates a recorded trace: every step re-fired on the rank tables must reproduce the
 recorded variables, and DP collectives must rendezvous (every rank enters the same (kind, seq) before any
 rank completes it). An optional ``validate`` callback (``weightsync replay`` passes the model checker's)
-checks each step against the model's product graph too. The first divergence is reported with the state
-and the legal events there.
+checks each step against the model's composition of the ranks too (``weightsync replay`` passes
+:class:`weightsync.model.replay.TraceChecker`: collective outcomes from the members' entry states, blocked
+ranks, scheduler arguments); a validator with a ``prepare(records)`` method gets every record first. The
+first divergence is reported with the state and the legal events there.
 """
 
 from __future__ import annotations
@@ -369,6 +371,9 @@ def replay_trace(path: str | Path, validate: StepValidator | None = None) -> Rep
         res.divergence = Divergence(line, step, rank, event, reason, vars_to_dict(v), legal)
         return res
 
+    prepare = getattr(validate, "prepare", None)
+    if callable(prepare):  # a validator that looks ahead (the model's, for the members' entry counts)
+        prepare([rec for _, rec in recs])
     for step, (line, rec) in enumerate(recs):
         res.steps = step + 1
         try:

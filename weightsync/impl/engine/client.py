@@ -15,8 +15,11 @@
   each engine reported it; the :class:`~weightsync.impl.checked.CheckedEngine` and the trace recorder use
   this.
 - ``hold=True`` (``weightsync repro``) routes every message bound for an engine (front-end input,
-  controller input and the coordinator's wave socket) into per-(rank, socket) holding FIFOs; a schedule then
-  releases them one by one with :meth:`DPEngineClient.release`.
+  controller input and the coordinator's wave socket) into per-(rank, socket) holding FIFOs, and every
+  message bound for the coordinator (FIRST_REQ: ``(-1, "coord")``; an engine's wave_complete / start_wave:
+  ``(rank, "coord")``) too; a schedule then releases them one by one with :meth:`DPEngineClient.release`.
+  The coordinator's stats are held as well (the front-end's belief changes only at :meth:`refresh`), and
+  each engine gets a step gate (:meth:`DPEngineClient.set_step_gate`).
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ from weightsync.spec.states import PauseMode
 
 SOCKETS = ("front", "control", "wave")
 """Engine input sockets: front-end input, controller input, coordinator wave socket."""
+COORD = "coord"
+"""Holding socket of coordinator-bound messages (rank -1: the front-end's FIRST_REQ)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -166,15 +171,24 @@ class DPEngineClient:
         self.start_timeout_s = start_timeout_s
         self._ctx = tmp.get_context("spawn")
         n = cfg.dp_size
+        self.step_gates: list[Any] = [self._ctx.Value("i", -1) for _ in range(n)] if hold else []
         self.queues = [
             EngineQueues(
-                self._ctx.Queue(), self._ctx.Queue(), self._ctx.Queue(), self._ctx.Queue(), self._ctx.Queue()
+                self._ctx.Queue(),
+                self._ctx.Queue(),
+                self._ctx.Queue(),
+                self._ctx.Queue(),
+                self._ctx.Queue(),
+                self.step_gates[r] if hold else None,
             )
-            for _ in range(n)
+            for r in range(n)
         ]
         self._fe2coord = self._ctx.Queue()
         self._stats = self._ctx.Queue()
         self._router_wave = [self._ctx.Queue() for _ in range(n)] if hold else []
+        self._router_coord = [self._ctx.Queue() for _ in range(n)] if hold else []
+        self.coord_acks = 0  # stats received from the coordinator (repro: one per handled message)
+        self._held_stats: Stats | None = None
         self._stop = self._ctx.Event()
         self.procs: list[Any] = []
         self._lock = threading.RLock()
@@ -189,6 +203,8 @@ class DPEngineClient:
         self._listeners: list[Callable[[TransitionRecord], None]] = []
         self._failure_listeners: list[Callable[[EngineFailure], None]] = []
         self.held: dict[tuple[int, str], deque[Any]] = {(r, s): deque() for r in range(n) for s in SOCKETS}
+        if hold:
+            self.held.update({(r, COORD): deque() for r in range(-1, n)})
         self._gate: list[tuple[int, AddMsg]] | None = None  # front-end-pause: held ADDs while paused
         self._ready: set[int] = set()
         self._thread: threading.Thread | None = None
@@ -204,10 +220,11 @@ class DPEngineClient:
             TransferTimeoutError: an engine did not come up within ``start_timeout_s`` (phase ``startup``).
             PeerFailedError: an engine failed during startup.
         """
-        wave_out = self._router_wave if self.hold else [q.wave_in for q in self.queues]
+        wave_out = self._router_wave if self.routed else [q.wave_in for q in self.queues]
+        coord_in = self._router_coord if self.routed else [q.to_coord for q in self.queues]
         coord = self._ctx.Process(
             target=run_coordinator,
-            args=(self._fe2coord, [q.to_coord for q in self.queues], wave_out, self._stats, self._stop),
+            args=(self._fe2coord, coord_in, wave_out, self._stats, self._stop, 0.001, self.routed),
             daemon=True,
             name="weightsync-dp-coordinator",
         )
@@ -284,8 +301,26 @@ class DPEngineClient:
                 busy = True
                 assert isinstance(st, Stats)
                 with self._lock:
-                    self.current_wave = st.current_wave
-                    self.engines_running = st.engines_running
+                    self.coord_acks += 1
+                    if self.hold:
+                        self._held_stats = st
+                    else:
+                        self.current_wave = st.current_wave
+                        self.engines_running = st.engines_running
+                    self._trans_cv.notify_all()
+            for r, q in enumerate(self.queues if self.routed else []):
+                while True:
+                    try:
+                        cmsg = q.to_coord.get_nowait()
+                    except (queue.Empty, OSError, ValueError):
+                        break
+                    busy = True
+                    with self._lock:
+                        if self.hold:
+                            self.held[(r, COORD)].append(cmsg)
+                        else:
+                            self._router_coord[r].put(cmsg)
+                        self._trans_cv.notify_all()
             for r, rq in enumerate(self._router_wave):
                 while True:
                     try:
@@ -392,6 +427,9 @@ class DPEngineClient:
             if not h:
                 raise LookupError(f"no held message for rank {rank} on socket {sock}")
             msg = h.popleft()
+        if sock == COORD:
+            (self._fe2coord if rank < 0 else self._router_coord[rank]).put(msg)
+            return msg
         q = self.queues[rank]
         {"front": q.front_in, "control": q.control_in, "wave": q.wave_in}[sock].put(msg)
         return msg
@@ -399,11 +437,10 @@ class DPEngineClient:
     def release_all(self) -> int:
         """Repro mode: deliver every held message (per socket in order); returns how many."""
         n = 0
-        for r in range(self.dp_size):
-            for s in SOCKETS:
-                while self.held[(r, s)]:
-                    self.release(r, s)
-                    n += 1
+        for r, s in list(self.held):
+            while self.held[(r, s)]:
+                self.release(r, s)
+                n += 1
         return n
 
     def set_hold(self, hold: bool) -> None:
@@ -416,6 +453,26 @@ class DPEngineClient:
             raise ValueError("set_hold: create the client with hold=True to route the wave socket")
         with self._lock:
             self.hold = hold
+            if not hold:
+                self.refresh()
+
+    def refresh(self) -> None:
+        """Repro mode: adopt the coordinator's latest (held) stats as the front-end's belief."""
+        with self._lock:
+            if self._held_stats is not None:
+                self.current_wave = self._held_stats.current_wave
+                self.engines_running = self._held_stats.engines_running
+                self._held_stats = None
+
+    def set_step_gate(self, rank: int, value: int) -> None:
+        """Repro mode: ``rank`` may take ``value`` acting steps (-1: any number; see ``EngineCore._may_step``)."""
+        gate = self.step_gates[rank]
+        with gate.get_lock():
+            gate.value = value
+
+    def step_gate(self, rank: int) -> int:
+        """Repro mode: the permits left on ``rank``'s step gate (-1: open)."""
+        return int(self.step_gates[rank].value)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -453,7 +510,10 @@ class DPEngineClient:
         self._send(r, "front", add)
         if not self.engines_running:
             self.engines_running = True
-            self._fe2coord.put(FirstReq(r, add.wave))
+            if self.hold:
+                self.held[(-1, COORD)].append(FirstReq(r, add.wave))
+            else:
+                self._fe2coord.put(FirstReq(r, add.wave))
 
     def abort(self, req_id: str) -> None:
         """Send ABORT(req_id) to the engine serving it."""

@@ -53,7 +53,13 @@ def handle(state: CoordinatorState, msg: Any) -> list[StartDPWave]:
 
 
 def run_coordinator(
-    front_in: Any, engine_in: list[Any], wave_out: list[Any], stats_out: Any, stop: Any, poll_s: float = 0.001
+    front_in: Any,
+    engine_in: list[Any],
+    wave_out: list[Any],
+    stats_out: Any,
+    stop: Any,
+    poll_s: float = 0.001,
+    ack: bool = False,
 ) -> None:
     """Process entry point: poll FIRST_REQ (front-end) and wave_complete/start_wave (engines) until ``stop``.
 
@@ -64,6 +70,8 @@ def run_coordinator(
         stats_out: coordinator -> front-end FIFO of :class:`Stats`.
         stop: a ``multiprocessing.Event``.
         poll_s: sleep between idle polls, seconds.
+        ack: publish stats after every message handled, changed or not (``weightsync repro`` uses them as
+            acknowledgements; START_DP_WAVE broadcasts are queued before the stats).
     """
     st = CoordinatorState()
     stats_out.put(Stats(st.current_wave, st.engines_running))
@@ -84,7 +92,7 @@ def run_coordinator(
                 for out in handle(st, msg):
                     for wq in wave_out:
                         wq.put(out)
-                if (st.current_wave, st.engines_running) != before:
+                if ack or (st.current_wave, st.engines_running) != before:
                     stats_out.put(Stats(st.current_wave, st.engines_running))
         if not busy:
             time.sleep(poll_s)

@@ -46,7 +46,7 @@ from weightsync.impl.engine.messages import (
     WaveComplete,
 )
 from weightsync.impl.models.config import LMConfig
-from weightsync.spec.rank import EFFECTS, RankMachine
+from weightsync.spec.rank import EFFECTS, RankMachine, apply
 from weightsync.spec.states import PauseMode, RankEvent
 from weightsync.spec.table import Fired
 
@@ -118,6 +118,7 @@ class EngineQueues:
     wave_in: Any  # coordinator -> engine: StartDPWave
     out: Any  # engine -> front-end: StepOutputs, UtilityReply, TransitionRecord, EngineFailure
     to_coord: Any  # engine -> coordinator: WaveComplete, StartWave
+    step_gate: Any = None  # repro only: a shared int; -1 steps freely, n >= 0 permits n acting steps
 
 
 def _jsonable(v: Any) -> Any:
@@ -143,7 +144,8 @@ def trace_line(rec: TransitionRecord) -> dict[str, Any]:
     Fields: ``kind="transition"``, ``rank``, ``rank_seq``, ``event``, ``args``, ``before`` / ``after`` (states),
     ``vars_before`` / ``vars_after`` (RankVars), ``guard``, ``effects``, ``wave`` (current_wave after),
     ``collective`` (DP/transfer collective entered, or ""), ``coll_seq`` (this rank's DP collective sequence
-    number before the effects), ``t`` (seconds since the epoch).
+    number before the effects), ``t`` (seconds since the epoch), ``waiting`` / ``running`` (the scheduler's
+    queue lengths before the effects; for a collective's completion, at entry).
     """
     return {
         "kind": "transition",
@@ -161,6 +163,8 @@ def trace_line(rec: TransitionRecord) -> dict[str, Any]:
         "collective": rec.collective,
         "coll_seq": rec.coll_seq,
         "t": rec.t,
+        "waiting": rec.waiting,
+        "running": rec.running,
     }
 
 
@@ -263,6 +267,8 @@ class EngineCore:
             coll,
             self.coll_seq,
             time.time(),
+            len(self.sched.waiting),
+            len(self.sched.running),
         )
         self.rank_seq += 1
         if self._trace_fd is not None:  # log before send: written before any effect of the transition
@@ -520,6 +526,31 @@ class EngineCore:
         self._pending_pause.clear()
 
     # ------------------------------------------------------------------ loop
+    def _may_step(self) -> bool:
+        """Repro step gate (``weightsync repro``): a STEP that would act (the table gives it effects or changes
+        the variables; an idle loop pass does neither) fires only while the gate is open (-1) or holds a
+        permit (n > 0, consumed here). Asks the table; decides nothing about the protocol."""
+        gate = self.q.step_gate
+        if gate is None or gate.value < 0:
+            return True
+        args = {
+            "has_work": self.sched.has_work(),
+            "rank": self.rank,
+            "dp_size": self.cfg.dp_size,
+            "sync_interval": self.cfg.sync_interval,
+        }
+        v = self.machine.vars
+        tr = self.machine.select(RankEvent.STEP, args)
+        if tr is None or (not tr.effects and apply(v, tr, args) == v):
+            return True
+        with gate.get_lock():
+            if gate.value < 0:
+                return True
+            if gate.value > 0:
+                gate.value -= 1
+                return True
+        return False
+
     def run(self) -> None:
         """The busy loop; returns on shutdown."""
         while not self.shutdown:
@@ -528,6 +559,9 @@ class EngineCore:
                 if self.shutdown:
                     break
                 if self.failure is not None:
+                    time.sleep(self.cfg.idle_sleep_s)
+                    continue
+                if not self._may_step():
                     time.sleep(self.cfg.idle_sleep_s)
                     continue
                 fired = self.fire(RankEvent.STEP, has_work=self.sched.has_work())

@@ -177,6 +177,8 @@ class TransitionRecord:
         collective: the DP collective (kind) entered by this transition's effects, or "".
         coll_seq: the DP collective sequence number this rank enters next (equal on every rank in lockstep).
         t: ``time.time()`` when it fired, seconds.
+        waiting, running: the rank's scheduler queue lengths when it fired, before the effects (-1 unknown);
+            for a collective's completion, the lengths at entry (the rank is blocked in between).
     """
 
     rank: int
@@ -190,6 +192,8 @@ class TransitionRecord:
     collective: str
     coll_seq: int
     t: float
+    waiting: int = -1
+    running: int = -1
 
 
 @dataclass(frozen=True)

@@ -1,43 +1,63 @@
-"""Replay a counterexample schedule on real processes (``weightsync repro VARIANT``).
+"""Replay a model counterexample on real processes (``weightsync repro VARIANT``).
 
-A schedule is a list of steps over a DP cluster whose client holds every engine-bound message (front-end
-input, controller input and the coordinator's wave socket) until the schedule releases it, so the
-interleaving of the model's counterexample is forced on real processes:
+The model's shortest counterexample (``weightsync check --variant V --ranks 2``) is a list of labelled
+steps of its product graph. :func:`compile_counterexample` turns its plain ``labels`` / ``records`` into
+the step language of a *holding router*: a DP cluster whose client holds every message -- engine-bound
+(front-end input, controller input, the coordinator's wave socket), coordinator-bound (the front-end's
+FIRST_REQ, a rank's wave_complete / start_wave) and the coordinator's stats to the front-end -- until the
+schedule releases it, and whose engines take an acting step only with a permit (the step gate), so the
+interleaving of the counterexample is forced on real processes, one model step to one real action:
 
-- ``("add", rank)``: the front-end sends a request to ``rank`` (ADD held; FIRST_REQ reaches the coordinator,
-  whose START_DP_WAVE is held per rank);
-- ``("call", method)``: the controller starts a fan-out call in the background (its messages are held);
-- ``("round",)``: the controller starts a whole update round (pause(abort), start, update with the trainer's
-  send, finish, resume) in the background;
-- ``("release", rank, socket)``: deliver the oldest held message (waits up to ``step_s`` for one to appear;
-  skipped if none does: a later message may depend on a reply the variant never gives);
-- ``("await", rank, event)``: wait up to ``step_s`` until ``rank`` fired ``event``;
-- ``("join",)``: wait for the controller's background call;
-- ``("stats",)``: wait until the front-end's coordinator stats show the ranks' wave and idle engines;
-- ``("call_rank", rank, method)``, ``("send",)``: one call to one rank; the trainer's send.
+=========================================  =====================================================================
+model step                                  router step
+=========================================  =====================================================================
+front-end sends ADD to rank i               ``("add", i)``: ADD held; FIRST_REQ held if the front-end believes
+                                            the engines idle
+rank i receives M                           ``("deliver", i, socket, event)``: release the oldest held message
+                                            on (i, socket), wait until rank i fired ``event``
+rank i steps (and enters a collective)      ``("step", i)``: one permit, wait for the acting STEP
+ranks complete collective K                 ``("done", K)``: wait until every rank fired ``K_done``
+coordinator receives M from P               ``("coord", P)``: release it (P = -1: front-end), wait for the ack
+controller fans out CALL (first rank)       ``("call", CALL)``: wait for the previous call's return, then
+                                            start CALL on every rank (its messages are held per rank)
+front-end applies pause/resume              ``("fe", CALL)``: the front-end call, delivered to every rank
+trainer enters weight_broadcast             ``("send",)``: the trainer's send, in the background
+front-end refreshes stats                   ``("refresh",)``: adopt the coordinator's latest held stats
+=========================================  =====================================================================
 
-After the steps every message flows freely. The outcome is ``reproduced`` when a rank failed in a DP
-collective (a one-sided or mismatched collective, caught by the collective timeout), ``completed`` when the
-controller's calls returned and every request finished, ``not reproduced`` otherwise.
+Every wait is bounded (``step_s``). A step that does not happen within it (a reply that never comes, an
+event that does not happen under a fixed protocol) is skipped and the run *diverges*: from then on steps
+are no longer gated (messages stay held and are released in the schedule's order). After the schedule
+every message flows freely and the controller completes its cycle (pause -> start -> update with the
+trainer's send -> finish -> resume, from wherever the schedule left it). The outcome is ``reproduced`` when
+a rank failed in a collective (one-sided or mismatched, caught by the collective timeout), ``completed``
+when the controller's calls returned and every request finished, ``not reproduced`` otherwise.
 
-The schedules (:data:`SCHEDULES`) are the shortest counterexamples of the four buggy variants written as
-steps (blog DP=2 scenario, issue #36594, PR #36608's liveness failure, and the resume-time race of PR
-#39366 as shipped). ``two-phase-epoch`` is run against every one of them.
+``two-phase-epoch`` runs every buggy variant's schedule. The hand-written schedules (:data:`SCHEDULES`,
+older step language: ``release``, ``await``, ``round``, ``join``, ``stats``, ``call_rank``) remain only as a
+fallback when no model counterexample is given; results say which was used (``schedule_source``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from weightsync.impl.engine.client import SOCKETS, DPEngineClient, RequestStream, free_port
+from weightsync.impl.engine.client import COORD, SOCKETS, DPEngineClient, RequestStream, free_port
 from weightsync.impl.engine.core import EngineConfig, tiny_config
+from weightsync.impl.engine.messages import TransitionRecord
 from weightsync.impl.models.sampling import SamplingParams
+from weightsync.spec.rank import get_variant
 
 Step = tuple[Any, ...]
 
+#: The controller's cycle, in order (the model's controller phases).
+CYCLE = ("pause", "start_weight_update", "update_weights", "finish_weight_update", "resume")
+
+#: Hand-written fallback schedules (the older step language), used only without a model counterexample.
 SCHEDULES: dict[str, list[Step]] = {
     # blog scenario: engine 0 mid-step waits for engine 1, which runs the update and enters the broadcast
     "front-end-pause": [
@@ -118,6 +138,60 @@ EXPECTED: dict[str, str] = {
     "two-phase": "reproduced",
     "two-phase-epoch": "completed",
 }
+BUGGY = tuple(v for v, r in EXPECTED.items() if r == "reproduced")
+
+
+def _message_socket(message: str) -> tuple[str, str]:
+    """(socket, rank event) of a message as the model's records print it."""
+    if message.startswith("ADD("):
+        return "front", "ADD"
+    if message.startswith("START_DP_WAVE("):
+        return "wave", "START_DP_WAVE"
+    call = message.split("(", 1)[0].split(" ", 1)[0]
+    return "control", call
+
+
+def compile_counterexample(cx: Mapping[str, Any]) -> list[Step]:
+    """The router steps of a model counterexample (``labels`` and ``records`` as plain lists/dicts, as
+    :func:`weightsync.model.check.check` returns them). See the module docstring for the mapping.
+
+    Raises:
+        ValueError: a label the router does not know, or labels and records of different lengths.
+    """
+    labels = [list(x) for x in cx["labels"]]
+    records = [dict(x) for x in cx["records"]]
+    if len(labels) != len(records):
+        raise ValueError(f"{len(labels)} labels but {len(records)} records")
+    out: list[Step] = []
+    phase = ""
+    for lab, rec in zip(labels, records, strict=True):
+        kind = lab[0]
+        if kind == "send":
+            out.append(("add", int(lab[1])))
+        elif kind == "recv":
+            sock, event = _message_socket(str(rec["message"]))
+            out.append(("deliver", int(lab[1]), sock, event))
+        elif kind == "step":
+            out.append(("step", int(lab[1])))
+        elif kind == "done":
+            out.append(("done", str(lab[1])))
+        elif kind == "coord":
+            out.append(("coord", int(lab[1])))
+        elif kind == "fan":
+            call = str(lab[1])
+            if call != phase or int(lab[2]) < 0:
+                out.append(("call", call))
+            phase = call
+        elif kind == "fe":
+            phase = str(lab[1])
+            out.append(("fe", phase))
+        elif kind == "trainer":
+            out.append(("send",))
+        elif kind == "refresh":
+            out.append(("refresh",))
+        else:
+            raise ValueError(f"unknown model label {lab!r}")
+    return out
 
 
 @dataclass
@@ -132,55 +206,355 @@ class ReproResult:
     collectives: dict[int, str]
     errors: dict[int, str] = field(default_factory=dict)
     steps: list[str] = field(default_factory=list)
+    source: str = "hand-written"
+    counterexample: list[str] = field(default_factory=list)
+    diverged_at: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able dict."""
         return {
             "variant": self.variant,
             "schedule": self.schedule,
+            "schedule_source": self.source,
             "result": self.result,
             "seconds": round(self.seconds, 3),
             "ranks": self.ranks,
             "collectives": {str(k): v for k, v in self.collectives.items()},
             "errors": {str(k): v for k, v in self.errors.items()},
+            "diverged_at": self.diverged_at,
+            "counterexample": self.counterexample,
             "steps": self.steps,
         }
+
+
+def _acting_step(t: TransitionRecord) -> bool:
+    return t.event == "step" and (bool(t.effects) or t.before != t.after)
+
+
+class _Run:
+    """One schedule on a live cluster (the router's interpreter)."""
+
+    def __init__(
+        self,
+        client: DPEngineClient,
+        variant: str,
+        mode: str,
+        uinfo: dict[str, Any],
+        send: Callable[[], None],
+        timeout_s: float,
+        step_s: float,
+        deadline: float,
+    ) -> None:
+        self.client = client
+        self.front_end_pause = get_variant(variant).pause_in_front_end
+        self.mode = mode
+        self.uinfo = uinfo
+        self.send_fn = send
+        self.timeout_s = timeout_s
+        self.step_s = step_s
+        self.deadline = deadline
+        self.log: list[str] = []
+        self.streams: list[RequestStream] = []
+        self.bg: list[threading.Thread] = []
+        self.bg_err: list[str] = []
+        self.call: threading.Thread | None = None  # the controller's current call
+        self.phase = ""
+        self.stuck = False  # a controller call never returned: no further calls
+        self.trainer_sent = False
+        self.gated = True
+        self.diverged_at: int | None = None
+        self.index = 0
+        n = client.dp_size
+        self.cursor = [len(client.transitions)] * n
+        for r in range(n):
+            client.set_step_gate(r, 0)
+
+    # -- helpers
+    def background(self, fn: Callable[[], Any]) -> threading.Thread:
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:
+                self.bg_err.append(f"{type(exc).__name__}: {exc}")
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self.bg.append(t)
+        return t
+
+    def diverge(self, why: str) -> None:
+        self.log.append(f"{why} (skipped)")
+        if self.diverged_at is None:
+            self.diverged_at = self.index + 1
+            self.open_gates()
+            self.log.append("the run diverges from the schedule: steps are no longer gated")
+
+    def open_gates(self) -> None:
+        if self.gated:
+            self.gated = False
+            for r in range(self.client.dp_size):
+                self.client.set_step_gate(r, -1)
+
+    def wait(self, pred: Callable[[], bool], what: str, timeout: float | None = None) -> bool:
+        """Wait until ``pred()`` (evaluated once per wake-up; it may consume) or a rank failed."""
+        t = self.step_s if timeout is None else timeout
+        t = max(0.05, min(t, self.deadline - time.monotonic()))
+        hit: list[bool] = []
+
+        def check() -> bool:
+            if pred():
+                hit.append(True)
+                return True
+            return bool(self.client.failures)
+
+        try:
+            self.client.wait_for(check, t, what)
+        except TimeoutError:
+            return False
+        return bool(hit)
+
+    def fired(self, r: int, match: Callable[[TransitionRecord], bool]) -> Callable[[], bool]:
+        """A predicate: rank ``r`` fired a matching transition after its cursor (advanced past it)."""
+
+        def pred() -> bool:
+            ts = self.client.transitions
+            for i in range(self.cursor[r], len(ts)):
+                t = ts[i]
+                if t.rank == r and match(t):
+                    self.cursor[r] = i + 1
+                    return True
+            return False
+
+        return pred
+
+    def start_call(self, method: str) -> None:
+        """The controller's next call, after the previous one returned (a real controller waits)."""
+        if self.stuck:
+            self.log.append(f"controller call {method} not issued (an earlier call never returned)")
+            return
+        if self.call is not None and self.call.is_alive():
+            prev = self.call
+            if not self.wait(lambda: not prev.is_alive(), f"{self.phase} to return"):
+                self.diverge(f"controller call {self.phase} had not returned")
+                self.wait(lambda: not prev.is_alive(), f"{self.phase} to return", 3 * self.timeout_s)
+            if prev.is_alive():
+                self.stuck = True
+                self.log.append(f"controller call {self.phase} never returned: {method} not issued")
+                return
+        c, t, kw = self.client, 3 * self.timeout_s, {}
+        fn: Callable[[], Any]
+        if method == "pause":
+            fn = lambda: c.pause(self.mode, timeout=t)  # noqa: E731
+        elif method == "resume":
+            fn = lambda: c.resume(timeout=t)  # noqa: E731
+        else:
+            if method == "update_weights":
+                kw = {"update_info": self.uinfo}
+            fn = lambda: c.fan_out(method, t, **kw)  # noqa: E731
+        self.call = self.background(fn)
+        self.phase = method
+        shown = f"pause({self.mode})" if method == "pause" else method
+        self.log.append(f"controller calls {shown}" + (" (held per rank)" if self.client.hold else ""))
+
+    def front_end_call(self, method: str) -> None:
+        """front-end-pause: pause/resume is a flag in the front-end and returns at once."""
+        if method == "pause":
+            self.client.pause(self.mode)
+        else:
+            self.client.resume()
+
+    def deliver(self, r: int, sock: str, event: str) -> None:
+        key = (r, sock)
+        if not self.wait(lambda: self.client.has_held(*key), f"a held message for rank {r} on {sock}"):
+            self.diverge(f"nothing held for rank {r} on {sock}")
+            return
+        msg = self.client.release(r, sock)
+        txt = f"rank {r} receives {type(msg).__name__}{_brief(msg)} on {sock}"
+        if self.wait(self.fired(r, lambda t: t.event == event), f"rank {r} {event}"):
+            t = self.client.transitions[self.cursor[r] - 1]
+            self.log.append(f"{txt}: {t.guard}, {t.before['state']}->{t.after['state']}")
+        else:
+            self.diverge(f"{txt}, but rank {r} did not handle it")
+
+    # -- one step
+    def do(self, step: Step) -> None:
+        c = self.client
+        op = step[0]
+        if op == "add":
+            r = int(step[1])
+            self.streams.append(
+                c.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4), rank=r)
+            )
+            self.log.append(f"front-end sends a request to rank {r} (ADD held; FIRST_REQ held if idle)")
+        elif op == "deliver":
+            self.deliver(int(step[1]), str(step[2]), str(step[3]))
+        elif op == "step":
+            r = int(step[1])
+            if self.gated:
+                c.set_step_gate(r, 1)
+            if self.wait(self.fired(r, _acting_step), f"rank {r} to step"):
+                t = c.transitions[self.cursor[r] - 1]
+                self.log.append(f"rank {r} steps{' and enters ' + t.collective if t.collective else ''}")
+            else:
+                if self.gated:
+                    c.set_step_gate(r, 0)
+                self.diverge(f"rank {r} did not step")
+        elif op == "done":
+            kind = str(step[1])
+            ok = all(
+                self.wait(self.fired(r, lambda t: t.event == f"{kind}_done"), f"rank {r} {kind}_done")
+                for r in range(c.dp_size)
+            )
+            if ok:
+                self.log.append(f"ranks complete {kind}")
+            else:
+                self.diverge(f"{kind} did not complete")
+        elif op == "coord":
+            src = int(step[1])
+            who = "front-end" if src < 0 else f"rank {src}"
+            if not self.wait(lambda: c.has_held(src, COORD), f"a message from {who} to the coordinator"):
+                self.diverge(f"nothing held from {who} to the coordinator")
+                return
+            acks = c.coord_acks
+            msg = c.release(src, COORD)
+            if self.wait(lambda: c.coord_acks > acks, "the coordinator"):
+                self.log.append(f"coordinator receives {type(msg).__name__}{_brief(msg)} from {who}")
+            else:
+                self.diverge(f"coordinator did not acknowledge {type(msg).__name__}")
+        elif op == "call":
+            self.start_call(str(step[1]))
+        elif op == "fe":
+            method = str(step[1])
+            if self.front_end_pause:  # the flag in the front-end; the ranks only record the call
+                self.front_end_call(method)
+                self.phase = method
+                self.log.append(f"front-end applies {method} (returns at once)")
+            else:
+                self.start_call(method)
+            for r in range(c.dp_size):
+                self.deliver(r, "control", method)
+        elif op == "send":
+            self.background(self.send_fn)
+            self.trainer_sent = True
+            self.log.append("trainer starts trainer_send_weights")
+        elif op == "refresh":
+            c.refresh()
+            self.log.append(f"front-end refreshes stats: wave {c.current_wave}, running {c.engines_running}")
+        else:
+            self.legacy(step)
+
+    def legacy(self, step: Step) -> None:
+        """The hand-written schedules' steps (fallback)."""
+        c = self.client
+        op = step[0]
+        if op == "round":
+            self.open_gates()
+            for m in CYCLE:
+                self.start_call(m)
+                if m == "update_weights":
+                    self.background(self.send_fn)
+                    self.trainer_sent = True
+            self.log.append("controller runs a whole round")
+        elif op == "join":
+            call = self.call
+            ok = call is None or self.wait(lambda: not call.is_alive(), "controller call", 3 * self.step_s)
+            self.log.append("controller call returned" if ok else "join timed out")
+        elif op == "stats":
+            self.wait(lambda: c._held_stats is not None, "coordinator stats")
+            c.refresh()
+            self.log.append(f"front-end sees coordinator stats: wave {c.current_wave}")
+        elif op == "call_rank":
+            r, method = int(step[1]), str(step[2])
+            kw: dict[str, Any] = {"update_info": self.uinfo} if method == "update_weights" else {}
+            fut = c.call_rank(r, method, **kw)
+            self.call = self.background(lambda: fut.result(3 * self.timeout_s))
+            self.log.append(f"controller calls {method} on rank {r}")
+        elif op == "release":
+            r, sock = int(step[1]), str(step[2])
+            if self.wait(lambda: c.has_held(r, sock), "held message"):
+                msg = c.release(r, sock)
+                self.log.append(f"rank {r} receives {type(msg).__name__}{_brief(msg)} on {sock}")
+            else:
+                self.log.append(f"nothing held for rank {r} on {sock} (skipped)")
+        elif op == "await":
+            r, ev = int(step[1]), str(step[2])
+            ok = self.wait(self.fired(r, lambda t: t.event == ev and (ev != "step" or bool(t.effects))), ev)
+            self.log.append(f"rank {r} fired {ev}" if ok else f"rank {r} did not fire {ev} (skipped)")
+        else:
+            raise ValueError(f"unknown schedule step {step!r}")
+
+    # -- after the schedule
+    def finish_cycle(self) -> None:
+        """Let every message flow and complete the controller's cycle from where the schedule left it."""
+        c = self.client
+        self.open_gates()
+        c.set_hold(False)
+        c.release_all()
+        self.log.append("all held messages released; steps ungated")
+        rest = list(CYCLE[CYCLE.index(self.phase) + 1 :]) if self.phase in CYCLE else []
+        if self.phase == "update_weights" and not self.trainer_sent:
+            self.background(self.send_fn)
+            self.trainer_sent = True
+            self.log.append("trainer starts trainer_send_weights")
+        if rest:
+            self.log.append("controller completes its cycle: " + " -> ".join(rest))
+
+        def cycle() -> None:
+            for m in rest:
+                prev = self.call
+                if prev is not None:
+                    prev.join(3 * self.timeout_s)
+                    if prev.is_alive():
+                        return
+                if self.bg_err or c.failures:  # a real controller stops at a failed call
+                    self.log.append(f"controller stops before {m}: an earlier call failed")
+                    return
+                if self.front_end_pause and m in ("pause", "resume"):
+                    self.front_end_call(m)
+                    continue
+                self.start_call(m)
+                if m == "update_weights" and not self.trainer_sent:
+                    self.trainer_sent = True
+                    self.send_fn()
+
+        self.background(cycle)
 
 
 def run_schedule(
     variant: str,
     schedule: str,
     steps: list[Step] | None = None,
-    timeout_s: float = 4.0,
-    step_s: float = 2.0,
+    timeout_s: float = 5.0,
+    step_s: float = 1.5,
     budget_s: float = 50.0,
+    mode: str = "abort",
+    source: str | None = None,
+    counterexample: list[str] | None = None,
 ) -> ReproResult:
-    """Run ``schedule`` (a :data:`SCHEDULES` key, or explicit ``steps``) under ``variant`` on 2 DP ranks.
+    """Run ``steps`` (default: the hand-written ``SCHEDULES[schedule]``) under ``variant`` on 2 DP ranks.
 
     Args:
         variant: protocol variant the engines run.
-        schedule: name of the schedule (reported).
-        steps: the steps (default ``SCHEDULES[schedule]``).
+        schedule: name of the schedule (reported; the variant whose counterexample it is).
+        steps: router steps (see :func:`compile_counterexample`).
         timeout_s: collective timeout of every DP collective and transfer, seconds.
-        step_s: how long a release/await step waits, seconds.
+        step_s: how long one step waits for what it expects, seconds.
         budget_s: overall deadline after startup, seconds.
+        mode: the pause mode of the controller's pause calls.
+        source: ``"model"`` or ``"hand-written"`` (reported; default: hand-written iff ``steps`` is None).
+        counterexample: the model's numbered steps (reported).
     """
-    from weightsync.impl.engine.controller import update_round
     from weightsync.impl.engine.weights import SimpleBroadcastTrainer, random_weights
     from weightsync.impl.models.causal_lm import CausalLM
 
     t0 = time.monotonic()
+    src = source or ("hand-written" if steps is None else "model")
     steps = list(SCHEDULES[schedule] if steps is None else steps)
     mcfg = tiny_config()
     cfg = EngineConfig(
         dp_size=2, model=mcfg, variant=variant, sync_interval=2, collective_timeout_s=timeout_s
     )
     client = DPEngineClient(replace(cfg, dp_port=free_port()), hold=True)
-    log: list[str] = []
-    streams: list[RequestStream] = []
-    bg: list[threading.Thread] = []
-    calls: list[threading.Thread] = []
-    bg_err: list[str] = []
     trainer_box: list[SimpleBroadcastTrainer] = []
     try:
         client.start()
@@ -194,111 +568,33 @@ def run_schedule(
         client.init_weight_transfer_engine(info, timeout=timeout_s + 10)
         th.join(timeout_s + 10)
         trainer = trainer_box[0]
-        client.set_hold(True)
         ws = random_weights(CausalLM(mcfg), 1)
         uinfo = SimpleBroadcastTrainer.update_info(ws)
-
-        def background(fn: Any) -> None:
-            def run() -> None:
-                try:
-                    fn()
-                except Exception as exc:
-                    bg_err.append(f"{type(exc).__name__}: {exc}")
-
-            t = threading.Thread(target=run, daemon=True)
-            t.start()
-            bg.append(t)
-
-        deadline = time.monotonic() + budget_s
-        for step in steps:
-            if client.failures:
+        with client._lock:  # the schedule starts from quiet engines and a front-end in sync
+            client.set_hold(True)
+        run = _Run(
+            client,
+            variant,
+            mode,
+            uinfo,
+            lambda: trainer.send(ws),
+            timeout_s,
+            step_s,
+            time.monotonic() + budget_s,
+        )
+        for k, step in enumerate(steps):
+            if client.failures or time.monotonic() > run.deadline:
                 break
-            op = step[0]
-            if op == "add":
-                streams.append(
-                    client.add_request(
-                        [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4), rank=step[1]
-                    )
-                )
-                log.append(f"front-end sends a request to rank {step[1]}")
-            elif op == "round":
-                background(
-                    lambda: update_round(
-                        client, uinfo, lambda: trainer.send(ws), mode="abort", timeout=timeout_s * 3
-                    )
-                )
-                log.append("controller starts pause(abort) -> start -> update || send -> finish -> resume")
-            elif op == "call":
-                method = step[1]
-                if method == "pause":
-                    background(lambda: client.pause("abort", timeout=timeout_s * 3))
-                else:
-                    background(lambda method=method: client.fan_out(method, timeout=timeout_s * 3))
-                calls.append(bg[-1])
-                log.append(f"controller calls {method}")
-            elif op == "join":
-                last = calls[-1] if calls else None
-                if last is not None:
-                    last.join(max(0.0, min(step_s * 3, deadline - time.monotonic())))
-                ok = last is None or not last.is_alive()
-                log.append("controller call returned" if ok else "join timed out")
-            elif op == "stats":
-
-                def synced() -> bool:
-                    top = max(int(v.get("current_wave", 0)) for v in client.rank_vars)
-                    return client.current_wave >= top and not client.engines_running
-
-                try:
-                    client.wait_for(synced, step_s, "coordinator stats")
-                    log.append(f"front-end sees coordinator stats: wave {client.current_wave}, idle")
-                except TimeoutError:
-                    log.append("coordinator stats not in sync (skipped)")
-            elif op == "send":
-                background(lambda: trainer.send(ws))
-                log.append("trainer starts trainer_send_weights")
-            elif op == "call_rank":
-                r, method = int(step[1]), str(step[2])
-                kw: dict[str, Any] = {"update_info": uinfo} if method == "update_weights" else {}
-                fut = client.call_rank(r, method, **kw)
-                background(lambda fut=fut: fut.result(timeout_s * 3))
-                calls.append(bg[-1])
-                log.append(f"controller calls {method} on rank {r}")
-            elif op == "release":
-                r, sock = int(step[1]), str(step[2])
-
-                def held(r: int = r, sock: str = sock) -> bool:
-                    return client.has_held(r, sock)
-
-                try:
-                    client.wait_for(held, step_s, "held message")
-                    msg = client.release(r, sock)
-                    log.append(f"rank {r} receives {type(msg).__name__}{_brief(msg)} on {sock}")
-                except TimeoutError:
-                    log.append(f"nothing held for rank {r} on {sock} (skipped)")
-            elif op == "await":
-                r, ev = int(step[1]), str(step[2])
-
-                def fired(r: int = r, ev: str = ev) -> bool:
-                    return any(
-                        t.rank == r and t.event == ev and (ev != "step" or bool(t.effects))
-                        for t in client.transitions
-                    )
-
-                try:
-                    client.wait_for(fired, step_s, f"rank {r} {ev}")
-                    log.append(f"rank {r} fired {ev}")
-                except TimeoutError:
-                    log.append(f"rank {r} did not fire {ev} (skipped)")
-        # let everything flow
-        client.set_hold(False)
-        client.release_all()
-        log.append("all held messages released")
+            run.index = k
+            run.do(step)
+        if not client.failures:
+            run.finish_cycle()
         end = time.monotonic() + min(budget_s, 3 * timeout_s + 10)
         while time.monotonic() < end:
             if client.failures:
                 break
             client.release_all()
-            if not any(t.is_alive() for t in bg) and all(s.done.is_set() for s in streams):
+            if not any(t.is_alive() for t in run.bg) and all(s.done.is_set() for s in run.streams):
                 break
             time.sleep(0.02)
         if client.failures:
@@ -317,13 +613,32 @@ def run_schedule(
                 collectives.setdefault(int(q), what)
         if fails:
             result = "reproduced"
-        elif not any(t.is_alive() for t in bg) and not bg_err and all(s.done.is_set() for s in streams):
+            for r in sorted(fails):
+                run.log.append(f"rank {r} failed in {collectives[r]}: {errors[r]}")
+        elif (
+            not any(t.is_alive() for t in run.bg)
+            and not run.bg_err
+            and all(s.done.is_set() for s in run.streams)
+        ):
             result = "completed"
         else:
             result = "not reproduced"
-        if bg_err:
-            errors[-1] = bg_err[0][:300]
-        return ReproResult(variant, schedule, result, time.monotonic() - t0, [0, 1], collectives, errors, log)
+        if run.bg_err:
+            errors[-1] = run.bg_err[0][:300]
+        ranks = sorted(collectives) if fails else list(range(client.dp_size))
+        return ReproResult(
+            variant,
+            schedule,
+            result,
+            time.monotonic() - t0,
+            ranks,
+            collectives,
+            errors,
+            run.log,
+            src,
+            list(counterexample or []),
+            run.diverged_at,
+        )
     finally:
         for tr in trainer_box:
             tr.close()
@@ -341,16 +656,72 @@ def _brief(msg: Any) -> str:
     return ""
 
 
-def repro(variant: str, timeout_s: float = 4.0) -> list[ReproResult]:
-    """``weightsync repro VARIANT``: the variant's own schedule, or every schedule for ``two-phase-epoch``.
+def schedules_for(variant: str) -> list[str]:
+    """The schedules ``weightsync repro VARIANT`` runs: the variant's own counterexample, or every buggy
+    variant's for ``two-phase-epoch``.
 
     Raises:
         ValueError: unknown variant.
     """
     if variant not in EXPECTED:
         raise ValueError(f"unknown variant {variant!r}; known: {', '.join(EXPECTED)}")
-    names = list(SCHEDULES) if variant not in SCHEDULES else [variant]
-    return [run_schedule(variant, name, timeout_s=timeout_s) for name in names]
+    return [variant] if variant in BUGGY else list(BUGGY)
 
 
-__all__ = ["EXPECTED", "SCHEDULES", "SOCKETS", "ReproResult", "repro", "run_schedule"]
+def repro(
+    variant: str,
+    counterexamples: Mapping[str, Mapping[str, Any]] | None = None,
+    timeout_s: float = 5.0,
+    only: list[str] | None = None,
+) -> list[ReproResult]:
+    """``weightsync repro VARIANT``: run each schedule of :func:`schedules_for` on real processes.
+
+    Args:
+        variant: the variant the engines run.
+        counterexamples: schedule name -> the model's counterexample record (``labels``, ``records``,
+            ``steps``, ``mode``), compiled with :func:`compile_counterexample`; a schedule without one
+            falls back to its hand-written form (``schedule_source: "hand-written"``).
+        timeout_s: collective timeout, seconds.
+        only: run only these schedules.
+
+    Raises:
+        ValueError: unknown variant or schedule.
+    """
+    names = schedules_for(variant)
+    if only is not None:
+        bad = [n for n in only if n not in names]
+        if bad:
+            raise ValueError(f"schedule(s) {bad} not among {names}")
+        names = [n for n in names if n in only]
+    out: list[ReproResult] = []
+    for name in names:
+        cx = (counterexamples or {}).get(name)
+        if cx is not None:
+            out.append(
+                run_schedule(
+                    variant,
+                    name,
+                    compile_counterexample(cx),
+                    timeout_s=timeout_s,
+                    mode=str(cx.get("mode", "abort")),
+                    source="model",
+                    counterexample=[str(x) for x in cx.get("steps", [])],
+                )
+            )
+        else:
+            out.append(run_schedule(variant, name, timeout_s=timeout_s, source="hand-written"))
+    return out
+
+
+__all__ = [
+    "BUGGY",
+    "CYCLE",
+    "EXPECTED",
+    "SCHEDULES",
+    "SOCKETS",
+    "ReproResult",
+    "compile_counterexample",
+    "repro",
+    "run_schedule",
+    "schedules_for",
+]
