@@ -14,7 +14,9 @@ from engine_util import Cluster, greedy
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from weightsync.cli import main
 from weightsync.impl.checked import CheckedEngine, replay_trace
+from weightsync.model.replay import TraceChecker
 from weightsync.spec.errors import LocalProtocolError
 
 pytestmark = pytest.mark.timeout(150)
@@ -115,6 +117,7 @@ def test_twenty_cycles_trace_replays_and_corruption_is_caught(
     cluster: Cluster,
     tmp_path_factory: pytest.TempPathFactory,
     cycles: list[tuple[int, float, str, bool, int]],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     path = tmp_path_factory.mktemp("trace") / "cycles.jsonl"
     eng = CheckedEngine(cluster.client, trace_path=path)
@@ -163,3 +166,26 @@ def test_twenty_cycles_trace_replays_and_corruption_is_caught(
     assert res2.divergence.event == "finish_weight_update"
     assert "illegal" in res2.divergence.reason
     assert "dp_step_done" in res2.divergence.legal
+
+    # the model's composition check accepts the run: collective outcomes from the members' entry states
+    checker = TraceChecker()
+    res3 = replay_trace(path, checker)
+    assert res3.ok, res3.divergence.describe() if res3.divergence else ""
+    assert checker.outcomes_checked > 10 and checker.has_work_checked > 100 and not checker.notes
+
+    # corrupt an outcome: one rank's DP sync result disagrees with what its members entered with
+    lines = path.read_text().splitlines()
+    idx = next(i for i, ln in enumerate(lines) if '"event": "dp_sync_done"' in ln and i > len(lines) // 2)
+    rec = json.loads(lines[idx])
+    rec["args"]["sum_pending_pause"] = int(rec["args"]["sum_pending_pause"]) + 1
+    lines[idx] = json.dumps(rec)
+    bad = Path(str(path) + ".outcome")
+    bad.write_text("\n".join(lines) + "\n")
+    assert main(["replay", str(bad), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    div = out["traces"][0]["divergence"]
+    assert div["line"] == idx + 1 and div["rank"] == rec["rank"] and div["event"] == "dp_sync_done"
+    assert "sum_pending_pause" in div["reason"] and "model" in div["reason"], div
+    assert div["state"]["collective"] == "dp_sync" and div["legal"]
+    assert main(["replay", str(path), "--json"]) == 0
+    capsys.readouterr()
