@@ -72,21 +72,26 @@ def kills(
     channels: str = "per-socket",
     bounds: Bounds | None = None,
     modes: tuple[PauseMode, ...] = tuple(PauseMode),
+    max_states: int = 250_000,
 ) -> str | None:
     """The first violated property (``"mode:property"``) of ``table`` checked as ``variant``, or None.
 
     Safety is checked first with ``stop_at_first`` (fast); only a mutant that survives it gets the full
-    check with progress and non-vacuity.
+    check with progress and non-vacuity. A mutant whose state space exceeds ``max_states`` (the unmutated
+    model has ~28k states per mode at the default bounds) made a bounded quantity unbounded (a wave or
+    step counter that grows forever); it is reported as ``"mode:unbounded (...)"`` and counted as killed.
     """
     guards = mutation_guards()
     b = bounds or Bounds()
     for full in (False, True):
         for mode in modes:
             m = Model(Config(variant, ranks, mode, channels, b), table=table, guards=guards)
-            r = check_mode(m, stop_at_first=not full, progress=full)
+            r = check_mode(m, stop_at_first=not full, progress=full, max_states=max_states)
             bad = [n for n, v in r.properties.items() if v == VIOLATED]
             if bad:
                 return f"{mode.value}:{r.counterexample['property'] if r.counterexample else bad[0]}"
+            if not r.complete:
+                return f"{mode.value}:unbounded (more than {max_states} states)"
     return None
 
 
@@ -95,7 +100,8 @@ def run_mutation(
 ) -> dict[str, Any]:
     """Check every ``every``-th mutant (at most ``limit``) of ``variant``'s table.
 
-    Returns ``{"mutants": n, "killed": k, "survivors": [names], "killed_by": {name: "mode:property"}}``.
+    Returns ``{"mutants": n, "killed": k, "survivors": [names], "killed_by": {name: "mode:property"},
+    "unbounded": [names]}``.
     """
     base = get_variant(variant).table
     killed_by: dict[str, str] = {}
@@ -112,4 +118,11 @@ def run_mutation(
             survivors.append(mut.name)
         else:
             killed_by[mut.name] = why
-    return {"mutants": n, "killed": len(killed_by), "survivors": survivors, "killed_by": killed_by}
+    unbounded = [k for k, why in killed_by.items() if "unbounded" in why]
+    return {
+        "mutants": n,
+        "killed": len(killed_by),
+        "survivors": survivors,
+        "killed_by": killed_by,
+        "unbounded": unbounded,
+    }
