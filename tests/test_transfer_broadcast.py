@@ -15,6 +15,7 @@ from transfer_procs import (
     DictModel,
     bytes_equal,
     err,
+    flat_tensors,
     free_port,
     init_info,
     make_tensors,
@@ -303,3 +304,102 @@ def test_trainer_missing_means_rank0_timeout() -> None:
 
     with pytest.raises(LocalProtocolError):
         w.start_weight_update()
+
+
+# ------------------------------------------------------------------------------------- flat trainer
+
+
+def trainer_flat_rounds(port: int, world: int, plans: list[dict[str, Any]]) -> list[int]:
+    tr = Engine.trainer_init(init_info(port, world))
+    pools = []
+    try:
+        for r, plan in enumerate(plans):
+            pairs, owner = flat_tensors(r)
+            Engine.trainer_send_weights(iter(pairs), {"group": tr, **_packing(plan)})
+            pools.append(tr.pool_bytes)
+            del owner
+    finally:
+        tr.close()
+    return pools
+
+
+def engine_flat_rounds(port: int, world: int, dp_index: int, plans: list[dict[str, Any]]) -> list[Any]:
+    model = DictModel(model_spec())
+    w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=dp_index))
+    w.init_weight_transfer_engine(init_info(port, world))
+    rounds = []
+    for r, plan in enumerate(plans):
+        w.start_weight_update(True)
+        w.update_weights(update_info_for(make_tensors(r), **_packing(plan)))
+        w.finish_weight_update()
+        rounds.append(model.weights())
+    w.shutdown()
+    return rounds
+
+
+FLAT_PLANS: list[dict[str, Any]] = [
+    {"packed": True, "packed_buffer_size_bytes": 4096, "packed_num_buffers": 2},
+    {"packed": True, "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 1, "verify": True},
+    {"packed": True, "packed_buffer_size_bytes": 1024, "packed_num_buffers": 3},
+]
+
+
+def test_flat_trainer_is_sent_without_packing_and_bit_exact() -> None:
+    """Packing rule 7 end to end: a trainer whose parameters are views of one flat buffer (plus one
+    non-contiguous tensor, which is packed) arrives bit-exact on both engines, several rounds."""
+    port, world = free_port(), 3
+    res = run_roles(
+        [
+            (trainer_flat_rounds, (port, world, FLAT_PLANS)),
+            (engine_flat_rounds, (port, world, 0, FLAT_PLANS)),
+            (engine_flat_rounds, (port, world, 1, FLAT_PLANS)),
+        ]
+    )
+    ok(res[0])
+    for rounds in (ok(r) for r in res[1:]):
+        for r, weights in enumerate(rounds):
+            for name, sent in make_tensors(r):
+                assert bytes_equal(weights[name], sent.contiguous()), (r, name)
+
+
+def trainer_flat_pool(port: int, world: int) -> int:
+    tr = Engine.trainer_init(init_info(port, world))
+    try:
+        skip = [n for n, t in make_tensors(0) if not t.is_contiguous()]
+        pairs, owner = flat_tensors(0, skip=skip)
+        Engine.trainer_send_weights(
+            iter(pairs), {"group": tr, "packed": True, "packed_buffer_size_bytes": 4096}
+        )
+        del owner
+        return tr.pool_bytes
+    finally:
+        tr.close()
+
+
+def engine_flat_pool(port: int, world: int, dp_index: int) -> dict[str, torch.Tensor]:
+    spec = {n: (t.dtype, tuple(t.shape)) for n, t in make_tensors(0) if t.is_contiguous()}
+    model = DictModel(spec)
+    w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=dp_index))
+    w.init_weight_transfer_engine(init_info(port, world))
+    pairs = [(n, t) for n, t in make_tensors(0) if t.is_contiguous()]
+    w.start_weight_update(True)
+    w.update_weights(update_info_for(pairs, packed=True, packed_buffer_size_bytes=4096))
+    w.finish_weight_update()
+    w.shutdown()
+    return model.weights()
+
+
+def test_fully_flat_trainer_needs_no_packing_buffer() -> None:
+    port, world = free_port(), 3
+    res = run_roles(
+        [
+            (trainer_flat_pool, (port, world)),
+            (engine_flat_pool, (port, world, 0)),
+            (engine_flat_pool, (port, world, 1)),
+        ]
+    )
+    assert ok(res[0]) == 0
+    for weights in (ok(r) for r in res[1:]):
+        for name, sent in make_tensors(0):
+            if sent.is_contiguous():
+                assert bytes_equal(weights[name], sent), name

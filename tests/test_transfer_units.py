@@ -26,7 +26,10 @@ from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine
 from weightsync.impl.transfer.packing import (
     ALIGN,
     BufferPool,
+    contiguous_run,
     first_difference,
+    flat_layout,
+    flat_views,
     max_packed_bucket,
     pack_bucket,
     plan_buckets,
@@ -304,3 +307,46 @@ def test_round_completeness_b4_buffers_kernel_format_and_incomplete() -> None:
 def test_rendezvous_info_parse_roundtrip() -> None:
     info = RendezvousInitInfo.parse(init_info(29500, 3))
     assert (info.rank_offset, info.world_size, info.backend) == (1, 3, "auto")
+
+
+# ----------------------------------------------------------------------------------- zero-copy runs
+
+
+def test_contiguous_run_of_a_flat_trainer_equals_packing() -> None:
+    """Packing rule 7: members adjacent at the packed offsets are sent from their own storage, and the
+    bytes equal what packing produces (padding aside)."""
+    from weightsync.impl.transfer.base import meta_of
+
+    pairs = [(n, t.contiguous()) for n, t in make_tensors(0)]
+    metas = [meta_of(n, t) for n, t in pairs]
+    total, offsets = flat_layout(metas)
+    assert all(o % ALIGN == 0 for o in offsets)
+    flat = torch.zeros(total, dtype=torch.uint8)
+    views = flat_views(flat, metas)
+    for v, (_, t) in zip(views, pairs, strict=True):
+        v.copy_(t)
+    for size in (1024, 4096, 1 << 20):
+        for b in plan_buckets([m.nbytes for m in metas], size):
+            run = contiguous_run(b, views)
+            if b.nbytes == 0:
+                continue
+            assert run is not None and run.numel() == b.nbytes
+            assert run.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # no copy
+            packed = torch.zeros(b.nbytes, dtype=torch.uint8)
+            pack_bucket(packed, b, views)
+            for (name, got), (_, want) in zip(
+                unpack_bucket(run, b, metas), unpack_bucket(packed, b, metas), strict=True
+            ):
+                assert bytes_equal(got, want), name
+    # separately allocated, non-contiguous or out-of-order tensors are not runs
+    b = plan_buckets([m.nbytes for m in metas], 1 << 20)[0]
+    assert len(b.members) > 1
+    assert contiguous_run(b, [t for _, t in pairs]) is None
+    swapped = list(views)
+    swapped[0], swapped[1] = views[1], views[0]
+    assert contiguous_run(b, swapped) is None
+    noncontig = list(views)
+    noncontig[2] = make_tensors(0)[2][1]
+    assert not noncontig[2].is_contiguous() and contiguous_run(b, noncontig) is None
+    with pytest.raises(ValueError, match="flat buffer"):
+        flat_views(flat[:-1], metas)

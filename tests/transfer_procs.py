@@ -119,6 +119,33 @@ def make_tensors(
     return out
 
 
+def flat_tensors(
+    round_: int, shared: bool = False, skip: Iterable[str] = ()
+) -> tuple[list[tuple[str, torch.Tensor]], Any]:
+    """:func:`make_tensors` as a flat trainer (Megatron / FSDP style): every contiguous tensor becomes a
+    view of one flat buffer at :func:`~weightsync.impl.transfer.packing.flat_layout`'s offsets (a
+    ``SharedBuffer`` when ``shared``); non-contiguous ones stay separate views. Returns (pairs, owner):
+    keep ``owner`` alive while sending. Names in ``skip`` are left out of the layout and the result."""
+    from weightsync.impl.transfer.base import meta_of
+    from weightsync.impl.transfer.ipc import SharedBuffer
+    from weightsync.impl.transfer.packing import flat_layout, flat_views
+
+    skipped = set(skip)
+    pairs = [(n, t) for n, t in make_tensors(round_) if n not in skipped]
+    metas = [meta_of(n, t) for n, t in pairs]
+    total, _ = flat_layout(metas)
+    owner: Any = SharedBuffer(total) if shared else torch.empty(total, dtype=torch.uint8)
+    flat = owner.tensor if shared else owner
+    out = []
+    for (name, t), v in zip(pairs, flat_views(flat, metas), strict=True):
+        if t.is_contiguous():
+            v.copy_(t)
+            out.append((name, v))
+        else:
+            out.append((name, t))
+    return out, owner
+
+
 def update_info_for(pairs: list[tuple[str, torch.Tensor]], **packing: Any) -> dict[str, Any]:
     return {
         "names": [n for n, _ in pairs],

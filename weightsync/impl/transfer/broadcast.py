@@ -50,6 +50,7 @@ from weightsync.impl.transfer.packing import (
     Bucket,
     BufferPool,
     as_bytes,
+    contiguous_run,
     crc32,
     max_packed_bucket,
     pack_bucket,
@@ -142,7 +143,7 @@ class BroadcastGroup:
             return
         self.closed = True
         if self.rank == 0:
-            self.cp.wait_seen(self.ok_seq)
+            self.cp.wait_seen(self.ok_seq, self.timeout_s)
         self.pool.clear()
         if self.packer is not None:
             self.packer.shutdown(wait=False, cancel_futures=True)
@@ -215,30 +216,42 @@ def _send(group: BroadcastGroup, items: Sequence[tuple[str, torch.Tensor]], args
     tensors = [t.detach() for _, t in items]
     buckets = plan_buckets([m.nbytes for m in metas], args.packed_buffer_size_bytes, args.packed)
     n = args.packed_num_buffers
-    if args.packed:
-        group.pool.reserve(n, max_packed_bucket(buckets), args.packed_buffer_size_bytes)
     on_cpu = group.device.type == "cpu"
     if on_cpu and group.packer is None:
         group.packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-pack")
 
+    def direct(b: Bucket) -> torch.Tensor | None:
+        # the bucket's bytes already lie in one storage at the packed offsets (packing rule 7), or the
+        # bucket is one whole tensor: send that memory without packing
+        if b.nbytes == 0:
+            return None
+        if b.oversized or not args.packed or len(b.members) == 1:
+            t = tensors[b.members[0]]
+            if t.device == group.device and t.is_contiguous():
+                return as_bytes(t)
+            return None
+        run = contiguous_run(b, tensors)
+        return run if run is not None and run.device == group.device else None
+
     def payload(b: Bucket) -> tuple[torch.Tensor | None, int | None]:
         if b.nbytes == 0:
             return None, (0 if args.verify else None)
-        first = tensors[b.members[0]]
-        direct = len(b.members) == 1 and first.is_contiguous() and first.device == group.device
-        if b.oversized or not args.packed or direct:
-            # the bucket's bytes are exactly this tensor's bytes (offset 0): send it without packing
-            t = first
-            if t.device != group.device:
-                t = t.to(group.device)
-            buf = as_bytes(t.contiguous())
-        else:
-            buf = pack_bucket(group.pool.slot(b.number % n), b, tensors)
+        buf = direct(b)
+        if buf is None:
+            if b.oversized or not args.packed:
+                buf = as_bytes(tensors[b.members[0]].to(group.device).contiguous())
+            else:
+                buf = pack_bucket(group.pool.slot(b.number % n), b, tensors)
         return buf, (crc32(buf) if args.verify else None)
+
+    if args.packed:
+        # only buckets that must be packed need a buffer (a flat trainer needs none)
+        to_pack = [b for b in buckets if not b.oversized and direct(b) is None]
+        group.pool.reserve(n, max_packed_bucket(to_pack), args.packed_buffer_size_bytes)
 
     def submit(b: Bucket) -> concurrent.futures.Future[tuple[torch.Tensor | None, int | None]]:
         fut: concurrent.futures.Future[tuple[torch.Tensor | None, int | None]]
-        if group.packer is not None and args.packed and not b.oversized and len(b.members) > 1:
+        if group.packer is not None and direct(b) is None and b.nbytes > 0:
             return group.packer.submit(payload, b)
         fut = concurrent.futures.Future()
         try:

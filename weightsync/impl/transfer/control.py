@@ -145,7 +145,9 @@ class ControlPlane:
                 self.store.set(f"seen/{self.rank}", str(seq))
 
     def wait_seen(self, seq: int, seconds: float = 5.0) -> None:
-        """Rank 0, before closing the store: wait (bounded) until every worker marked round ``seq`` seen."""
+        """Rank 0, before closing the store: wait (at most ``min(seconds, timeout_s)``) until every worker
+        marked round ``seq`` seen, so a worker still reading the round's verdict does not lose the store
+        under it (closers pass their ``timeout_s``). Never raises."""
         end = time.monotonic() + min(seconds, self.timeout_s)
         pending = set(range(1, self.world_size)) if seq > 0 else set()
         with contextlib.suppress(dist.DistError):

@@ -18,7 +18,20 @@ Rules:
    and (CUDA) the device synchronised; the producer refills a buffer only after every consumer
    acknowledged the chunk it held (THUDM/slime #929, scenario B7: acking after *enqueuing* copies let the
    producer overwrite data still being read).
-5. The wire agreement and abort rules are those of :mod:`weightsync.impl.transfer.rounds`; an error ack
+5. **Zero-copy producer (CPU).** A trainer that keeps its tensors in a :class:`SharedBuffer` (a
+   ``/dev/shm/weightsync-*`` file, e.g. one flat buffer of parameter views laid out by
+   :func:`~weightsync.impl.transfer.packing.flat_layout`) needs no packing: a chunk whose tensors lie in
+   such a buffer at the packed offsets (packing rule 7) is announced as (buffer handle, byte offset) and
+   each consumer copies straight out of the trainer's own memory, one copy per destination, as colocated
+   CUDA IPC does with the trainer's GPU tensors. Such chunks use no packing buffer, so the producer does
+   not wait between them; it still returns only after every consumer acknowledged every chunk (rule 4),
+   so the trainer may modify its tensors as soon as ``trainer_send_weights`` returns. Tensors in other
+   shared memory (``Tensor.share_memory_()``: a file descriptor that cannot travel over a JSON channel)
+   are packed.
+6. **Closing.** ``IPCTrainer.close`` waits (at most ``timeout_s``) until every consumer read the verdict
+   of the last round before it stops hosting the store, so a consumer still reading ``r{seq}/done`` does
+   not lose the store under it.
+7. The wire agreement and abort rules are those of :mod:`weightsync.impl.transfer.rounds`; an error ack
    makes the producer publish an abort that every consumer raises as PeerFailedError.
 """
 
@@ -53,6 +66,7 @@ from weightsync.impl.transfer.control import ControlPlane, open_store
 from weightsync.impl.transfer.packing import (
     Bucket,
     as_bytes,
+    contiguous_run,
     crc32,
     max_packed_bucket,
     pack_bucket,
@@ -188,6 +202,53 @@ class _Segment:
             self._finalizer()
 
 
+#: Live :class:`SharedBuffer` segments by the data pointer of their storage (weak: a dead buffer is
+#: simply no longer recognised, and its tensors are then packed).
+_SHARED: weakref.WeakValueDictionary[int, _Segment] = weakref.WeakValueDictionary()
+
+
+class SharedBuffer:
+    """A flat uint8 CPU tensor in a ``/dev/shm/weightsync-*`` file that the IPC producer can hand to
+    consumers by handle instead of packing (rule 5). Keep it alive while its tensors are sent; the file
+    is unlinked when it is closed or collected (views of :attr:`tensor` stay valid in this process).
+
+    Args:
+        nbytes: size in bytes (>= 0).
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes < 0:
+            raise ValueError(f"SharedBuffer size {nbytes} must be >= 0")
+        self._seg = _Segment(nbytes, torch.device("cpu"))
+        self.tensor: torch.Tensor = self._seg.tensor[:nbytes]
+        _SHARED[self._seg.tensor.untyped_storage().data_ptr()] = self._seg
+
+    @property
+    def path(self) -> str:
+        """The shared-memory file."""
+        assert self._seg.path is not None
+        return self._seg.path
+
+    def close(self) -> None:
+        """Unlink the file and stop recognising the buffer (idempotent)."""
+        _SHARED.pop(self._seg.tensor.untyped_storage().data_ptr(), None)
+        self._seg.close()
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+def _shared_chunk(run: torch.Tensor | None) -> tuple[_Segment, int] | None:
+    """The SharedBuffer segment holding ``run`` and its byte offset there, if any."""
+    if run is None or run.device.type != "cpu":
+        return None
+    seg = _SHARED.get(run.untyped_storage().data_ptr())
+    if seg is None or seg.path is None:
+        return None
+    off = run.data_ptr() - seg.tensor.data_ptr()
+    if off < 0 or off + run.numel() > seg.tensor.numel():  # pragma: no cover - defensive
+        return None
+    return seg, off
+
+
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -304,21 +365,36 @@ class IPCTrainer:
         tensors = [t.detach() for _, t in items]
         buckets = plan_buckets([m.nbytes for m in metas], args.packed_buffer_size_bytes, args.packed)
         n = args.packed_num_buffers
-        self._reserve(n, max_packed_bucket(buckets), args.packed_buffer_size_bytes)
+        on_cpu = self.device.type == "cpu"
+        to_pack = [
+            b
+            for b in buckets
+            if not b.oversized and not (on_cpu and _shared_chunk(contiguous_run(b, tensors)))
+        ]
+        self._reserve(n, max_packed_bucket(to_pack), args.packed_buffer_size_bytes)
         failures: list[tuple[int, str]] = []
         waited = -1  # acks collected for every chunk <= waited
         posted = 0  # chunks announced so far
         for b in buckets:
             k = b.number
-            # refill slot k % n only once every consumer acked chunk k - n (rule 4)
-            while not failures and waited < k - n:
-                waited += 1
-                failures = self._acks(seq, waited)
-            if failures:
-                break
             msg: dict[str, Any] = {"nbytes": b.nbytes}
             temp: _Segment | None = None
-            if b.oversized:
+            shared = _shared_chunk(contiguous_run(b, tensors)) if on_cpu and b.nbytes else None
+            if shared is None:
+                # refill slot k % n only once every consumer acked chunk k - n (rule 4)
+                while not failures and waited < k - n:
+                    waited += 1
+                    failures = self._acks(seq, waited)
+            if failures:
+                break
+            if shared is not None:
+                seg, off = shared
+                buf = seg.tensor[off:]
+                msg["handles"] = seg.handles
+                msg["slot"] = -2
+                msg["segment"] = seg.id
+                msg["offset"] = off
+            elif b.oversized:
                 temp = _Segment(b.nbytes, self.device)
                 buf = temp.tensor
                 src = tensors[b.members[0]]
@@ -366,7 +442,7 @@ class IPCTrainer:
         if self.closed:
             return
         self.closed = True
-        self.cp.wait_seen(self.ok_seq)
+        self.cp.wait_seen(self.ok_seq, self.info.timeout_s)
         for s in self.slots:
             s.close()
         self.slots.clear()
@@ -397,6 +473,8 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self.seq = 0
         self._store: Any = None
         self._mapped: dict[int, tuple[str, torch.Tensor]] = {}
+        self._shared: dict[str, torch.Tensor] = {}
+        self._shared_used: set[str] = set()
 
     def init_transfer_engine(self, init_info: RendezvousInitInfo) -> None:
         """Join the producer's group (vLLM's IPC init is a no-op; weightsync needs the JSON channel).
@@ -429,6 +507,14 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         handles = msg.get("handles")
         if not isinstance(slot, int) or not isinstance(handles, Mapping):
             raise ValueError(f"malformed IPC chunk message (slot={slot!r})")
+        if slot == -2:
+            seg, off = str(msg.get("segment")), msg.get("offset")
+            if isinstance(off, bool) or not isinstance(off, int) or off < 0:
+                raise ValueError(f"malformed IPC chunk message (offset={off!r})")
+            if seg not in self._shared:
+                self._shared[seg] = _import(handles, self.device)
+            self._shared_used.add(seg)
+            return self._shared[seg][off:], False
         if slot < 0:
             return _import(handles, self.device), True
         seg = str(msg.get("segment"))
@@ -474,6 +560,10 @@ class IPCWeightTransferEngine(WeightTransferEngine):
                 cp.post(f"r{seq}/a{b.number}", {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, seq)
                 raise
             cp.post(f"r{seq}/a{b.number}", {"ok": True}, seq)
+        # unmap the trainer's shared buffers this round no longer used (they may have been freed)
+        for seg in [s for s in self._shared if s not in self._shared_used]:
+            del self._shared[seg]
+        self._shared_used.clear()
         verdict = cp.get(f"r{seq}/done", PHASE_ACK, 0)
         if not verdict.get("ok"):
             self._raise_abort(seq, verdict)
@@ -524,6 +614,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
     def shutdown(self) -> None:
         """Drop mappings and the store connection (idempotent)."""
         self._mapped.clear()
+        self._shared.clear()
         self.cp = None
         self._store = None
 
@@ -554,4 +645,11 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         group.send(iterator, SendArgs.parse(trainer_args))
 
 
-__all__ = ["IPCTrainer", "IPCWeightTransferEngine", "decode_cuda_handle", "encode_cuda_handle", "gpu_uuid"]
+__all__ = [
+    "IPCTrainer",
+    "IPCWeightTransferEngine",
+    "SharedBuffer",
+    "decode_cuda_handle",
+    "encode_cuda_handle",
+    "gpu_uuid",
+]

@@ -15,6 +15,11 @@ Rules (reference section 3, with weightsync's deviations marked):
    boundaries travels on the wire (vLLM PR #31943 review, scenario B5: both sides must agree on ``B``).
 6. Packing buffers are allocated once per slot and reused across syncs (vLLM issue #52950 leaked
    ``B * num_buffers`` per sync); extra memory is at most ``num_buffers * B`` plus one oversized tensor.
+7. **Zero-copy runs.** When a bucket's members already lie in one storage exactly at the bucket's offsets
+   (a trainer keeping its parameters as views of one flat buffer, as Megatron and FSDP do, with every
+   tensor starting at an :data:`ALIGN`-aligned offset in order), :func:`contiguous_run` returns that
+   storage range and the sender moves it as is, without packing. The bytes on the wire are the same as
+   packing would produce, except padding bytes (never read).
 """
 
 from __future__ import annotations
@@ -129,6 +134,69 @@ def pack_bucket(dst: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tenso
     return dst[: bucket.nbytes]
 
 
+def contiguous_run(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The bucket's bytes as a uint8 view of its members' own storage, or None (rule 7).
+
+    Non-None only if every non-empty member is contiguous, all live in one storage on one device, and
+    member ``j`` starts exactly ``offsets[j]`` bytes after the first one; zero-size members are ignored.
+    """
+    base = -1
+    storage_ptr = 0
+    first: torch.Tensor | None = None
+    for i, off in zip(bucket.members, bucket.offsets, strict=True):
+        t = tensors[i]
+        if t.numel() == 0:
+            continue
+        if not t.is_contiguous():
+            return None
+        if first is None:
+            first = t
+            storage_ptr = t.untyped_storage().data_ptr()
+            base = t.data_ptr() - off
+            if base < storage_ptr:
+                return None
+        elif (
+            t.data_ptr() != base + off
+            or t.device != first.device
+            or t.untyped_storage().data_ptr() != storage_ptr
+        ):
+            return None
+    if first is None:
+        return None
+    storage = first.untyped_storage()
+    start = base - storage_ptr
+    if start + bucket.nbytes > storage.nbytes():
+        return None
+    view = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return view.set_(storage, start, (bucket.nbytes,), (1,))
+
+
+def flat_layout(metas: Sequence[TensorMeta]) -> tuple[int, list[int]]:
+    """Byte offsets of ``metas`` in one flat buffer laid out so that every bucket is a zero-copy run
+    (rule 7): in order, each tensor at the next :data:`ALIGN`-aligned offset. Returns (total bytes,
+    offsets). For any ``B``, the members of each bucket of :func:`plan_buckets` then sit at the bucket's
+    offsets relative to its first member."""
+    offsets: list[int] = []
+    end = 0
+    for m in metas:
+        start = _align(end)
+        offsets.append(start)
+        end = start + m.nbytes
+    return end, offsets
+
+
+def flat_views(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
+    """Typed, shaped views of ``metas`` in the uint8 buffer ``flat`` at :func:`flat_layout`'s offsets.
+
+    Raises:
+        ValueError: ``flat`` is not a contiguous uint8 tensor of at least the layout's size.
+    """
+    total, offsets = flat_layout(metas)
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous() or flat.numel() < total:
+        raise ValueError(f"flat buffer must be a contiguous 1-D uint8 tensor of >= {total} bytes")
+    return [flat[o : o + m.nbytes].view(m.dtype).view(m.shape) for m, o in zip(metas, offsets, strict=True)]
+
+
 def unpack_bucket(
     src: torch.Tensor, bucket: Bucket, metas: Sequence[TensorMeta]
 ) -> list[tuple[str, torch.Tensor]]:
@@ -226,8 +294,11 @@ __all__ = [
     "Bucket",
     "BufferPool",
     "as_bytes",
+    "contiguous_run",
     "crc32",
     "first_difference",
+    "flat_layout",
+    "flat_views",
     "max_packed_bucket",
     "pack_bucket",
     "plan_buckets",
