@@ -99,3 +99,11 @@ def test_cli_repro_two_phase_epoch_runs_every_schedule(capsys: pytest.CaptureFix
     assert out["result"] == "completed" and out["schedule_source"] == "model"
     assert [s["schedule"] for s in out["schedules"]] == list(BUGGY)
     assert all(s["result"] == "completed" for s in out["schedules"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_hand_written_fallback_says_so() -> None:
+    (r,) = repro("two-phase")  # no model counterexample given: the hand-written schedule
+    assert r.source == "hand-written" and r.as_dict()["schedule_source"] == "hand-written"
+    assert r.result == "reproduced", r.as_dict()

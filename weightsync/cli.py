@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -304,6 +305,7 @@ def _repro(args: argparse.Namespace) -> int:
     # schedule's variant, as plain data, handed to the router compiler
     cxs: dict[str, dict[str, Any]] = {}
     model_errors: dict[str, str] = {}
+    t_model = time.monotonic()
     for name in schedules_for(args.variant):
         try:
             cx = check(name, 2, progress=False).get("counterexample")
@@ -314,6 +316,7 @@ def _repro(args: argparse.Namespace) -> int:
             cxs[name] = {k: cx[k] for k in ("property", "mode", "steps", "records", "labels")}
         else:
             model_errors[name] = "the model found no counterexample"
+    model_seconds = time.monotonic() - t_model
     runs = repro(args.variant, cxs, timeout_s=min(float(args.timeout), 10.0))
     expected = EXPECTED[args.variant]
     results = {r.result for r in runs}
@@ -324,6 +327,7 @@ def _repro(args: argparse.Namespace) -> int:
         "result": result,
         "expected": expected,
         "seconds": round(sum(r.seconds for r in runs), 3),
+        "model_seconds": round(model_seconds, 3),
         "ranks": sorted({q for r in runs for q in r.ranks}),
         "collectives": runs[0].collectives if len(runs) == 1 else {r.schedule: r.collectives for r in runs},
         "schedule_source": sources[0] if len(sources) == 1 else "mixed",

@@ -188,6 +188,7 @@ class DPEngineClient:
         self._router_wave = [self._ctx.Queue() for _ in range(n)] if hold else []
         self._router_coord = [self._ctx.Queue() for _ in range(n)] if hold else []
         self.coord_acks = 0  # stats received from the coordinator (repro: one per handled message)
+        self.hold_coord = True  # with hold: hold coordinator-bound messages and stats too
         self._held_stats: Stats | None = None
         self._stop = self._ctx.Event()
         self.procs: list[Any] = []
@@ -302,7 +303,7 @@ class DPEngineClient:
                 assert isinstance(st, Stats)
                 with self._lock:
                     self.coord_acks += 1
-                    if self.hold:
+                    if self.hold and self.hold_coord:
                         self._held_stats = st
                     else:
                         self.current_wave = st.current_wave
@@ -316,7 +317,7 @@ class DPEngineClient:
                         break
                     busy = True
                     with self._lock:
-                        if self.hold:
+                        if self.hold and self.hold_coord:
                             self.held[(r, COORD)].append(cmsg)
                         else:
                             self._router_coord[r].put(cmsg)
@@ -510,7 +511,7 @@ class DPEngineClient:
         self._send(r, "front", add)
         if not self.engines_running:
             self.engines_running = True
-            if self.hold:
+            if self.hold and self.hold_coord:
                 self.held[(-1, COORD)].append(FirstReq(r, add.wave))
             else:
                 self._fe2coord.put(FirstReq(r, add.wave))

@@ -261,6 +261,7 @@ class _Run:
         self.phase = ""
         self.stuck = False  # a controller call never returned: no further calls
         self.trainer_sent = False
+        self.cycle_started = False
         self.gated = True
         self.diverged_at: int | None = None
         self.index = 0
@@ -449,20 +450,24 @@ class _Run:
         op = step[0]
         if op == "round":
             self.open_gates()
-            for m in CYCLE:
-                self.start_call(m)
-                if m == "update_weights":
-                    self.background(self.send_fn)
-                    self.trainer_sent = True
-            self.log.append("controller runs a whole round")
+            self.cycle_in_background(list(CYCLE))
+            self.log.append("controller starts pause -> start -> update || send -> finish -> resume")
         elif op == "join":
             call = self.call
             ok = call is None or self.wait(lambda: not call.is_alive(), "controller call", 3 * self.step_s)
             self.log.append("controller call returned" if ok else "join timed out")
         elif op == "stats":
-            self.wait(lambda: c._held_stats is not None, "coordinator stats")
-            c.refresh()
-            self.log.append(f"front-end sees coordinator stats: wave {c.current_wave}")
+
+            def synced() -> bool:
+                top = max(int(v.get("current_wave", 0)) for v in c.rank_vars)
+                return c.current_wave >= top and not c.engines_running
+
+            ok = self.wait(synced, "coordinator stats")
+            self.log.append(
+                f"front-end sees coordinator stats: wave {c.current_wave}, idle"
+                if ok
+                else "coordinator stats not in sync (skipped)"
+            )
         elif op == "call_rank":
             r, method = int(step[1]), str(step[2])
             kw: dict[str, Any] = {"update_info": self.uinfo} if method == "update_weights" else {}
@@ -492,6 +497,8 @@ class _Run:
         c.release_all()
         self.log.append("all held messages released; steps ungated")
         rest = list(CYCLE[CYCLE.index(self.phase) + 1 :]) if self.phase in CYCLE else []
+        if self.cycle_started:  # a hand-written 'round' runs the whole cycle already
+            rest = []
         if self.phase == "update_weights" and not self.trainer_sent:
             self.background(self.send_fn)
             self.trainer_sent = True
@@ -499,8 +506,15 @@ class _Run:
         if rest:
             self.log.append("controller completes its cycle: " + " -> ".join(rest))
 
+        self.cycle_in_background(rest)
+
+    def cycle_in_background(self, methods: list[str]) -> None:
+        """The controller's calls ``methods`` in order, each after the previous returned (background)."""
+        c = self.client
+        self.cycle_started = self.cycle_started or methods == list(CYCLE)
+
         def cycle() -> None:
-            for m in rest:
+            for m in methods:
                 prev = self.call
                 if prev is not None:
                     prev.join(3 * self.timeout_s)
@@ -572,6 +586,8 @@ def run_schedule(
         uinfo = SimpleBroadcastTrainer.update_info(ws)
         with client._lock:  # the schedule starts from quiet engines and a front-end in sync
             client.set_hold(True)
+        if src == "hand-written":  # the older schedules: free steps, coordinator traffic not held
+            client.hold_coord = False
         run = _Run(
             client,
             variant,
@@ -582,6 +598,8 @@ def run_schedule(
             step_s,
             time.monotonic() + budget_s,
         )
+        if src == "hand-written":
+            run.open_gates()
         for k, step in enumerate(steps):
             if client.failures or time.monotonic() > run.deadline:
                 break
