@@ -491,7 +491,7 @@ class Variant:
     verified_channels: tuple[str, ...] = ()
 
     def expected_verdict(self, channels: str) -> str:
-        """"verified" if the variant should verify under ``channels``, else "counterexample"."""
+        """ "verified" if the variant should verify under ``channels``, else "counterexample"."""
         return "verified" if channels in self.verified_channels else "counterexample"
 
     def digest(self) -> str:
