@@ -11,6 +11,7 @@ from weightsync.cli import main
 from weightsync.model.check import (
     PROPERTIES,
     check,
+    check_mode,
     counterexample_mermaid,
     replay_labels,
     state_graph,
@@ -133,11 +134,14 @@ def test_symmetry_canon_is_sound_and_reduces() -> None:
 
 
 def test_symmetry_finds_the_same_bug() -> None:
-    out = check("two-phase", 3, mode="keep", symmetry=True, bounds=Bounds(requests=1))
-    assert out["verdict"] == "counterexample" and out["symmetry"] is True
-    assert out["properties"]["progress_pause"] == "not checked"
-    steps = out["counterexample"]["steps"]
-    assert "one-sided collective" in steps[-1]
+    m = Model(Config("two-phase", 3, PauseMode.KEEP, bounds=Bounds(requests=1)))
+    r = check_mode(m, symmetry=True, stop_at_first=True)
+    assert r.counterexample is not None
+    assert r.properties["progress_pause"] == "not checked"
+    assert "one-sided collective" in r.counterexample["steps"][-1]
+    # the concretized path replays on the unreduced model
+    states, bad = replay_labels(m, r.counterexample["labels"])
+    assert bad is None and m.terminal_check(states[-1]) == ["no_one_sided_collective"]
 
 
 def test_state_graph_graphml(tmp_path: Path) -> None:
