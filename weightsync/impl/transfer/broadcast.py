@@ -40,10 +40,8 @@ from weightsync.impl.transfer.base import (
     ParallelInfo,
     RendezvousInitInfo,
     SendArgs,
-    TensorMeta,
     UpdateInfo,
     WeightTransferEngine,
-    meta_of,
 )
 from weightsync.impl.transfer.control import ControlPlane, open_store
 from weightsync.impl.transfer.packing import (
@@ -58,7 +56,7 @@ from weightsync.impl.transfer.packing import (
     unpack_bucket,
     wire_description,
 )
-from weightsync.impl.transfer.rounds import agree, status
+from weightsync.impl.transfer.rounds import agree, open_send_round, status
 from weightsync.spec.errors import PeerFailedError, TransferTimeoutError
 
 PHASE_BUCKET = "update_weights/bucket"
@@ -203,18 +201,7 @@ def _drain(group: BroadcastGroup, works: Iterable[Any]) -> None:
 def _send(group: BroadcastGroup, items: Sequence[tuple[str, torch.Tensor]], args: SendArgs) -> None:
     group.seq += 1
     seq = group.seq
-    veto: str | None = None
-    metas: list[TensorMeta] = []
-    try:
-        metas = [meta_of(n, t) for n, t in items]
-    except ValueError as exc:
-        veto = str(exc)
-    info = args.update_info(metas)
-    agree(group.cp, seq, wire_description(info) if veto is None else None, veto)
-    if veto is not None:
-        raise ValueError(f"trainer_send_weights: {veto}")
-    tensors = [t.detach() for _, t in items]
-    buckets = plan_buckets([m.nbytes for m in metas], args.packed_buffer_size_bytes, args.packed)
+    tensors, buckets = open_send_round(group.cp, seq, items, args)
     n = args.packed_num_buffers
     on_cpu = group.device.type == "cpu"
     if on_cpu and group.packer is None:

@@ -60,7 +60,6 @@ from weightsync.impl.transfer.base import (
     UpdateInfo,
     WeightTransferEngine,
     dtype_name,
-    meta_of,
 )
 from weightsync.impl.transfer.control import ControlPlane, open_store
 from weightsync.impl.transfer.packing import (
@@ -74,7 +73,7 @@ from weightsync.impl.transfer.packing import (
     unpack_bucket,
     wire_description,
 )
-from weightsync.impl.transfer.rounds import agree
+from weightsync.impl.transfer.rounds import agree, open_send_round
 from weightsync.spec.errors import PeerFailedError
 
 PHASE_CHUNK = "update_weights/ipc_chunk"
@@ -352,18 +351,7 @@ class IPCTrainer:
         items = list(weights)
         self.seq += 1
         seq = self.seq
-        veto: str | None = None
-        metas: list[TensorMeta] = []
-        try:
-            metas = [meta_of(n, t) for n, t in items]
-        except ValueError as exc:
-            veto = str(exc)
-        info = args.update_info(metas)
-        agree(self.cp, seq, wire_description(info) if veto is None else None, veto)
-        if veto is not None:
-            raise ValueError(f"trainer_send_weights: {veto}")
-        tensors = [t.detach() for _, t in items]
-        buckets = plan_buckets([m.nbytes for m in metas], args.packed_buffer_size_bytes, args.packed)
+        tensors, buckets = open_send_round(self.cp, seq, items, args)
         n = args.packed_num_buffers
         on_cpu = self.device.type == "cpu"
         to_pack = [

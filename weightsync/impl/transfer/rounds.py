@@ -18,10 +18,20 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from weightsync.impl.transfer.base import SendArgs, TensorMeta, meta_of
 from weightsync.impl.transfer.control import ControlPlane
-from weightsync.impl.transfer.packing import first_difference, wire_digest
+from weightsync.impl.transfer.packing import (
+    Bucket,
+    first_difference,
+    plan_buckets,
+    wire_description,
+    wire_digest,
+)
 from weightsync.spec.errors import PeerFailedError, WireMismatchError
 
 PHASE_WIRE = "update_weights/wire_agreement"
@@ -68,6 +78,33 @@ def agree(cp: ControlPlane, seq: int, desc: dict[str, Any] | None, veto: str | N
         "agree on names, dtypes, shapes, packed, packed_buffer_size_bytes and packed_num_buffers "
         "(huggingface/trl PR #7104); no payload was sent"
     )
+
+
+def open_send_round(
+    cp: ControlPlane, seq: int, items: Sequence[tuple[str, torch.Tensor]], args: SendArgs
+) -> tuple[list[torch.Tensor], tuple[Bucket, ...]]:
+    """Trainer side of rule 1 for round ``seq``: describe ``items``, agree on the wire with every consumer
+    (a tensor the trainer cannot describe is vetoed, so every consumer is told), then plan the buckets.
+
+    Returns:
+        (detached tensors in ``items`` order, the bucket plan).
+
+    Raises:
+        ValueError: the trainer vetoed (e.g. an unsupported dtype), after the consumers were told.
+        WireMismatchError / TransferTimeoutError: as :func:`agree`.
+    """
+    veto: str | None = None
+    metas: list[TensorMeta] = []
+    try:
+        metas = [meta_of(n, t) for n, t in items]
+    except ValueError as exc:
+        veto = str(exc)
+    info = args.update_info(metas)
+    agree(cp, seq, wire_description(info) if veto is None else None, veto)
+    if veto is not None:
+        raise ValueError(f"trainer_send_weights: {veto}")
+    tensors = [t.detach() for _, t in items]
+    return tensors, plan_buckets([m.nbytes for m in metas], args.packed_buffer_size_bytes, args.packed)
 
 
 def status(
