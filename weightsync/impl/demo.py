@@ -78,6 +78,8 @@ KILL_ENV = "WEIGHTSYNC_DEMO_KILL_RANK"
 
 TRANSPORTS = {"broadcast": "nccl", "ipc": "ipc"}
 """Demo transport name -> registered weight-transfer backend."""
+_CPU_WIRE = {"nccl": "gloo for CPU tensors", "ipc": "CPU shared memory"}
+"""What each backend runs on for the demo's CPU tensors (shown in the header)."""
 
 
 class DemoUsageError(WeightSyncError, ValueError):
@@ -1091,7 +1093,8 @@ class DemoRenderer:
                 highlight=False,
             )
             self.console.print(
-                f"engines: {data['ranks']} DP ranks, transport {data['transport']} ({data['backend']} backend), "
+                f"engines: {data['ranks']} DP ranks, transport {data['transport']} (registered as "
+                f"{data['backend']!r}; {_CPU_WIRE[data['backend']]}), "
                 f"pause mode {data['mode']}, variant {data['variant']}",
                 highlight=False,
             )
