@@ -1,16 +1,24 @@
 """Mutation test: break one rule of the two-phase-epoch table at a time; the checker must notice.
 
 Each mutant negates one row's guard (``always`` -> ``never``) or drops one of its updates or effects.
-N=2, one request, every pause mode. Survivors are printed (and explained in the project notes).
+N=2, every pause mode, under each configuration of ``MUTATION_BOUNDS`` (default bounds; tokens=3 with
+K=2; two cycles with the one-time transfer init; a client ABORT). Survivors are printed (and explained in
+the project notes).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from weightsync.model.mutation import kills, mutants, run_mutation
+from weightsync.model.check import check
+from weightsync.model.mutation import MUTATION_BOUNDS, kills, mutants, run_mutation
+from weightsync.model.system import Bounds
 from weightsync.spec.rank import get_variant
 from weightsync.spec.states import PauseMode
+
+
+def _table(name: str) -> object:
+    return next(t for m, t in mutants(get_variant("two-phase-epoch").table) if m.name == name)
 
 
 def test_mutants_cover_every_row() -> None:
@@ -22,20 +30,58 @@ def test_mutants_cover_every_row() -> None:
 
 
 @pytest.mark.parametrize(
-    "name",
+    ("name", "prop"),
     [
         # without the epoch the resume-time race of two-phase comes back
-        "resuming/resume_barrier_done#0: drop update adopt_wave_after_barrier",
-        "verified/resume#0: drop effect enter_resume_barrier",
+        ("resuming/resume_barrier_done#0: drop update adopt_wave_after_barrier", None),
+        ("verified/resume#0: drop effect enter_resume_barrier", None),
+        # the properties added for the mutation check, one mutant each
+        ("running/pause#0: drop update set_pause_state", "pause_gating"),
+        ("running/step#0: drop effect execute_step", "tokens_exactly_once"),
+        ("paused/dp_sync_done#0: drop effect clear_cache", "no_stale_kv"),
+        ("updating/finish_weight_update#0: drop update bump_weight_version", "version_agreement"),
+        ("verified/start_weight_update#0: drop effect start_weight_update", "phase_bracketing"),
     ],
 )
-def test_targeted_mutants_are_killed(name: str) -> None:
-    table = next(t for m, t in mutants(get_variant("two-phase-epoch").table) if m.name == name)
-    assert kills("two-phase-epoch", table, modes=(PauseMode.ABORT, PauseMode.KEEP)) is not None
+def test_targeted_mutants_are_killed(name: str, prop: str | None) -> None:
+    why = kills("two-phase-epoch", _table(name), modes=(PauseMode.ABORT, PauseMode.KEEP))  # type: ignore[arg-type]
+    assert why is not None
+    if prop is not None:
+        assert why.endswith(":" + prop), why
+
+
+def test_abort_mode_mutant_is_killed_by_mode_semantics() -> None:
+    why = kills(
+        "two-phase-epoch",
+        _table("running/pause#0: drop effect abort_requests"),  # type: ignore[arg-type]
+        modes=(PauseMode.ABORT,),
+    )
+    assert why is not None and why.endswith("mode_semantics"), why
+
+
+def _unmutated_holds(mode: str, b: Bounds) -> None:
+    out = check("two-phase-epoch", 2, mode=mode, bounds=b)
+    bad = {k: v for k, v in out["properties"].items() if v != "holds"}
+    if b.requests == 0:  # no request, no wave: only the non-vacuity witnesses fail, by design
+        bad = {k: v for k, v in bad.items() if not k.startswith("sometimes_")}
+    assert not bad, (b, bad, out.get("counterexample"))
+
+
+def test_new_properties_hold_on_the_fix_with_extended_bounds() -> None:
+    # the extra configurations of the mutation run hold on the unmutated table (keep mode here; the slow
+    # test runs every mode)
+    for _, b, _cap in MUTATION_BOUNDS[1:3]:
+        _unmutated_holds("keep", b)
+
+
+@pytest.mark.slow
+def test_extended_bounds_verify_every_mode() -> None:
+    for _, b, _cap in MUTATION_BOUNDS:
+        _unmutated_holds("all", b)
 
 
 @pytest.mark.slow
 def test_mutation_full_large_majority_killed() -> None:
-    r = run_mutation("two-phase-epoch")
-    print(f"{r['killed']}/{r['mutants']} killed; survivors:", *r["survivors"], sep="\n  ")
+    r = run_mutation("two-phase-epoch", configs=MUTATION_BOUNDS, workers=2)
+    print(f"{r['killed']}/{r['mutants']} killed in {r['seconds']} s; survivors:", *r["survivors"], sep="\n  ")
     assert r["killed"] >= 0.8 * r["mutants"]

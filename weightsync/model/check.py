@@ -58,8 +58,32 @@ PROPERTIES: dict[str, tuple[str, str]] = {
         "reference s4 (pause modes)",
     ),
     "version_agreement": (
-        "when the controller's resume has returned, every rank reports the same weight_version",
-        "weightsync (RFC #31848: vLLM has no version counter)",
+        "when a finish_weight_update or resume fan-out has returned, every rank's weight_version and its "
+        "worker's equal the number of update rounds the controller completed",
+        "weightsync design s3 'version agreement after resume' (RFC #31848: vLLM has no version counter)",
+    ),
+    "pause_gating": (
+        "from receiving pause until resume a rank starts no waiting request (PAUSED_NEW); under keep "
+        "(PAUSED_ALL), and once its pause returned, it advances no request at all",
+        "reference s4 (PauseState); PR #39366 guarantee: engines idle and gated after /pause returns",
+    ),
+    "mode_semantics": (
+        "abort mode: from receiving pause until resume a rank advances no request, and none is running "
+        "once its pause returned; keep and wait abort no request the client did not abort",
+        "reference s4 (pause modes table)",
+    ),
+    "tokens_exactly_once": (
+        "every loop step that runs a forward gives each scheduled request exactly one token and the others "
+        "none; a step that runs no forward changes no request (no token doubled or skipped)",
+        "reference s4/s5 (scheduler, busy loop); B14 (vLLM #42117: first post-resume token dropped)",
+    ),
+    "no_stale_kv": (
+        "with clear_cache=True, no request generates from KV computed under an older weight_version",
+        "reference s4 (keep + clear_cache re-prefills frozen requests); B14 (vLLM PR #34382)",
+    ),
+    "abort_honoured": (
+        "a client ABORT that reaches the rank holding the request aborts it",
+        "reference s5 (ABORT message)",
     ),
     "progress_pause": (
         "every pause can reach all-verified (all pause replies)",
@@ -90,6 +114,11 @@ SAFETY = (
     "phase_bracketing",
     "request_conservation",
     "version_agreement",
+    "pause_gating",
+    "mode_semantics",
+    "tokens_exactly_once",
+    "no_stale_kv",
+    "abort_honoured",
 )
 PROGRESS = ("progress_pause", "progress_resume", "progress_requests")
 SOMETIMES = ("sometimes_all_verified", "sometimes_update_with_wave_in_flight")

@@ -45,16 +45,25 @@ from weightsync.spec.states import (
     schedulable,
     unfinished_for_sync,
 )
-from weightsync.spec.table import Transition
+from weightsync.spec.table import ALWAYS, Transition
+from weightsync.spec.worker import (
+    WORKER_GUARDS,
+    WORKER_TABLE,
+    WORKER_UPDATES,
+    WorkerEvent,
+    WorkerState,
+    WorkerVars,
+)
 
 # Controller phases.
-IDLE, PAUSE, START, UPDATE, FINISH, RESUME = range(6)
+IDLE, PAUSE, START, UPDATE, FINISH, RESUME, INIT = range(7)
 PHASE_CALL = {
     PAUSE: "pause",
     START: "start_weight_update",
     UPDATE: "update_weights",
     FINISH: "finish_weight_update",
     RESUME: "resume",
+    INIT: "init_weight_transfer_engine",
 }
 CALL_EVENT = {
     "pause": RankEvent.PAUSE,
@@ -62,6 +71,7 @@ CALL_EVENT = {
     "start_weight_update": RankEvent.START_UPDATE,
     "update_weights": RankEvent.UPDATE_WEIGHTS,
     "finish_weight_update": RankEvent.FINISH_UPDATE,
+    "init_weight_transfer_engine": RankEvent.INIT_TRANSFER,
 }
 # Controller per-rank call status.
 NOT_SENT, SENT, REPLIED, SPURIOUS = 0, 1, 2, 3
@@ -90,6 +100,13 @@ class Bounds(NamedTuple):
         sync_interval: K, the DP sync all-reduce every K steps (vLLM: 32, PR #21617).
         tokens: steps each request needs to finish (>= 2 lets keep mode freeze a request mid-generation).
         clear_cache: the pause's ``clear_cache`` argument (vLLM default True).
+        client_aborts: client ABORTs the front-end may send (each for one request it sent, to the rank it
+            sent it to; reference s5). 0 in the default proofs.
+        init_transfer: the controller calls ``init_weight_transfer_engine`` once (joined by the trainer),
+            either before the first request (the front-end waits for it) or lazily in the first cycle
+            between pause and start; when False the transfer engine is assumed initialised at start.
+        stray_resume: the controller may issue one ``resume`` that no pause preceded (an orchestrator's
+            ``finally`` path, reference s9 prime-rl).
     """
 
     requests: int = 1
@@ -97,6 +114,9 @@ class Bounds(NamedTuple):
     sync_interval: int = 2
     tokens: int = 2
     clear_cache: bool = True
+    client_aborts: int = 0
+    init_transfer: bool = False
+    stray_resume: bool = False
 
 
 class Config(NamedTuple):
@@ -120,15 +140,25 @@ class Rank(NamedTuple):
         inq: input FIFOs (per-socket: ADD, controller, wave; ordered: one).
         outq: FIFO to the coordinator (per-socket only; ordered mode uses the coordinator's single FIFO).
         status: the controller's current call to this rank: 0 not sent, 1 sent, 2 replied, 3 spurious reply.
+        pz: ghost for the pause properties: 0 no pause in effect, 1 the rank received pause (and no resume
+            since), 2 its pause reply was sent.
+        worker: the rank's worker-side weight-update machine (:mod:`weightsync.spec.worker`), driven by
+            the table's ``start_weight_update`` / ``finish_weight_update`` / ``enter_weight_broadcast`` /
+            ``enter_transfer_init`` effects.
+
+    ``running`` entries are ``(request, tokens_left, kv_version)``: the weight version under which the
+    request's KV was computed (set when it is scheduled from ``waiting``).
     """
 
     vars: RankVars
     blocked: str
     waiting: tuple[tuple[int, int], ...]
-    running: tuple[tuple[int, int], ...]
+    running: tuple[tuple[int, int, int], ...]
     inq: tuple[tuple[tuple[Any, ...], ...], ...]
     outq: tuple[tuple[Any, ...], ...]
     status: int
+    pz: int
+    worker: WorkerVars
 
 
 class G(NamedTuple):
@@ -139,8 +169,10 @@ class G(NamedTuple):
         coord_q: the coordinator's input FIFOs other than the ranks' (per-socket: FIRST_REQ from the
             front-end; ordered: the single FIFO of everything sent to the coordinator, with senders).
         coord: ``(current_wave, engines_running)``.
-        front: ``(believed_wave, believed_running, next_request, gated)``.
-        ctrl: ``(phase, cycles_started)``.
+        front: ``(believed_wave, believed_running, next_request, gated, client_aborted)`` (the requests
+            the client aborted, sorted).
+        ctrl: ``(phase, cycles_started, update_rounds, transfer_initialised, stray_resume_used)``;
+            ``update_rounds`` counts finish_weight_update fan-outs.
         trainer: ``(blocked, status)``.
         done: finished requests (sorted).
         aborted: aborted requests (sorted).
@@ -149,8 +181,8 @@ class G(NamedTuple):
     ranks: tuple[Rank, ...]
     coord_q: tuple[tuple[tuple[Any, ...], ...], ...]
     coord: tuple[int, bool]
-    front: tuple[int, bool, int, bool]
-    ctrl: tuple[int, int]
+    front: tuple[int, bool, int, bool, tuple[int, ...]]
+    ctrl: tuple[int, int, int, bool, bool]
     trainer: tuple[str, int]
     done: tuple[int, ...]
     aborted: tuple[int, ...]
@@ -197,7 +229,11 @@ class Model:
         self.R = b.requests
         self.C = b.cycles
         self.clear = b.clear_cache
+        self.client_aborts = b.client_aborts
+        self.init_transfer = b.init_transfer
+        self.stray_resume = b.stray_resume
         self._cache: dict[tuple[Any, ...], tuple[Transition | None, RankVars]] = {}
+        self._wcache: dict[tuple[WorkerVars, WorkerEvent], WorkerVars] = {}
         # non-vacuity witnesses, set while exploring
         self.seen_all_verified = False
         self.seen_update_with_wave_in_flight = False
@@ -207,8 +243,18 @@ class Model:
     def initial(self) -> G:
         """Every rank running and idle, wave 0, no messages, controller idle, no request sent."""
         nq = 1 if self.ordered else 3
-        r = Rank(RankVars(), "", (), (), ((),) * nq, (), NOT_SENT)
-        return G((r,) * self.n, ((),), (0, False), (0, False, 0, False), (IDLE, 0), ("", NOT_SENT), (), ())
+        wk = WorkerVars(WorkerState.READY, initialized=not self.init_transfer)
+        r = Rank(RankVars(), "", (), (), ((),) * nq, (), NOT_SENT, 0, wk)
+        return G(
+            (r,) * self.n,
+            ((),),
+            (0, False),
+            (0, False, 0, False, ()),
+            (IDLE, 0, 0, not self.init_transfer, False),
+            ("", NOT_SENT),
+            (),
+            (),
+        )
 
     # ------------------------------------------------------------------ the table
 
@@ -228,6 +274,23 @@ class Model:
             else:
                 r = (tr, apply(v, tr, args, self.updates))
             self._cache[key] = r
+        return r
+
+    def worker_fire(self, wv: WorkerVars, event: WorkerEvent) -> WorkerVars:
+        """Fire ``event`` on a rank's worker machine (:data:`weightsync.spec.worker.WORKER_TABLE`); an
+        illegal call leaves it in ``error``."""
+        key = (wv, event)
+        r = self._wcache.get(key)
+        if r is None:
+            r = wv._replace(state=WorkerState.ERROR)
+            for tr in WORKER_TABLE.get((wv.state, event), ()):
+                if tr.guard == ALWAYS or WORKER_GUARDS[tr.guard](wv, {}):
+                    v2 = wv
+                    for u in tr.updates:
+                        v2 = WORKER_UPDATES[u](v2, {})
+                    r = v2._replace(state=tr.target)
+                    break
+            self._wcache[key] = r
         return r
 
     # ------------------------------------------------------------------ successors
@@ -254,7 +317,7 @@ class Model:
         if (
             k0
             and all(r.blocked == k0 for r in ranks)
-            and (k0 in DP_KINDS or (k0 == "weight_broadcast" and s.trainer[0] == k0))
+            and (k0 in DP_KINDS or (k0 in TRANSFER_KINDS and s.trainer[0] == k0))
         ):
             out.append((("done", k0), self._complete(s, k0)))
         # coordinator
@@ -266,12 +329,18 @@ class Model:
                 if ranks[i].outq:
                     out.append((("coord", i, 0), self._coord_recv(s, i, 0)))
         # front-end
-        bw, brun, nxt, gated = s.front
-        if nxt < self.R and not gated:
+        bw, brun, nxt, gated, cab = s.front
+        if nxt < self.R and not gated and not self._init_holds_front(s):
             for i in range(n):
                 out.append((("send", i), self._send_request(s, i)))
         if (bw, brun) != s.coord:
-            out.append((("refresh",), s._replace(front=(s.coord[0], s.coord[1], nxt, gated))))
+            out.append((("refresh",), s._replace(front=(s.coord[0], s.coord[1], nxt, gated, cab))))
+        if len(cab) < self.client_aborts:
+            for r in range(nxt):
+                if r not in cab and r not in s.done and r not in s.aborted:
+                    i = self._holder(s, r)
+                    if i >= 0:
+                        out.append((("abort", i, r), self._send_abort(s, i, r)))
         # controller and trainer
         self._controller(s, out)
         return out
@@ -286,10 +355,12 @@ class Model:
         q = rk.inq[f]
         msg = q[0]
         inq = (*rk.inq[:f], q[1:], *rk.inq[f + 1 :])
-        rk = Rank(rk[0], rk[1], rk[2], rk[3], inq, rk[5], rk[6])
+        rk = Rank(rk[0], rk[1], rk[2], rk[3], inq, rk[5], rk[6], rk[7], rk[8])
         kind = msg[0]
         if kind == "ADD":
             return self._rank_event(s, i, rk, RankEvent.ADD, (("wave", msg[2]),), req=msg[1])
+        if kind == "ABORT":
+            return self._rank_event(s, i, rk, RankEvent.ABORT, (), req=msg[1])
         if kind == "W":
             return self._rank_event(
                 s, i, rk, RankEvent.START_DP_WAVE, (("exclude", msg[2]), ("wave", msg[1]))
@@ -302,8 +373,11 @@ class Model:
                 ("mode", self.mode),
                 ("running", len(rk.running)),
             )
+            rk = rk._replace(pz=1)
         else:
             extra = ()
+            if ev is RankEvent.RESUME:
+                rk = rk._replace(pz=0)
         return self._rank_event(s, i, rk, ev, extra)
 
     def _step(self, s: G, i: int) -> G | None:
@@ -321,7 +395,7 @@ class Model:
         """Fire ``event`` on rank ``i`` (whose slice is already ``rk``) and interpret the effects."""
         before = rk.vars
         tr, after = self.fire(i, before, event, extra)
-        rk = Rank(after, rk[1], rk[2], rk[3], rk[4], rk[5], rk[6])
+        rk = Rank(after, rk[1], rk[2], rk[3], rk[4], rk[5], rk[6], rk[7], rk[8])
         if tr is None or not tr.effects:
             ranks = (*s.ranks[:i], rk, *s.ranks[i + 1 :])
             return G(ranks, s[1], s[2], s[3], s[4], s[5], s[6], s[7])
@@ -338,39 +412,55 @@ class Model:
         elif eff == "execute_step":
             ps = rk.vars.pause_state
             waiting, running = rk.waiting, rk.running
-            if ps is PauseState.UNPAUSED:
-                running = tuple(sorted(running + waiting))
+            if ps is PauseState.UNPAUSED and waiting:
+                kv = rk.vars.weight_version
+                running = tuple(sorted(running + tuple((r, left, kv) for r, left in waiting)))
                 waiting = ()
             if ps is not PauseState.PAUSED_ALL and running:
-                keep: list[tuple[int, int]] = []
-                for r, left in running:
+                keep: list[tuple[int, int, int]] = []
+                for r, left, kv in running:
                     if left > 1:
-                        keep.append((r, left - 1))
+                        keep.append((r, left - 1, kv))
                     else:
                         w.done.append(r)
                 running = tuple(keep)
             w.ranks[i] = rk._replace(waiting=waiting, running=running)
         elif eff in ENTER_EFFECT:
-            w.ranks[i] = rk._replace(blocked=ENTER_EFFECT[eff])
+            rk = rk._replace(blocked=ENTER_EFFECT[eff])
+            if eff == "enter_weight_broadcast":
+                rk = rk._replace(worker=self.worker_fire(rk.worker, WorkerEvent.UPDATE))
+            elif eff == "enter_transfer_init":
+                rk = rk._replace(worker=self.worker_fire(rk.worker, WorkerEvent.INIT))
+            w.ranks[i] = rk
         elif eff in ("reply", "reply_pause", "reply_resume"):
-            w.ranks[i] = rk._replace(status=REPLIED if rk.status == SENT else SPURIOUS)
+            pz = 2 if eff == "reply_pause" and rk.pz == 1 else rk.pz
+            w.ranks[i] = rk._replace(status=REPLIED if rk.status == SENT else SPURIOUS, pz=pz)
         elif eff == "abort_requests":
-            w.aborted.extend(r for r, _ in rk.waiting + rk.running)
+            w.aborted.extend([r for r, _ in rk.waiting] + [r[0] for r in rk.running])
             w.ranks[i] = rk._replace(waiting=(), running=())
+        elif eff == "abort_request":
+            waiting = tuple(q for q in rk.waiting if q[0] != req)
+            running = tuple(q for q in rk.running if q[0] != req)
+            if len(waiting) + len(running) < len(rk.waiting) + len(rk.running):
+                w.aborted.append(req)
+                w.ranks[i] = rk._replace(waiting=waiting, running=running)
         elif eff == "clear_cache":
             if rk.vars.clear_cache and rk.running:
-                w.ranks[i] = rk._replace(waiting=tuple(sorted(rk.waiting + rk.running)), running=())
+                pre = tuple((r, left) for r, left, _ in rk.running)
+                w.ranks[i] = rk._replace(waiting=tuple(sorted(rk.waiting + pre)), running=())
         elif eff == "emit_wave_complete":
             if i == 0:
                 self._to_coord(w, i, ("wave_complete", before.current_wave, i))
         elif eff == "emit_start_wave":
             self._to_coord(w, i, ("start_wave", rk.vars.current_wave, i))
         elif eff == "front_end_gate":
-            w.front = (w.front[0], w.front[1], w.front[2], True)
+            w.front = (w.front[0], w.front[1], w.front[2], True, w.front[4])
         elif eff == "front_end_ungate":
-            w.front = (w.front[0], w.front[1], w.front[2], False)
-        elif eff in ("start_weight_update", "finish_weight_update", "abort_request"):
-            pass  # worker machine calls / client ABORT: no protocol-visible change in this model
+            w.front = (w.front[0], w.front[1], w.front[2], False, w.front[4])
+        elif eff == "start_weight_update":
+            w.ranks[i] = rk._replace(worker=self.worker_fire(rk.worker, WorkerEvent.START))
+        elif eff == "finish_weight_update":
+            w.ranks[i] = rk._replace(worker=self.worker_fire(rk.worker, WorkerEvent.FINISH))
         else:  # pragma: no cover - a table naming an effect the model does not know
             raise ValueError(f"unknown effect {eff!r}")
 
@@ -405,7 +495,7 @@ class Model:
             if tr is not None:
                 for eff in tr.effects:
                     self._effect(w, i, eff, before, -1)
-        if kind == "weight_broadcast":
+        if kind in TRANSFER_KINDS:
             w.trainer = ("", REPLIED if w.trainer[1] == SENT else SPURIOUS)
         return w.freeze()
 
@@ -449,7 +539,7 @@ class Model:
     # -- front-end
 
     def _send_request(self, s: G, i: int) -> G:
-        bw, brun, nxt, gated = s.front
+        bw, brun, nxt, gated, cab = s.front
         w = _Work(s)
         f = 0 if self.ordered else F_ADD
         rk = w.ranks[i]
@@ -458,41 +548,81 @@ class Model:
             msg = ("FIRST_REQ", i, bw)
             w.coord_q = ((*w.coord_q[0], msg),)
             brun = True
-        w.front = (bw, brun, nxt + 1, gated)
+        w.front = (bw, brun, nxt + 1, gated, cab)
         return w.freeze()
+
+    def _holder(self, s: G, r: int) -> int:
+        """The rank request ``r`` was sent to, while it is still there (queued ADD, waiting or running)."""
+        for i, rk in enumerate(s.ranks):
+            if any(q[0] == r for q in rk.waiting) or any(q[0] == r for q in rk.running):
+                return i
+            if any(m[0] == "ADD" and m[1] == r for q in rk.inq for m in q):
+                return i
+        return -1
+
+    def _send_abort(self, s: G, i: int, r: int) -> G:
+        """The client aborts request ``r``: the front-end sends ABORT(r) on rank ``i``'s input socket."""
+        w = _Work(s)
+        f = 0 if self.ordered else F_ADD
+        rk = w.ranks[i]
+        w.ranks[i] = rk._replace(inq=(*rk.inq[:f], (*rk.inq[f], ("ABORT", r)), *rk.inq[f + 1 :]))
+        bw, brun, nxt, gated, cab = s.front
+        w.front = (bw, brun, nxt, gated, tuple(sorted((*cab, r))))
+        return w.freeze()
+
+    def _init_holds_front(self, s: G) -> bool:
+        """An orchestrator that initialises the transfer engine before serving holds requests until the
+        init returned."""
+        return s.ctrl[0] == INIT and s.ctrl[1] == 0 and not self._all_replied(s, INIT)
 
     # -- controller and trainer
 
     def _all_replied(self, s: G, phase: int) -> bool:
         if not all(r.status == REPLIED for r in s.ranks):
             return False
-        return phase != UPDATE or s.trainer[1] == REPLIED
+        return phase not in (UPDATE, INIT) or s.trainer[1] == REPLIED
 
     def _controller(self, s: G, out: list[tuple[Label, G]]) -> None:
-        phase, started = s.ctrl
-        nexts: list[int] = []
-        if phase == IDLE or (phase == RESUME and self._all_replied(s, phase)):
+        phase, started, rounds, inited, stray = s.ctrl
+        nexts: list[tuple[int, tuple[int, int, int, bool, bool]]] = []
+        done = self._all_replied(s, phase)
+        pause = (PAUSE, (PAUSE, started + 1, rounds, inited, stray))
+        if phase == IDLE or (phase == RESUME and done):
             if started < self.C:
-                nexts = [PAUSE]
-        elif phase == PAUSE and self._all_replied(s, phase):
-            nexts = [START, RESUME]
-        elif phase == START and self._all_replied(s, phase):
-            nexts = [UPDATE]
-        elif phase == UPDATE and self._all_replied(s, phase):
-            nexts = [FINISH]
-        elif phase == FINISH and self._all_replied(s, phase):
-            nexts = [RESUME]
-        for nph in nexts:
-            started2 = started + 1 if nph == PAUSE else started
+                nexts.append(pause)
+                if not inited and phase == IDLE and s.front[2] == 0:
+                    nexts.append((INIT, (INIT, started, rounds, True, stray)))  # init before serving
+            if self.stray_resume and not stray:
+                nexts.append((RESUME, (RESUME, started, rounds, inited, True)))  # a `finally` resume
+        elif phase == PAUSE and done:
+            if inited:
+                nexts.append((START, (START, started, rounds, inited, stray)))
+            else:
+                nexts.append((INIT, (INIT, started, rounds, True, stray)))  # lazy init, while paused
+            nexts.append((RESUME, (RESUME, started, rounds, inited, stray)))
+        elif phase == INIT and done:
+            if started == 0:
+                if started < self.C:
+                    nexts.append(pause)
+            else:
+                nexts.append((START, (START, started, rounds, inited, stray)))
+                nexts.append((RESUME, (RESUME, started, rounds, inited, stray)))
+        elif phase == START and done:
+            nexts.append((UPDATE, (UPDATE, started, rounds, inited, stray)))
+        elif phase == UPDATE and done:
+            nexts.append((FINISH, (FINISH, started, rounds + 1, inited, stray)))
+        elif phase == FINISH and done:
+            nexts.append((RESUME, (RESUME, started, rounds, inited, stray)))
+        for nph, ctrl2 in nexts:
             if self.variant.pause_in_front_end and nph in (PAUSE, RESUME):
-                out.append((("fe", PHASE_CALL[nph]), self._front_end_call(s, nph, started2)))
+                out.append((("fe", PHASE_CALL[nph]), self._front_end_call(s, nph, ctrl2)))
             elif self.ordered:
-                out.append((("fan", PHASE_CALL[nph], -1), self._fan_out(s, nph, started2, None, True)))
+                out.append((("fan", PHASE_CALL[nph], -1), self._fan_out(s, ctrl2, None, True)))
             else:
                 for i in range(self.n):
-                    out.append((("fan", PHASE_CALL[nph], i), self._fan_out(s, nph, started2, i, True)))
-                if nph == UPDATE:
-                    out.append((("trainer",), self._fan_out(s, nph, started2, None, True, trainer=True)))
+                    out.append((("fan", PHASE_CALL[nph], i), self._fan_out(s, ctrl2, i, True)))
+                if nph in (UPDATE, INIT):
+                    out.append((("trainer",), self._fan_out(s, ctrl2, None, True, trainer=True)))
         # continue the current phase's fan-out
         if (
             phase != IDLE
@@ -501,41 +631,47 @@ class Model:
         ):
             for i in range(self.n):
                 if s.ranks[i].status == NOT_SENT:
-                    out.append((("fan", PHASE_CALL[phase], i), self._fan_out(s, phase, started, i, False)))
-            if phase == UPDATE and s.trainer[1] == NOT_SENT:
-                out.append((("trainer",), self._fan_out(s, phase, started, None, False, trainer=True)))
+                    out.append((("fan", PHASE_CALL[phase], i), self._fan_out(s, s.ctrl, i, False)))
+            if phase in (UPDATE, INIT) and s.trainer[1] == NOT_SENT:
+                out.append((("trainer",), self._fan_out(s, s.ctrl, None, False, trainer=True)))
 
     def _fan_out(
-        self, s: G, phase: int, started: int, target: int | None, new_phase: bool, trainer: bool = False
+        self,
+        s: G,
+        ctrl: tuple[int, int, int, bool, bool],
+        target: int | None,
+        new_phase: bool,
+        trainer: bool = False,
     ) -> G:
-        """Send ``phase``'s call to rank ``target`` (None: every rank at once, ``ordered`` channels), or
-        let the trainer join the weight broadcast (``trainer=True``)."""
+        """Send the call of ``ctrl``'s phase to rank ``target`` (None: every rank at once, ``ordered``
+        channels), or let the trainer join the weight-transfer collective (``trainer=True``)."""
         w = _Work(s)
+        phase = ctrl[0]
         call = PHASE_CALL[phase]
         f = 0 if self.ordered else F_CTRL
         if new_phase:
             for i in range(self.n):
                 w.ranks[i] = w.ranks[i]._replace(status=NOT_SENT)
             w.trainer = ("", NOT_SENT)
-        w.ctrl = (phase, started)
+        w.ctrl = ctrl
         targets = [] if trainer else (list(range(self.n)) if target is None else [target])
         for i in targets:
             rk = w.ranks[i]
             w.ranks[i] = rk._replace(
                 inq=(*rk.inq[:f], (*rk.inq[f], ("U", call)), *rk.inq[f + 1 :]), status=SENT
             )
-        if phase == UPDATE and (trainer or target is None):
-            w.trainer = ("weight_broadcast", SENT)
+        if phase in (UPDATE, INIT) and (trainer or target is None):
+            w.trainer = ("weight_broadcast" if phase == UPDATE else "transfer_init", SENT)
         return w.freeze()
 
-    def _front_end_call(self, s: G, phase: int, started: int) -> G:
+    def _front_end_call(self, s: G, phase: int, ctrl: tuple[int, int, int, bool, bool]) -> G:
         """front-end-pause: the API front-end applies pause/resume to every rank machine at once."""
         w = _Work(s)
-        w.ctrl = (phase, started)
+        w.ctrl = ctrl
         w.trainer = ("", NOT_SENT)
         ev = CALL_EVENT[PHASE_CALL[phase]]
         for i in range(self.n):
-            rk = w.ranks[i]._replace(status=SENT)
+            rk = w.ranks[i]._replace(status=SENT, pz=1 if ev is RankEvent.PAUSE else 0)
             w.ranks[i] = rk
             extra: tuple[tuple[str, Any], ...] = ()
             if ev is RankEvent.PAUSE:
@@ -558,18 +694,22 @@ class Model:
         if len(blocked) > 1 or any(r.vars.collective != r.blocked for r in ranks):
             bad.append("collectives_match")
         if (
-            any(r.vars.state is RankState.ERROR or r.status == SPURIOUS for r in ranks)
+            any(
+                r.vars.state is RankState.ERROR or r.status == SPURIOUS or r.worker.state is WorkerState.ERROR
+                for r in ranks
+            )
             or s.trainer[1] == SPURIOUS
         ):
             bad.append("phase_bracketing")
         if not self._conserved(s):
             bad.append("request_conservation")
-        if (
-            s.ctrl[0] == RESUME
-            and self._all_replied(s, RESUME)
-            and len({r.vars.weight_version for r in ranks}) > 1
-        ):
-            bad.append("version_agreement")
+        phase = s.ctrl[0]
+        if phase in (RESUME, FINISH) and self._all_replied(s, phase):
+            rounds = s.ctrl[2]
+            if any(r.vars.weight_version != rounds or r.worker.weight_version != rounds for r in ranks):
+                bad.append("version_agreement")
+        if self.mode is PauseMode.ABORT and any(r.pz == 2 and r.running for r in ranks):
+            bad.append("mode_semantics")
         if not self.seen_all_verified and all(r.vars.state is RankState.VERIFIED for r in ranks):
             self.seen_all_verified = True
         return bad
@@ -578,14 +718,17 @@ class Model:
         nxt = s.front[2]
         seen = [*s.done, *s.aborted]
         for r in s.ranks:
-            seen += [q for q, _ in r.waiting]
-            seen += [q for q, _ in r.running]
+            seen += [q[0] for q in r.waiting]
+            seen += [q[0] for q in r.running]
             for f in r.inq:
                 if f:
                     seen += [m[1] for m in f if m[0] == "ADD"]
         if len(seen) != nxt or (nxt > 1 and sorted(seen) != list(range(nxt))) or (nxt == 1 and seen[0] != 0):
             return False
-        return not (s.aborted and self.mode is not PauseMode.ABORT)
+        if self.mode is PauseMode.ABORT:
+            return True
+        cab = s.front[4]
+        return all(r in cab for r in s.aborted)  # keep and wait abort nothing the client did not abort
 
     def edge_check(self, s: G, label: Label, t: G) -> list[str]:
         """Transition properties: quiescence (no rank steps or enters a DP collective while another rank
@@ -596,6 +739,12 @@ class Model:
             i = label[1]
             if t.ranks[i].blocked in DP_KINDS and any(r.blocked in TRANSFER_KINDS for r in s.ranks):
                 return ["quiescence"]
+            return self._step_check(s, i, t)
+        if kind == "recv" and s.ranks[label[1]].inq[label[2]][0][0] == "ABORT":
+            i, r = label[1], s.ranks[label[1]].inq[label[2]][0][1]
+            held = any(q[0] == r for q in s.ranks[i].waiting + s.ranks[i].running)
+            if held and r not in t.aborted:
+                return ["abort_honoured"]
         elif (
             kind == "done"
             and label[1] == "weight_broadcast"
@@ -605,10 +754,47 @@ class Model:
             self.seen_update_with_wave_in_flight = True
         return []
 
+    def _step_check(self, s: G, i: int, t: G) -> list[str]:
+        """Properties of one loop step of rank ``i``: tokens_exactly_once, pause_gating, mode_semantics,
+        no_stale_kv (see :data:`weightsync.model.check.PROPERTIES`)."""
+        rb, ra = s.ranks[i], t.ranks[i]
+        if not rb.waiting and not rb.running:
+            return []
+        newdone = set(t.done) - set(s.done)
+        left0 = {q[0]: q[1] for q in rb.waiting}
+        left0.update((q[0], q[1]) for q in rb.running)
+        left1 = {q[0]: q[1] for q in ra.waiting}
+        left1.update((q[0], q[1]) for q in ra.running)
+        left1.update((r, 0) for r in newdone)
+        ps = rb.vars.pause_state
+        if ps is PauseState.UNPAUSED:
+            sched = set(left0)
+        elif ps is PauseState.PAUSED_NEW:
+            sched = {q[0] for q in rb.running}
+        else:
+            sched = set()
+        ran = ra.blocked in DP_KINDS  # the step ran a forward (it entered the DP collective)
+        bad: list[str] = []
+        for r, left in left0.items():
+            want = left - 1 if ran and r in sched else left
+            if left1.get(r, -1) != want:
+                bad.append("tokens_exactly_once")
+                break
+        advanced = {r for r, left in left0.items() if left1.get(r, -1) != left}
+        started = {q[0] for q in rb.waiting if any(x[0] == q[0] for x in ra.running) or q[0] in newdone}
+        frozen = rb.pz == 2 or (rb.pz == 1 and self.mode is PauseMode.KEEP)
+        if (rb.pz and started) or (advanced and frozen):
+            bad.append("pause_gating")
+        if advanced and rb.pz and self.mode is PauseMode.ABORT:
+            bad.append("mode_semantics")
+        if self.clear and any(q[0] in advanced and q[2] != rb.vars.weight_version for q in rb.running):
+            bad.append("no_stale_kv")
+        return bad
+
     def is_end(self, s: G) -> bool:
         """A legitimate end: the controller finished its cycles, every request was sent and finished (or
         aborted), all channels are empty, nobody is blocked, and every rank is running and unpaused."""
-        phase, started = s.ctrl
+        phase, started = s.ctrl[0], s.ctrl[1]
         if started != self.C or not (phase == IDLE or self._all_replied(s, phase)):
             return False
         if phase not in (IDLE, RESUME):
@@ -664,7 +850,7 @@ class Model:
         def key(j: int) -> tuple[Any, ...]:
             r = ranks[j]
             inq = tuple(tuple((m[0], m[1], rel(m[2], j)) if m[0] == "W" else m for m in q) for q in r.inq)
-            return (r.vars, r.blocked, r.waiting, r.running, inq, r.outq, r.status)
+            return (r.vars, r.blocked, r.waiting, r.running, inq, r.outq, r.status, r.pz, r.worker)
 
         order = sorted(range(1, n), key=key)
         if order == list(range(1, n)):
@@ -763,11 +949,13 @@ def fmt_msg(m: tuple[Any, ...], mode: PauseMode) -> str:
         return f"pause({mode.value})" if m[1] == "pause" else str(m[1])
     if k == "FIRST_REQ":
         return f"FIRST_REQ(exclude={m[1]}, wave={m[2]})"
+    if k == "ABORT":
+        return f"ABORT(req={m[1]})"
     return f"{k}(wave={m[1]})"
 
 
 def _lane_of_sender(m: tuple[Any, ...]) -> str:
-    return {"ADD": "front-end", "W": "coordinator", "U": "controller"}.get(m[0], "")
+    return {"ADD": "front-end", "ABORT": "front-end", "W": "coordinator", "U": "controller"}.get(m[0], "")
 
 
 def describe(model: Model, s: G, label: Label, t: G) -> Step:
@@ -796,6 +984,8 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
         extra: tuple[tuple[str, Any], ...]
         if m[0] == "ADD":
             ev, extra = RankEvent.ADD, (("wave", m[2]),)
+        elif m[0] == "ABORT":
+            ev, extra = RankEvent.ABORT, ()
         elif m[0] == "W":
             ev, extra = RankEvent.START_DP_WAVE, (("exclude", m[2]), ("wave", m[1]))
         else:
@@ -819,7 +1009,7 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
     if kind == "done":
         k = label[1]
         members = ",".join(str(i) for i in range(model.n))
-        proc = f"ranks {members}" + (" and trainer" if k == "weight_broadcast" else "")
+        proc = f"ranks {members}" + (" and trainer" if k in TRANSFER_KINDS else "")
         args = ""
         ranks = s.ranks
         if k == "dp_sync":
@@ -833,7 +1023,7 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
         states = ", ".join(
             f"r{i}:{t.ranks[i].vars.state.value}/w{t.ranks[i].vars.current_wave}" for i in range(model.n)
         )
-        lanes = tuple(f"rank {i}" for i in range(model.n)) + (("trainer",) if k == "weight_broadcast" else ())
+        lanes = tuple(f"rank {i}" for i in range(model.n)) + (("trainer",) if k in TRANSFER_KINDS else ())
         return Step(proc, "complete", k + args, states, "", lanes)
     if kind == "coord":
         src, f = label[1], label[2]
@@ -855,7 +1045,7 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
         return Step("coordinator", "receives", fmt_msg(m, mode) + f" from {frm}", d, frm, ("coordinator",))
     if kind == "send":
         i = label[1]
-        bw, brun, nxt, _ = s.front
+        bw, brun, nxt = s.front[:3]
         d = f"stamped with believed wave {bw}"
         if not brun:
             d += f"; believes engines idle: FIRST_REQ(exclude={i}, wave={bw}) to the coordinator"
@@ -899,5 +1089,17 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
             tuple(f"rank {j}" for j in range(model.n)),
         )
     if kind == "trainer":
+        if t.trainer[0] == "transfer_init":
+            return Step("trainer", "enters", "transfer_init", "trainer_init", "", ("trainer",))
         return Step("trainer", "enters", "weight_broadcast", "trainer_send_weights", "", ("trainer",))
+    if kind == "abort":
+        i, r = label[1], label[2]
+        return Step(
+            "front-end",
+            "sends",
+            f"ABORT(req={r}) to rank {i}",
+            "the client aborts",
+            "front-end",
+            (f"rank {i}",),
+        )
     raise ValueError(f"unknown label {label!r}")  # pragma: no cover
