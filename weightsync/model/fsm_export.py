@@ -89,7 +89,7 @@ def rank_fsm_mermaid(variant: Variant, self_loops: bool = False) -> str:
     for (s, t), events in sorted(agg.items()):
         lines.append(f"    {s} --> {t} : {', '.join(sorted(events))}")
     err = RankState.ERROR.value
-    lines.append(f"    state \"{err} (sticky; every (state, event) pair without a row leads here)\" as {err}")
+    lines.append(f'    state "{err} (sticky; every (state, event) pair without a row leads here)" as {err}')
     return "\n".join(lines) + "\n"
 
 
