@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from weightsync.model.check import SOMETIMES, VIOLATED, check_mode
 from weightsync.model.system import Bounds, Config, Model
@@ -24,18 +24,37 @@ from weightsync.spec.table import ALWAYS
 
 NEVER = "never"
 
-#: Configurations every mutant is checked under: ``(name, bounds, max_states per mode)``. ``max_states`` is
-#: about 10x the unmutated model's largest per-mode state count at N=2 under those bounds; a mutant past
-#: it made a bounded quantity unbounded and counts as killed ("unbounded").
-MUTATION_BOUNDS: tuple[tuple[str, Bounds, int], ...] = (
-    ("default", Bounds(), 300_000),
+
+#: Configurations every mutant is checked under: ``(name, bounds, max_states per mode, exhaustive)``.
+#: Exhaustive ones: ``max_states`` is about 10x the unmutated model's largest per-mode state count at N=2
+#: under those bounds; a mutant past it made a bounded quantity unbounded and counts as killed
+#: ("unbounded"). A non-exhaustive one is a bounded breadth-first search (safety only, first
+#: ``max_states`` states per mode, about the first 24 BFS levels): a violation found there kills, running
+#: out of budget does not.
+class MutationConfig(NamedTuple):
+    """One configuration of the mutation run (see :data:`MUTATION_BOUNDS`); ``modes`` None: every mode."""
+
+    name: str
+    bounds: Bounds
+    max_states: int
+    exhaustive: bool = True
+    modes: tuple[PauseMode, ...] | None = None
+
+
+MUTATION_BOUNDS: tuple[MutationConfig, ...] = (
+    MutationConfig("default", Bounds(), 300_000),
     # tokens=3 with K=2: requests finish off the sync step, so pausing meets partial syncs and ADDs
-    ("tokens3", Bounds(tokens=3), 400_000),
+    MutationConfig("tokens3", Bounds(tokens=3), 400_000),
     # two cycles with the one-time init (eager before serving, or lazy while paused) and one resume no
     # pause preceded (a `finally` path); no requests (with traffic a stray resume deadlocks, see notes)
-    ("cycles2-init-stray", Bounds(requests=0, cycles=2, init_transfer=True, stray_resume=True), 40_000),
+    MutationConfig(
+        "cycles2-init-stray", Bounds(requests=0, cycles=2, init_transfer=True, stray_resume=True), 40_000
+    ),
     # a client ABORT of the request, in any state of the rank that holds it
-    ("client-abort", Bounds(client_aborts=1), 500_000),
+    MutationConfig("client-abort", Bounds(client_aborts=1), 500_000),
+    # two requests (a second wave, an ADD while a wait-mode pause drains; the rows it reaches are
+    # wait-mode rows): 780k states exhaustively in wait mode, so a bounded search
+    MutationConfig("requests2-wait-bounded", Bounds(requests=2), 150_000, False, (PauseMode.WAIT,)),
 )
 
 
@@ -92,7 +111,7 @@ def kills(
     bounds: Bounds | None = None,
     modes: tuple[PauseMode, ...] = tuple(PauseMode),
     max_states: int = 300_000,
-    configs: tuple[tuple[str, Bounds, int], ...] | None = None,
+    configs: tuple[MutationConfig, ...] | None = None,
 ) -> str | None:
     """The first violated property (``"config:mode:property"``) of ``table`` checked as ``variant``, or None.
 
@@ -104,10 +123,12 @@ def kills(
     reported as ``"config:mode:unbounded (...)"`` and counted as killed.
     """
     guards = mutation_guards()
-    cfgs = configs if configs is not None else (("default", bounds or Bounds(), max_states),)
+    cfgs = configs if configs is not None else (MutationConfig("default", bounds or Bounds(), max_states),)
     for full in (False, True):
-        for k, (cname, b, cap) in enumerate(cfgs):
-            for mode in modes:
+        for k, (cname, b, cap, exhaustive, cmodes) in enumerate(cfgs):
+            if full and not exhaustive:
+                continue
+            for mode in modes if cmodes is None else cmodes:
                 m = Model(Config(variant, ranks, mode, channels, b), table=table, guards=guards)
                 r = check_mode(m, stop_at_first=not full, progress=full, max_states=cap)
                 bad = [n for n, v in r.properties.items() if v == VIOLATED and (k == 0 or n not in SOMETIMES)]
@@ -115,7 +136,7 @@ def kills(
                     cx = r.counterexample
                     prop = cx["property"] if cx and cx["property"] in bad else bad[0]
                     return f"{cname}:{mode.value}:{prop}"
-                if not r.complete:
+                if not r.complete and exhaustive:
                     return f"{cname}:{mode.value}:unbounded (more than {cap} states)"
     return None
 
