@@ -75,6 +75,7 @@ def test_new_properties_hold_on_the_fix_with_extended_bounds() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_extended_bounds_verify_every_mode() -> None:
     for c in MUTATION_BOUNDS:
         if c.exhaustive:
@@ -82,6 +83,7 @@ def test_extended_bounds_verify_every_mode() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # about 25-30 min with 2 workers on the 2-core machine
 def test_mutation_full_large_majority_killed() -> None:
     r = run_mutation("two-phase-epoch", configs=MUTATION_BOUNDS, workers=2)
     print(f"{r['killed']}/{r['mutants']} killed in {r['seconds']} s; survivors:", *r["survivors"], sep="\n  ")
