@@ -403,3 +403,73 @@ def test_fully_flat_trainer_needs_no_packing_buffer() -> None:
         for name, sent in make_tensors(0):
             if sent.is_contiguous():
                 assert bytes_equal(weights[name], sent), name
+
+
+# ----------------------------------------------------------------------------- receive in place (rule 5)
+
+
+def _kernel_pairs(r: int, contiguous_only: bool) -> list[tuple[str, torch.Tensor]]:
+    return [(n.replace(".", "__"), t) for n, t in make_tensors(r) if t.is_contiguous() or not contiguous_only]
+
+
+def trainer_kernel_rounds(port: int, world: int, plans: list[dict[str, Any]], flat: bool) -> None:
+    tr = Engine.trainer_init(init_info(port, world))
+    try:
+        for r, plan in enumerate(plans):
+            Engine.trainer_send_weights(iter(_kernel_pairs(r, flat)), {"group": tr, **_packing(plan)})
+    finally:
+        tr.close()
+
+
+def engine_kernel_rounds(
+    port: int, world: int, dp_index: int, plans: list[dict[str, Any]], arena: bool
+) -> list[Any]:
+    spec = {n: (t.dtype, tuple(t.shape)) for n, t in make_tensors(0) if t.is_contiguous() or not arena}
+    model = DictModel(spec, arena=arena)
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=dp_index))
+    w.init_weight_transfer_engine(init_info(port, world))
+    rounds = []
+    for r, plan in enumerate(plans):
+        w.start_weight_update(is_checkpoint_format=False)
+        w.update_weights(update_info_for(_kernel_pairs(r, arena), **_packing(plan)))
+        w.finish_weight_update()
+        assert isinstance(w.engine, Engine) and w.engine.group is not None
+        rounds.append((model.weights(), w.engine.group.pool.nbytes))
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs  # parameters never moved
+    w.shutdown()
+    return rounds
+
+
+KERNEL_PLANS: list[dict[str, Any]] = [
+    {"packed": True, "packed_buffer_size_bytes": 4096, "packed_num_buffers": 2},
+    {"packed": False},
+    {"packed": True, "packed_buffer_size_bytes": 1024, "packed_num_buffers": 3, "verify": True},
+]
+
+
+@pytest.mark.parametrize("arena", [True, False], ids=["arena", "separate"])
+def test_kernel_format_receives_in_place(arena: bool) -> None:
+    """Broadcast rule 5: in kernel format the engine receives straight into its parameters. An engine
+    whose parameters lie in one arena in the trainer's order needs no staging buffer at all (pool 0
+    bytes) until ``verify=True`` forces staging; separately allocated parameters are staged for
+    multi-tensor buckets. Bit-exact in every round, and no parameter's storage moves."""
+    port, world = free_port(), 3
+    res = run_roles(
+        [
+            (trainer_kernel_rounds, (port, world, KERNEL_PLANS, arena)),
+            (engine_kernel_rounds, (port, world, 0, KERNEL_PLANS, arena)),
+            (engine_kernel_rounds, (port, world, 1, KERNEL_PLANS, arena)),
+        ]
+    )
+    ok(res[0])
+    for rounds in (ok(r) for r in res[1:]):
+        for r, (weights, _) in enumerate(rounds):
+            for name, sent in make_tensors(r):
+                if name in weights:
+                    assert bytes_equal(weights[name], sent.contiguous()), (r, name)
+        pools = [pool for _, pool in rounds]
+        if arena:
+            assert pools[0] == 0 and pools[1] == 0 and pools[2] > 0, pools
+        else:
+            assert pools[0] > 0, pools

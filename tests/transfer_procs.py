@@ -37,7 +37,10 @@ class DictModel(nn.Module):
     """
 
     def __init__(
-        self, spec: dict[str, tuple[torch.dtype, tuple[int, ...]]], fail_on: str | None = None
+        self,
+        spec: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        fail_on: str | None = None,
+        arena: bool = False,
     ) -> None:
         super().__init__()
         self.spec = dict(spec)
@@ -45,10 +48,18 @@ class DictModel(nn.Module):
         self.processed = 0
         self.load_log: list[tuple[str, float, float]] = []  # (name, t_start, t_done) of each copy
         self.slow_s = 0.0
-        for name, (dtype, shape) in spec.items():
-            self.register_parameter(
-                _attr(name), nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
-            )
+        if arena:
+            # every parameter a view of one flat arena, in spec order at flat_layout's offsets
+            from weightsync.impl.transfer.base import TensorMeta, dtype_name
+            from weightsync.impl.transfer.packing import flat_layout, flat_views
+
+            metas = [TensorMeta(n, dtype_name(d), s) for n, (d, s) in spec.items()]
+            self.arena = torch.zeros(flat_layout(metas)[0], dtype=torch.uint8)
+            datas = flat_views(self.arena, metas)
+        else:
+            datas = [torch.zeros(s, dtype=d) for d, s in spec.values()]
+        for name, data in zip(spec, datas, strict=True):
+            self.register_parameter(_attr(name), nn.Parameter(data, requires_grad=False))
         self.register_buffer("inv_freq", torch.arange(4, dtype=torch.float32))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

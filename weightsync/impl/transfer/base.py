@@ -454,6 +454,9 @@ class LoadableModel(Protocol):
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 #: A local check run on the parsed update before the wire agreement; raises ValueError to veto.
 LocalCheck = Callable[["UpdateInfo"], None]
+#: Where a weight will end up unchanged (kernel format: the parameter itself), or None when loading
+#: transforms it (fusing, casting, sharding). A transport may receive straight into it.
+Destination = Callable[["TensorMeta"], "torch.Tensor | None"]
 
 
 class WeightTransferEngine(ABC):
@@ -502,12 +505,19 @@ class WeightTransferEngine(ABC):
 
     @abstractmethod
     def receive_weights(
-        self, update_info: UpdateInfo, load_weights: LoadFn, local_check: LocalCheck | None = None
+        self,
+        update_info: UpdateInfo,
+        load_weights: LoadFn,
+        local_check: LocalCheck | None = None,
+        destination: Destination | None = None,
     ) -> None:
         """Receive one update and call ``load_weights`` incrementally with ``(name, tensor)`` lists.
 
         ``local_check`` runs on this rank before the wire agreement; if it raises ``ValueError`` this rank
         vetoes the update, every rank raises before any payload moves and the exception propagates here.
+        ``destination`` (optional) names the tensor each weight is copied into unchanged; a transport may
+        receive into it directly (``load_weights`` is still called, with views of that same memory, so its
+        copy is a no-op and its bookkeeping runs). Transports that cannot use it ignore it.
         """
 
     @abstractmethod
@@ -533,6 +543,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DTYPES",
     "ChecksumMismatchError",
+    "Destination",
     "LoadFn",
     "LoadableModel",
     "LocalCheck",

@@ -3,11 +3,11 @@ IPC against memcpy, and resident-memory growth over 20 syncs.
 
 Setup: three spawned processes on this host (trainer rank 0 + two engine workers), gloo on 127.0.0.1,
 ``torch.set_num_threads(1)`` in each, a synthetic bf16 transformer of about 512 MiB in about 300 tensors
-(``quick``: about 20 MiB), loaded by each engine into its own separately allocated parameters (one copy
-per tensor, as ``load_weights`` does). Every figure is the best of :data:`REPEATS` timed runs, measured
-on the trainer from one barrier to the next (so it includes the slowest engine), in GB/s = model bytes /
-seconds / 1e9. Figures compared with each other are measured interleaved (a, b, a, b, ...) so that load
-swings on a shared machine hit them alike; ``loadavg`` is ``/proc/loadavg`` at the end.
+(``quick``: about 20 MiB). Each engine keeps its parameters in one arena (``BenchModel(arena=True)``:
+views of one flat allocation in the trainer's order). Every figure is the best of :data:`REPEATS` timed
+runs, measured on the trainer from one barrier to the next (so it includes the slowest engine), in GB/s =
+model bytes / seconds / 1e9. Figures compared with each other are measured interleaved (a, b, a, b, ...)
+so that load swings on a shared machine hit them alike; ``loadavg`` is ``/proc/loadavg`` at the end.
 
 Trainer layout (``trainer_layout: "flat"``): the trainer keeps its parameters as views of one flat
 buffer, in order at 16-byte-aligned offsets (``packing.flat_layout``), as Megatron and FSDP keep theirs;
@@ -16,11 +16,14 @@ copy of the same weights in separately allocated tensors gives the non-flat figu
 
 - ``raw_gbps``: one gloo ``broadcast`` of a single flat uint8 tensor of the model's bytes (the ceiling; no
   engine loads anything).
-- ``packed_gbps``: ``trainer_send_weights`` / ``update_weights`` with ``packed=True`` from the flat trainer
-  (buckets are sent from the trainer's own memory: packing rule 7), including the wire agreement,
-  per-bucket status, and unpacking and loading into each engine's model.
-- ``packed_separate_gbps``: the same from the separately allocated tensors (packed into buffers by a
-  background thread while the previous bucket is on the wire).
+- ``packed_gbps`` (``packed_config``): ``trainer_send_weights`` / ``update_weights`` with ``packed=True``
+  from the flat trainer in kernel format (``start_weight_update(is_checkpoint_format=False)``, exact
+  parameter names): buckets go out of the trainer's own memory (packing rule 7) and land straight in the
+  engine's arena (broadcast rule 5), with the wire agreement, per-bucket status and completeness check.
+- ``packed_load_gbps``: the same in checkpoint format: each bucket lands in a staging buffer and
+  ``load_weights`` copies it into the parameters (what a model with fused or sharded parameters needs).
+- ``packed_separate_gbps``: checkpoint format from the separately allocated tensors (packed into buffers
+  by a background thread while the previous bucket is on the wire).
 - ``per_tensor_gbps``: what ad-hoc integrations do (OpenRLHF's ``_broadcast_to_vllm``): for each tensor
   an RPC carrying (name, dtype, shape) to every engine (here a TCPStore ``set`` the engines ``get``), a
   ``broadcast`` into the tensor the engine allocated from that metadata, ``load_weights`` of that one
@@ -39,9 +42,8 @@ copy of the same weights in separately allocated tensors gives the non-flat figu
   the end of sync 21 of the packing path (separate tensors; vLLM issue #52950 grew by 2.09 GB per sync).
 
 Targets: packed >= 0.9 x raw; packed >= 3 x per-tensor; ipc >= 0.5 x memcpy; rss growth < one bucket.
-On two cores loopback TCP is CPU copying, so the engines' load copies (two model copies that ``raw``
-does not make) compete with the broadcast itself; ``packed_vs_raw`` is bounded by that, not by protocol
-overhead (with a no-op ``load_weights`` packed matches raw).
+On two cores loopback TCP is CPU copying, so the engines' load copies in ``packed_load`` (a model copy
+that ``raw`` does not make) compete with the broadcast itself; receiving in place removes them.
 """
 
 from __future__ import annotations
@@ -99,13 +101,24 @@ def synthetic_spec(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
 
 
 class BenchModel(nn.Module):
-    """A LoadableModel holding one bf16 parameter per checkpoint name (copies on load)."""
+    """A LoadableModel holding one bf16 parameter per checkpoint name (copies on load).
 
-    def __init__(self, spec: list[tuple[str, tuple[int, ...]]]) -> None:
+    Parameter ``i`` is named ``p{i}`` (its kernel-format name). With ``arena=True`` every parameter is a
+    view of one flat buffer in spec order at ``packing.flat_layout``'s offsets (an engine that keeps its
+    weights in one allocation), so kernel-format updates can be received in place (broadcast rule 5).
+    """
+
+    def __init__(self, spec: list[tuple[str, tuple[int, ...]]], arena: bool = False) -> None:
         super().__init__()
         self._by_name: dict[str, nn.Parameter] = {}
-        for i, (name, shape) in enumerate(spec):
-            p = nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False)
+        if arena:
+            metas = _metas(spec)
+            self.arena = torch.zeros(flat_layout(metas)[0], dtype=torch.uint8)
+            datas = flat_views(self.arena, metas)
+        else:
+            datas = [torch.zeros(shape, dtype=torch.bfloat16) for _, shape in spec]
+        for i, ((name, _), data) in enumerate(zip(spec, datas, strict=True)):
+            p = nn.Parameter(data, requires_grad=False)
             self.register_parameter(f"p{i}", p)
             self._by_name[name] = p
 
@@ -213,6 +226,8 @@ def _role(
                     best[key] = min(best[key], time.perf_counter() - t0)
             out.update(best)
 
+        kernel_pairs = [(f"p{i}", v) for i, (_, v) in enumerate(flat_pairs)]
+
         def send(pairs: list[tuple[str, torch.Tensor]]) -> None:
             BroadcastWeightTransferEngine.trainer_send_weights(iter(pairs), {"group": tr, **packing})
 
@@ -226,9 +241,11 @@ def _role(
 
         send(separate)  # warm up (allocates the pool)
         send(flat_pairs)
+        send(kernel_pairs)
         timed(
             raw_s=lambda: tr.group.wait(tr.group.broadcast(raw), "bench"),
-            packed_s=lambda: send(flat_pairs),
+            packed_s=lambda: send(kernel_pairs),
+            packed_load_s=lambda: send(flat_pairs),
             packed_separate_s=lambda: send(separate),
         )
         timed(per_tensor_s=per_tensor, per_tensor_bare_s=per_tensor_bare)
@@ -262,7 +279,7 @@ def _role(
         out["num_tensors"] = len(spec)
         return out
 
-    model = BenchModel(spec)
+    model = BenchModel(spec, arena=True)
     names = [n for n, _ in spec]
     info = {
         "names": names,
@@ -284,6 +301,14 @@ def _role(
         w.update_weights(info)
         w.finish_weight_update()
 
+    # kernel format (exact parameter names): received in place into the arena (broadcast rule 5)
+    kernel_info = {**info, "names": [f"p{i}" for i in range(len(spec))]}
+
+    def recv_kernel() -> None:
+        w.start_weight_update(is_checkpoint_format=False)
+        w.update_weights(kernel_info)
+        w.finish_weight_update()
+
     def per_tensor_bare_recv() -> None:
         for name, shape in spec:
             t = torch.empty(shape, dtype=torch.bfloat16)
@@ -303,7 +328,8 @@ def _role(
 
     recv()
     recv()
-    repeat(lambda: g_.wait(g_.broadcast(flat), "bench"), recv, recv)
+    recv_kernel()
+    repeat(lambda: g_.wait(g_.broadcast(flat), "bench"), recv_kernel, recv, recv)
     repeat(per_tensor_recv, per_tensor_bare_recv)
     rss = [_rss()]
     for _ in range(SYNCS_FOR_RSS):
@@ -422,6 +448,8 @@ def run_transfer_bench(
         "trainer_layout": "flat",
         "raw_gbps": gbps(t["raw_s"]),
         "packed_gbps": gbps(t["packed_s"]),
+        "packed_config": "flat trainer -> engine arena, kernel format, received in place (rule 5)",
+        "packed_load_gbps": gbps(t["packed_load_s"]),
         "packed_separate_gbps": gbps(t["packed_separate_s"]),
         "per_tensor_gbps": gbps(t["per_tensor_s"]),
         "per_tensor_bare_gbps": gbps(t["per_tensor_bare_s"]),
@@ -436,6 +464,7 @@ def run_transfer_bench(
         "quick": quick,
     }
     out["packed_vs_raw"] = out["packed_gbps"] / out["raw_gbps"]
+    out["packed_load_vs_raw"] = out["packed_load_gbps"] / out["raw_gbps"]
     out["packed_separate_vs_raw"] = out["packed_separate_gbps"] / out["raw_gbps"]
     out["packed_vs_per_tensor"] = out["packed_gbps"] / out["per_tensor_gbps"]
     out["packed_vs_per_tensor_bare"] = out["packed_gbps"] / out["per_tensor_bare_gbps"]

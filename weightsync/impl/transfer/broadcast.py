@@ -12,7 +12,15 @@ Rules:
 4. **Pipelining.** With ``packed_num_buffers = n`` slots the trainer packs bucket ``k+1`` (CPU: in a
    background thread) while bucket ``k`` is on the wire, and a worker loads bucket ``k-1`` while bucket
    ``k`` arrives; slot ``k mod n`` is reused only after bucket ``k-n`` completed.
-5. **Deadlines.** Every broadcast is waited for with ``Work.wait(timeout)`` and every store exchange with
+5. **Receive in place.** When the worker names each weight's destination (kernel format: the parameter
+   itself) and a bucket's destinations lie in one storage exactly at the bucket's offsets (an engine
+   keeping its parameters in one arena in the trainer's order; the same test as the trainer's zero-copy
+   runs, packing rule 7), or a one-tensor bucket's destination is contiguous with the same dtype and
+   shape, the broadcast lands straight in the parameters and the load's copy is a no-op: no staging
+   buffer, no second pass over the bytes. Not with ``verify=True`` (the checksum must pass before the
+   bytes become weights). A failure mid-round then leaves the same partially updated model as a staged
+   load does (earlier buckets were loaded); the engine stays paused until a round completes.
+6. **Deadlines.** Every broadcast is waited for with ``Work.wait(timeout)`` and every store exchange with
    the store's timeout; a miss is a :class:`~weightsync.spec.errors.TransferTimeoutError`.
 """
 
@@ -35,11 +43,13 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from weightsync.impl.transfer.base import (
     ChecksumMismatchError,
+    Destination,
     LoadFn,
     LocalCheck,
     ParallelInfo,
     RendezvousInitInfo,
     SendArgs,
+    TensorMeta,
     UpdateInfo,
     WeightTransferEngine,
 )
@@ -310,6 +320,24 @@ class BroadcastTrainer:
 # ------------------------------------------------------------------------------------------ engine side
 
 
+def _place(
+    b: Bucket, metas: Sequence[TensorMeta], destination: Destination | None, device: torch.device
+) -> torch.Tensor | None:
+    """Rule 5: bucket ``b``'s bytes as a uint8 view of its members' destinations, or None."""
+    if destination is None or b.nbytes == 0:
+        return None
+    dests: list[torch.Tensor] = []
+    for i in b.members:
+        m = metas[i]
+        d = destination(m)
+        if d is None or d.dtype != m.dtype or tuple(d.shape) != tuple(m.shape) or d.device != device:
+            return None
+        dests.append(d)
+    if len(dests) == 1:
+        return as_bytes(dests[0]) if dests[0].is_contiguous() else None
+    return contiguous_run(b._replace(members=tuple(range(len(dests)))), dests)
+
+
 class _Pending:
     __slots__ = ("bucket", "buf", "crc", "tensors", "works")
 
@@ -363,9 +391,14 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         raise error
 
     def receive_weights(
-        self, update_info: UpdateInfo, load_weights: LoadFn, local_check: LocalCheck | None = None
+        self,
+        update_info: UpdateInfo,
+        load_weights: LoadFn,
+        local_check: LocalCheck | None = None,
+        destination: Destination | None = None,
     ) -> None:
-        """Receive one update and load it bucket by bucket (rules 3-5).
+        """Receive one update and load it bucket by bucket (rules 3-6); into ``destination`` where it
+        can (rule 5).
 
         Raises:
             ValueError: ``local_check`` vetoed (raised after the agreement, before any payload).
@@ -389,8 +422,12 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         info = update_info
         buckets = plan_buckets([m.nbytes for m in metas], info.packed_buffer_size_bytes, info.packed)
         n = info.packed_num_buffers
+        in_place = destination is not None and not info.verify
+        placed = [_place(b, metas, destination, g.device) if in_place else None for b in buckets]
         if info.packed:
-            g.pool.reserve(n, max_packed_bucket(buckets), info.packed_buffer_size_bytes)
+            # only buckets received through a staging buffer need one (rule 5)
+            staged = [b for b, d in zip(buckets, placed, strict=True) if d is None and not b.oversized]
+            g.pool.reserve(n, max_packed_bucket(staged), info.packed_buffer_size_bytes)
         pending: collections.deque[_Pending] = collections.deque()
         error: BaseException | None = None
 
@@ -420,11 +457,17 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
                 vals = status(g.cp, seq, f"b{k}", error, PHASE_BUCKET)
                 while pending and pending[0].bucket.number <= k - n:
                     finish(pending.popleft())
+                direct = placed[k]
                 if b.oversized or not info.packed:
                     m = metas[b.members[0]]
-                    t = torch.empty(m.shape, dtype=m.dtype, device=g.device)
+                    if direct is not None:
+                        t = direct.view(m.dtype).view(m.shape)
+                    else:
+                        t = torch.empty(m.shape, dtype=m.dtype, device=g.device)
                     buf = as_bytes(t) if b.nbytes else None
                     p = _Pending(b, buf, [t], [])
+                elif direct is not None:
+                    p = _Pending(b, direct, [], [])
                 else:
                     buf = g.pool.slot(k % n)[: b.nbytes] if b.nbytes else None
                     p = _Pending(b, buf, [], [])

@@ -51,6 +51,7 @@ import torch
 from weightsync.impl.transfer.base import (
     DTYPES,
     ChecksumMismatchError,
+    Destination,
     LoadFn,
     LocalCheck,
     ParallelInfo,
@@ -512,9 +513,14 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         return self._mapped[slot][1], False
 
     def receive_weights(
-        self, update_info: UpdateInfo, load_weights: LoadFn, local_check: LocalCheck | None = None
+        self,
+        update_info: UpdateInfo,
+        load_weights: LoadFn,
+        local_check: LocalCheck | None = None,
+        destination: Destination | None = None,
     ) -> None:
-        """Receive one update chunk by chunk from the shared buffers (rules 3-4).
+        """Receive one update chunk by chunk from the shared buffers (rules 3-4). ``destination`` is
+        unused: the one copy out of the producer's memory is the load itself.
 
         Raises:
             ValueError: ``local_check`` vetoed; a malformed handle; no handle for this device.

@@ -12,7 +12,8 @@ Rules:
    timing out.
 3. **Names.** In checkpoint format (``is_checkpoint_format=True``) the expected names are
    ``model.checkpoint_weight_names()`` and loading goes through ``model.load_weights``; in kernel format
-   they are ``named_parameters()`` names and loading copies by exact name. Buffers (e.g. rotary
+   they are ``named_parameters()`` names and loading copies by exact name (the transport may receive
+   straight into the parameter instead: broadcast rule 5). Buffers (e.g. rotary
    ``inv_freq``) never count (vLLM PR #37334, scenario B4). An unknown name, or a name already loaded in
    this round, is rejected at ``update_weights`` time, before the collective.
 4. **Dtypes.** A declared dtype that differs from the destination's is rejected before the collective
@@ -38,6 +39,7 @@ from weightsync.impl.transfer.base import (
     DTYPES,
     LoadableModel,
     ParallelInfo,
+    TensorMeta,
     UpdateInfo,
     WeightTransferEngine,
 )
@@ -201,6 +203,14 @@ class WeightTransferWorker:
         for _, t in batch:
             self.bytes_loaded += t.numel() * t.element_size()
 
+    def _destination(self) -> Callable[[TensorMeta], torch.Tensor | None] | None:
+        # kernel format copies by exact name, unchanged: the transport may receive into the parameter
+        # (broadcast rule 5); checkpoint format transforms (fuses, shards), so no destination
+        if self.machine.vars.is_checkpoint_format:
+            return None
+        params = self._params
+        return lambda m: params[m.name].data if m.name in params else None
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one batch of weights from the trainer (callable many times per round).
 
@@ -225,7 +235,7 @@ class WeightTransferWorker:
                 raise exc from other
             raise
         self.machine.fire(WorkerEvent.UPDATE)
-        engine.receive_weights(info, self._load)
+        engine.receive_weights(info, self._load, destination=self._destination())
         if torch.cuda.is_available():  # pragma: no cover - needs CUDA
             torch.cuda.synchronize()
 
