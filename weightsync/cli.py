@@ -79,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     pr = add("prove", "regenerate proofs/ and spec/ (or, with --check, fail if they are stale)")
     pr.add_argument("--check", action="store_true")
 
+    mu = add("mutate", "mutation check of the two-phase-epoch table: break one row at a time, re-check")
+    mu.add_argument("--workers", type=int, default=2, help="processes (default 2)")
+    mu.add_argument("--write", action="store_true", help="write proofs/mutation.json and proofs/MUTATION.md")
+    mu.add_argument(
+        "--reuse",
+        action="store_true",
+        help="do not re-run: re-annotate proofs/mutation.json with the current survivor notes (same table only)",
+    )
+
     b = add("bench", "benchmarks with ratios against a baseline measured in the same run")
     b.add_argument("what", choices=["transfer", "explorer", "pause"])
     b.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
@@ -104,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-for _name in ("variants", "check", "export", "prove", "bench", "demo", "repro", "replay"):
+for _name in ("variants", "check", "export", "prove", "mutate", "bench", "demo", "repro", "replay"):
     HANDLERS[_name] = _not_built(_name)
 
 
@@ -204,6 +213,47 @@ def _prove(args: argparse.Namespace) -> int:
 
 HANDLERS["export"] = _export
 HANDLERS["prove"] = _prove
+
+
+def _mutate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.progress import Progress
+
+    from weightsync.model.mutation import (
+        MUTATION_FILE,
+        annotate,
+        mutants,
+        mutation_report,
+        report_markdown,
+        write_report,
+    )
+    from weightsync.spec.rank import get_variant, spec_digest
+
+    if args.workers < 1:
+        msg = f"--workers must be >= 1, got {args.workers}"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
+    if args.reuse:
+        path = Path.cwd() / "proofs" / MUTATION_FILE
+        rep = json.loads(path.read_text()) if path.is_file() else {}
+        if rep.get("spec_digest") != spec_digest():
+            msg = f"--reuse: {path} is missing or was computed against another table; run without --reuse"
+            emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+            return EXIT_USAGE
+        annotate(rep)
+    else:
+        total = sum(1 for _ in mutants(get_variant("two-phase-epoch").table))
+        with Progress(disable=args.json, transient=True) as bar:
+            task = bar.add_task("mutants", total=total)
+            rep = mutation_report(workers=args.workers, on_result=lambda _n, _w: bar.advance(task))
+    if args.write:
+        write_report(Path.cwd(), rep)
+    emit(rep, args.json, lambda: print(report_markdown(rep)))
+    return EXIT_VIOLATION if rep["unexplained"] else EXIT_OK
+
+
+HANDLERS["mutate"] = _mutate
 
 
 # --------------------------------------------------------------------------- bench dispatcher

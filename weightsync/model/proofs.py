@@ -2,8 +2,10 @@
 
 ``proofs/`` holds one JSON file per (variant, channel semantics, N in {2, 3}) with the verdict, counts,
 seconds, properties, bounds, symmetry flag and the spec digest, plus a summary ``proofs/README.md``.
-``--check`` recomputes the digest and the generated ``spec/`` files and fails when either is stale; it
-does not re-explore (that is what ``prove`` without ``--check`` does).
+``--check`` recomputes the digest and the generated ``spec/`` files and fails when either is stale, or when
+``proofs/mutation.json`` (``weightsync mutate --write``, about 30 minutes) was computed against another
+table or lists an unexplained survivor; it does not re-explore (that is what ``prove`` without ``--check``
+does).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from weightsync.model.check import check
 from weightsync.model.fsm_export import stale_spec_files, write_spec_dir
+from weightsync.model.mutation import mutation_problems
 from weightsync.model.system import Bounds
 from weightsync.spec.rank import VARIANTS, spec_digest
 
@@ -131,4 +134,4 @@ def check_fresh(root: Path) -> list[str]:
     summary = pdir / "summary.json"
     if not summary.is_file() or json.loads(summary.read_text()).get("spec_digest") != digest:
         problems.append("proofs/summary.json is missing or stale")
-    return problems
+    return problems + mutation_problems(root)
