@@ -57,6 +57,9 @@ MUTATION_BOUNDS: tuple[MutationConfig, ...] = (
     # two requests (a second wave, an ADD while a wait-mode pause drains; the rows it reaches are
     # wait-mode rows): 780k states exhaustively in wait mode, so a bounded search
     MutationConfig("requests2-wait-bounded", Bounds(requests=2), 150_000, False, (PauseMode.WAIT,)),
+    # two cycles with one request: a flag left over from cycle 1 meets a peer still serving in cycle 2
+    # (430k-560k states per mode unmutated)
+    MutationConfig("cycles2", Bounds(cycles=2), 6_000_000),
 )
 
 
@@ -321,7 +324,72 @@ def run_mutation(
 #: Why each non-equivalent survivor of the full run (:data:`MUTATION_BOUNDS`, N=2) survives: the
 #: mutant behaves differently somewhere reachable, and no property is violated. One line each; the slow
 #: test fails on a non-equivalent survivor missing here, so a new survivor cannot go unexplained.
-SURVIVOR_NOTES: dict[str, str] = {}
+_WAVE_COMPLETE = (
+    "the coordinator is not told that the wave ended and keeps engines_running = True; the next request's "
+    "ADD then reaches its rank with a stale wave (end_wave, and under two-phase-epoch the resume barrier, "
+    "moved the ranks on) and takes the stale-wave path (vLLM PR #37024: start_wave to the coordinator, "
+    "which broadcasts START_DP_WAVE to every peer), so the protocol heals itself at the cost of one "
+    "message; no property asks that the coordinator's belief be current"
+)
+_IGNORE_FLAG = (
+    "the flag keeps START_DP_WAVE from re-arming a verified rank; in the table a verified or updating rank "
+    "never steps (its STEP row is a no-op) and the epoch barrier overwrites current_wave and "
+    "engines_running at resume, so honouring a wave there changes nothing observable; the flag is "
+    "load-bearing after a wait-mode consensus with work left (dropping it in paused/dp_sync_done#1 is killed)"
+)
+_PENDING_AFTER_CONSENSUS = (
+    "after a consensus the ignore flag, not pending_pause, carries the decision (sync_paused_and_idle reads "
+    "`consensus or ignore_start_dp_wave`) and the verify row that follows clears pending_pause; the stale "
+    "True only changes later sums whose outcome the flag already fixes"
+)
+_DUMMY_STEP = (
+    "a paused rank has no schedulable request (abort aborted them, keep froze them, wait reaches paused only "
+    "drained, and new ADDs wait behind PAUSED_NEW), so every step there is a dummy batch and execute_step "
+    "changes no request; the rank still joins the collective (enter_dp_step / enter_dp_sync are kept): "
+    "the lookups differ in the effect list only"
+)
+_OLDER_WAVE = (
+    "no ADD is ever newer than its rank (one front-end stamps the coordinator's wave, which never runs ahead "
+    "of the ranks), so the mutant makes a stale or current ADD adopt its older wave while the rank is "
+    "paused, verified or updating; there the wave only decides whether a START_DP_WAVE is honoured, and the "
+    "epoch barrier sets every rank to MAX(current_wave) + 1 at resume (under two-phase, without the epoch, "
+    "the same mutant in verified/updating is killed with a one-sided collective)"
+)
+
+#: Why each non-equivalent survivor of the full run (:data:`MUTATION_BOUNDS`, N=2) survives: the
+#: mutant behaves differently somewhere reachable, and no property is violated. One line each; the slow
+#: test fails on a non-equivalent survivor missing here, so a new survivor cannot go unexplained.
+SURVIVOR_NOTES: dict[str, str] = {
+    "running/dp_sync_done#1: drop effect emit_wave_complete": _WAVE_COMPLETE,
+    "pausing/dp_sync_done#0: drop effect emit_wave_complete": _WAVE_COMPLETE,
+    "paused/dp_sync_done#0: drop effect emit_wave_complete": _WAVE_COMPLETE,
+    "pausing/dp_sync_done#0: drop update set_ignore_start_dp_wave": _IGNORE_FLAG,
+    "paused/dp_sync_done#0: drop update set_ignore_start_dp_wave": _IGNORE_FLAG,
+    "paused/dp_sync_done#1: drop update clear_pending_pause": _PENDING_AFTER_CONSENSUS,
+    "pausing/dp_sync_done#2: drop update clear_pending_pause": _PENDING_AFTER_CONSENSUS,
+    "pausing/dp_sync_done#0: drop update clear_pending_pause": (
+        "the wait-mode verify from pausing leaves pending_pause set on a rank that drained a request; it "
+        "matters only if that rank, back in running, joins a DP sync while a peer is already paused in the "
+        "next cycle, which needs a second request in the second cycle (beyond every configuration); the "
+        "abort-mode twin paused/dp_sync_done#0 is killed by cycles2 with exactly that one-sided collective"
+    ),
+    "paused/step#0: drop effect execute_step": _DUMMY_STEP,
+    "paused/step#1: drop effect execute_step": _DUMMY_STEP,
+    "pausing/dp_sync_done#0: drop effect clear_cache": (
+        "this is the wait-mode verify from pausing: every request has finished (sum_unfinished = 0), so no "
+        "request holds KV blocks, and the model tracks KV per request (no prefix cache), so clearing has "
+        "nothing to act on; the keep-mode twin in paused/dp_sync_done#0 is killed by no_stale_kv"
+    ),
+    "paused/ADD#0: negate guard add_newer_wave": _OLDER_WAVE,
+    "verified/ADD#0: negate guard add_newer_wave": _OLDER_WAVE,
+    "updating/ADD#0: negate guard add_newer_wave": _OLDER_WAVE,
+    "running/resume#0: negate guard engines_running": (
+        "a resume reaches a running rank only in the stray-resume configuration, which has no requests (with "
+        "traffic a stray resume deadlocks even unmutated), so engines_running is always False there: the "
+        "original runs the resume barrier among idle ranks, the mutant replies at once; both leave every "
+        "rank running and idle"
+    ),
+}
 
 MUTATION_FILE = "mutation.json"
 MUTATION_MD = "MUTATION.md"
