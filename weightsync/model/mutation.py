@@ -449,6 +449,9 @@ def annotate(rep: dict[str, Any]) -> dict[str, Any]:
 def report_markdown(rep: dict[str, Any]) -> str:
     """``proofs/MUTATION.md`` for a :func:`mutation_report`."""
     n, k, e = rep["mutants"], rep["killed"], len(rep["equivalent"])
+    order = {m.name: i for i, (m, _) in enumerate(mutants(get_variant(rep["variant"]).table))}
+    classes = sorted(rep["classes"].items(), key=lambda kv: order.get(kv[0], len(order)))
+    killed = sorted(rep["killed_by"].items(), key=lambda kv: order.get(kv[0], len(order)))
     lines = [
         f"# Mutation check of `{rep['variant']}`",
         "",
@@ -470,17 +473,17 @@ def report_markdown(rep: dict[str, Any]) -> str:
         "| mutant | reachable firings of the row | first difference | why no property fails |",
         "|---|---|---|---|",
     ]
-    for name, c in rep["classes"].items():
+    for name, c in classes:
         if not c["equivalent"]:
             lines.append(
                 f"| `{name}` | {c['row_fires']} | {c['first_difference']} | {c['note'] or '**unexplained**'} |"
             )
     lines += ["", "## Equivalent survivors", "", "| mutant | reachable firings of the row |", "|---|---|"]
-    for name, c in rep["classes"].items():
+    for name, c in classes:
         if c["equivalent"]:
             lines.append(f"| `{name}` | {c['row_fires']} |")
     lines += ["", "## Killed", "", "| mutant | first violation (config:mode:property) |", "|---|---|"]
-    for name, why in rep["killed_by"].items():
+    for name, why in killed:
         lines.append(f"| `{name}` | {why} |")
     return "\n".join(lines) + "\n"
 
