@@ -369,9 +369,11 @@ SURVIVOR_NOTES: dict[str, str] = {
     "pausing/dp_sync_done#2: drop update clear_pending_pause": _PENDING_AFTER_CONSENSUS,
     "pausing/dp_sync_done#0: drop update clear_pending_pause": (
         "the wait-mode verify from pausing leaves pending_pause set on a rank that drained a request; it "
-        "matters only if that rank, back in running, joins a DP sync while a peer is already paused in the "
-        "next cycle, which needs a second request in the second cycle (beyond every configuration); the "
-        "abort-mode twin paused/dp_sync_done#0 is killed by cycles2 with exactly that one-sided collective"
+        "matters only if that rank, back in running with a wave in progress, joins a DP sync while a peer is "
+        "already paused in the next cycle: a request drained through this row in cycle 1 and another served "
+        "in cycle 2, beyond every configuration (a bounded search of the first 2,000,000 states with "
+        "requests=2, cycles=2, wait mode found nothing either); the abort-mode twin paused/dp_sync_done#0 "
+        "is killed by cycles2 with exactly that one-sided collective"
     ),
     "paused/step#0: drop effect execute_step": _DUMMY_STEP,
     "paused/step#1: drop effect execute_step": _DUMMY_STEP,
