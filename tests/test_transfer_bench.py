@@ -29,3 +29,23 @@ def test_bench_transfer_quick_fields_and_rss() -> None:
         assert key in out
     assert out["rss_growth_bytes"] < out["bucket_bytes"]
     assert out["trainer_pool_bytes"] <= out["num_buffers"] * out["bucket_bytes"]
+
+
+@pytest.mark.parametrize(("quick", "code"), [(False, 1), (True, 0)])
+def test_cli_exit_code_judges_targets_only_at_full_size(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], quick: bool, code: int
+) -> None:
+    """A missed target makes ``weightsync bench transfer`` exit 1; ``--quick`` reports without judging."""
+    import json
+
+    import weightsync.impl.transfer.bench as bench
+    from weightsync.cli import main
+
+    def fake(quick: bool = False) -> dict[str, object]:
+        return {"targets_met": False, "targets": {"packed_vs_raw>=0.9": False}, "quick": quick}
+
+    monkeypatch.setattr(bench, "run_transfer_bench", fake)
+    argv = ["bench", "transfer", "--json"] + (["--quick"] if quick else [])
+    assert main(argv) == code
+    out = json.loads(capsys.readouterr().out)
+    assert out["targets_judged"] is not quick and out["ok"] is quick

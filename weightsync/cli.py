@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     mu.add_argument(
         "--reuse",
         action="store_true",
-        help="do not re-run: re-annotate proofs/mutation.json with the current survivor notes (same table only)",
+        help="do not re-run: read proofs/mutation.json (same table only), attach the current survivor notes "
+        "and print the report (with --write: rewrite proofs/mutation.json and proofs/MUTATION.md)",
     )
 
     b = add("bench", "benchmarks with ratios against a baseline measured in the same run")
@@ -277,8 +278,11 @@ BENCHES["explorer"] = _bench_explorer
 def _bench_transfer(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.impl.transfer.bench import run_transfer_bench
 
-    out = run_transfer_bench(quick=bool(getattr(args, "quick", False)))
-    out["ok"] = bool(out["targets_met"])
+    quick = bool(getattr(args, "quick", False))
+    out = run_transfer_bench(quick=quick)
+    # the targets are defined for the full ~512 MiB model; --quick reports its figures without judging them
+    out["targets_judged"] = not quick
+    out["ok"] = bool(out["targets_met"]) or quick
     return out
 
 
@@ -286,7 +290,9 @@ def _human_transfer(out: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"bench transfer: {out['ranks']} ranks, gloo, {out['model_bytes'] / 2**20:.0f} MiB")
+    judged = out.get("targets_judged", True)
+    title = f"bench transfer: {out['ranks']} ranks, gloo, {out['model_bytes'] / 2**20:.0f} MiB"
+    t = Table(title=title + ("" if judged else " (--quick: targets not judged)"))
     for col in ("figure", "GB/s", "ratio", "target"):
         t.add_column(col)
     tg = out["targets"]
@@ -295,7 +301,7 @@ def _human_transfer(out: dict[str, Any]) -> None:
         "packed broadcast, received in place",
         f"{out['packed_gbps']:.3f}",
         f"{out['packed_vs_raw']:.2f} x raw",
-        str(tg["packed_vs_raw>=0.9"]),
+        f">= 0.9: {tg['packed_vs_raw>=0.9']}",
     )
     t.add_row(
         "packed, staged + load_weights copy",
@@ -307,20 +313,20 @@ def _human_transfer(out: dict[str, Any]) -> None:
         "per-tensor broadcast",
         f"{out['per_tensor_gbps']:.3f}",
         f"packed {out['packed_vs_per_tensor']:.2f} x",
-        str(tg["packed_vs_per_tensor>=3"]),
+        f">= 3: {tg['packed_vs_per_tensor>=3']}",
     )
     t.add_row("memcpy", f"{out['memcpy_gbps']:.3f}", "", "")
     t.add_row(
         "CPU IPC",
         f"{out['ipc_gbps']:.3f}",
         f"{out['ipc_vs_memcpy']:.2f} x memcpy",
-        str(tg["ipc_vs_memcpy>=0.5"]),
+        f">= 0.5: {tg['ipc_vs_memcpy>=0.5']}",
     )
     t.add_row(
         f"RSS growth, {out['rss_syncs']} syncs",
         f"{out['rss_growth_bytes']} B",
         f"bucket {out['bucket_bytes']} B",
-        str(tg["rss_growth<bucket"]),
+        f"< bucket: {tg['rss_growth<bucket']}",
     )
     Console().print(t)
 
