@@ -209,12 +209,17 @@ def row_fire_counts(table: Table, firings: list[Firings]) -> dict[tuple[str, str
 
 
 def classify_survivors(
-    variant: str, survivors: list[str], configs: tuple[MutationConfig, ...] = MUTATION_BOUNDS
+    variant: str,
+    survivors: list[str],
+    configs: tuple[MutationConfig, ...] = MUTATION_BOUNDS,
+    firings: list[Firings] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """For each surviving mutant (by :attr:`Mutant.name`): ``equivalent`` (no reachable lookup differs:
     see :func:`first_difference`), ``row_fires`` (reachable lookups that select the mutated row in the
-    unmutated model) and ``first_difference`` (None when equivalent)."""
-    firings = reachable_firings(variant, configs)
+    unmutated model) and ``first_difference`` (None when equivalent). ``firings``: the
+    :func:`reachable_firings` of ``configs`` when the caller already has them."""
+    if firings is None:
+        firings = reachable_firings(variant, configs)
     base = get_variant(variant).table
     counts = row_fire_counts(base, firings)
     wanted = set(survivors)
@@ -252,6 +257,7 @@ def run_mutation(
     every: int = 1,
     workers: int = 1,
     on_result: Callable[[str, str | None], None] | None = None,
+    firings: list[Firings] | None = None,
     **kw: Any,
 ) -> dict[str, Any]:
     """Check every ``every``-th mutant (at most ``limit``) of ``variant``'s table, in ``workers``
@@ -261,7 +267,7 @@ def run_mutation(
     With ``configs`` given, the unmutated model's reachable table lookups are computed first
     (:func:`reachable_firings`) and a mutant that fires identically on all of them is not re-checked: its
     transition system is the original's, so it survives as ``equivalent`` (the unmutated table verifies
-    under every configuration; the slow test checks that).
+    under every configuration; the slow test checks that). ``firings`` passes lookups already computed.
 
     Returns ``{"mutants": n, "killed": k, "survivors": [names], "killed_by": {name: "config:mode:property"},
     "unbounded": [names], "equivalent": [names], "seconds": wall time}``.
@@ -269,7 +275,9 @@ def run_mutation(
     global _FIRINGS
     t0 = time.perf_counter()
     configs = kw.get("configs")
-    _FIRINGS = reachable_firings(variant, configs) if configs is not None else None
+    if firings is None and configs is not None:
+        firings = reachable_firings(variant, configs)
+    _FIRINGS = firings
     base = get_variant(variant).table
     picked: list[tuple[int, Mutant]] = []
     for idx, (mut, _) in enumerate(mutants(base)):
@@ -412,9 +420,12 @@ def mutation_report(
     """
     from weightsync.spec.rank import spec_digest
 
-    out = run_mutation(variant, workers=workers, on_result=on_result, configs=MUTATION_BOUNDS)
+    firings = reachable_firings(variant, MUTATION_BOUNDS)
+    out = run_mutation(
+        variant, workers=workers, on_result=on_result, firings=firings, configs=MUTATION_BOUNDS
+    )
     t0 = time.perf_counter()
-    classes = classify_survivors(variant, out["survivors"])
+    classes = classify_survivors(variant, out["survivors"], firings=firings)
     equivalent = [n for n, c in classes.items() if c["equivalent"]]
     assert set(equivalent) == set(out["equivalent"]), "classification disagrees with the run"
     out.update(

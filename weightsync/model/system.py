@@ -42,11 +42,14 @@ from weightsync.spec.states import (
     PauseState,
     RankEvent,
     RankState,
+    admits_waiting,
+    advances_running,
     schedulable,
     unfinished_for_sync,
 )
-from weightsync.spec.table import ALWAYS, Transition
+from weightsync.spec.table import Transition, apply_transition, select_transition
 from weightsync.spec.worker import (
+    WORKER_EVENT_OF_EFFECT,
     WORKER_GUARDS,
     WORKER_TABLE,
     WORKER_UPDATES,
@@ -282,14 +285,12 @@ class Model:
         key = (wv, event)
         r = self._wcache.get(key)
         if r is None:
-            r = wv._replace(state=WorkerState.ERROR)
-            for tr in WORKER_TABLE.get((wv.state, event), ()):
-                if tr.guard == ALWAYS or WORKER_GUARDS[tr.guard](wv, {}):
-                    v2 = wv
-                    for u in tr.updates:
-                        v2 = WORKER_UPDATES[u](v2, {})
-                    r = v2._replace(state=tr.target)
-                    break
+            tr = select_transition(WORKER_TABLE, wv.state, event, wv, {}, WORKER_GUARDS)
+            r = (
+                wv._replace(state=WorkerState.ERROR)
+                if tr is None
+                else apply_transition(wv, tr, {}, WORKER_UPDATES)
+            )
             self._wcache[key] = r
         return r
 
@@ -412,11 +413,11 @@ class Model:
         elif eff == "execute_step":
             ps = rk.vars.pause_state
             waiting, running = rk.waiting, rk.running
-            if ps is PauseState.UNPAUSED and waiting:
+            if admits_waiting(ps) and waiting:
                 kv = rk.vars.weight_version
                 running = tuple(sorted(running + tuple((r, left, kv) for r, left in waiting)))
                 waiting = ()
-            if ps is not PauseState.PAUSED_ALL and running:
+            if advances_running(ps) and running:
                 keep: list[tuple[int, int, int]] = []
                 for r, left, kv in running:
                     if left > 1:
@@ -425,12 +426,11 @@ class Model:
                         w.done.append(r)
                 running = tuple(keep)
             w.ranks[i] = rk._replace(waiting=waiting, running=running)
-        elif eff in ENTER_EFFECT:
-            rk = rk._replace(blocked=ENTER_EFFECT[eff])
-            if eff == "enter_weight_broadcast":
-                rk = rk._replace(worker=self.worker_fire(rk.worker, WorkerEvent.UPDATE))
-            elif eff == "enter_transfer_init":
-                rk = rk._replace(worker=self.worker_fire(rk.worker, WorkerEvent.INIT))
+        elif eff in ENTER_EFFECT or eff in WORKER_EVENT_OF_EFFECT:
+            if eff in ENTER_EFFECT:
+                rk = rk._replace(blocked=ENTER_EFFECT[eff])
+            if eff in WORKER_EVENT_OF_EFFECT:
+                rk = rk._replace(worker=self.worker_fire(rk.worker, WORKER_EVENT_OF_EFFECT[eff]))
             w.ranks[i] = rk
         elif eff in ("reply", "reply_pause", "reply_resume"):
             pz = 2 if eff == "reply_pause" and rk.pz == 1 else rk.pz
@@ -457,10 +457,6 @@ class Model:
             w.front = (w.front[0], w.front[1], w.front[2], True, w.front[4])
         elif eff == "front_end_ungate":
             w.front = (w.front[0], w.front[1], w.front[2], False, w.front[4])
-        elif eff == "start_weight_update":
-            w.ranks[i] = rk._replace(worker=self.worker_fire(rk.worker, WorkerEvent.START))
-        elif eff == "finish_weight_update":
-            w.ranks[i] = rk._replace(worker=self.worker_fire(rk.worker, WorkerEvent.FINISH))
         else:  # pragma: no cover - a table naming an effect the model does not know
             raise ValueError(f"unknown effect {eff!r}")
 
@@ -767,12 +763,9 @@ class Model:
         left1.update((q[0], q[1]) for q in ra.running)
         left1.update((r, 0) for r in newdone)
         ps = rb.vars.pause_state
-        if ps is PauseState.UNPAUSED:
-            sched = set(left0)
-        elif ps is PauseState.PAUSED_NEW:
-            sched = {q[0] for q in rb.running}
-        else:
-            sched = set()
+        sched = {q[0] for q in rb.waiting if admits_waiting(ps)} | {
+            q[0] for q in rb.running if advances_running(ps)
+        }
         ran = ra.blocked in DP_KINDS  # the step ran a forward (it entered the DP collective)
         bad: list[str] = []
         for r, left in left0.items():

@@ -32,7 +32,15 @@ from weightsync.spec.states import (
     RankEvent,
     RankState,
 )
-from weightsync.spec.table import ALWAYS, Fired, TableMachine, Transition, table_digest
+from weightsync.spec.table import (
+    ALWAYS,
+    Fired,
+    TableMachine,
+    Transition,
+    apply_transition,
+    select_transition,
+    table_digest,
+)
 
 
 class RankVars(NamedTuple):
@@ -581,10 +589,7 @@ def select(
 
     ``guards`` defaults to :data:`GUARDS`; the model checker's mutation test passes an extended registry.
     """
-    for tr in table.get((v.state, event), ()):
-        if tr.guard == ALWAYS or guards[tr.guard](v, args):
-            return tr
-    return None
+    return select_transition(table, v.state, event, v, args, guards)
 
 
 def apply(
@@ -594,9 +599,7 @@ def apply(
     updates: Mapping[str, Callable[[RankVars, Args], RankVars]] = UPDATES,
 ) -> RankVars:
     """Apply ``tr``'s updates to ``v`` and move to its target (pure; used by the model's hot loop)."""
-    for name in tr.updates:
-        v = updates[name](v, args)
-    return v._replace(state=tr.target)
+    return apply_transition(v, tr, args, updates)
 
 
 class RankMachine(TableMachine[RankState, RankEvent]):

@@ -141,16 +141,24 @@ class Socket(StrEnum):
     FRONT = "front"  # front-end -> coordinator: FIRST_REQ
 
 
+def admits_waiting(pause_state: PauseState) -> bool:
+    """Whether the scheduler may start waiting requests under ``pause_state``: only UNPAUSED (reference
+    section 4: PAUSED_NEW and PAUSED_ALL both hold new requests)."""
+    return pause_state is PauseState.UNPAUSED
+
+
+def advances_running(pause_state: PauseState) -> bool:
+    """Whether the scheduler may advance running requests under ``pause_state``: all but PAUSED_ALL
+    (reference section 4: keep mode freezes them)."""
+    return pause_state is not PauseState.PAUSED_ALL
+
+
 def schedulable(pause_state: PauseState, waiting: int, running: int) -> bool:
     """Whether the scheduler has work it may schedule under ``pause_state`` (reference section 4).
 
     UNPAUSED: waiting or running requests; PAUSED_NEW: running requests only; PAUSED_ALL: nothing.
     """
-    if pause_state is PauseState.UNPAUSED:
-        return waiting + running > 0
-    if pause_state is PauseState.PAUSED_NEW:
-        return running > 0
-    return False
+    return (admits_waiting(pause_state) and waiting > 0) or (advances_running(pause_state) and running > 0)
 
 
 def unfinished_for_sync(pause_state: PauseState, waiting: int, running: int) -> int:

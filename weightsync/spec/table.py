@@ -61,6 +61,33 @@ class Fired(NamedTuple):
     after: Any
 
 
+def select_transition(
+    table: Mapping[tuple[Any, Any], tuple[Transition, ...]],
+    state: Any,
+    event: Any,
+    variables: Any,
+    args: Mapping[str, Any],
+    guards: Mapping[str, Guard],
+) -> Transition | None:
+    """The row ``event`` takes from ``state`` (the first whose guard holds), or None when it is illegal.
+    Pure: the one row-selection rule every machine, model and checker uses."""
+    for tr in table.get((state, event), ()):
+        if tr.guard == ALWAYS or guards[tr.guard](variables, args):
+            return tr
+    return None
+
+
+def apply_transition(
+    variables: V, tr: Transition, args: Mapping[str, Any], updates: Mapping[str, Update]
+) -> V:
+    """``variables`` after ``tr``'s updates (in order) and its move to ``tr.target``. Pure."""
+    v: Any = variables
+    for name in tr.updates:
+        v = updates[name](v, args)
+    out: V = v._replace(state=tr.target)
+    return out
+
+
 def table_digest(rows: Iterable[tuple[Any, Any, Transition]], *extra: str) -> str:
     """A stable SHA-256 hex digest of table rows (state, event, transition), used by ``prove --check``."""
     h = hashlib.sha256()
@@ -130,10 +157,7 @@ class TableMachine(Generic[S, E]):
 
     def select(self, event: E, args: Mapping[str, Any]) -> Transition | None:
         """The transition ``event`` would take now, or None if it is illegal. Changes nothing."""
-        for tr in self._table.get((self.state, event), ()):
-            if tr.guard == ALWAYS or self._guards[tr.guard](self.vars, args):
-                return tr
-        return None
+        return select_transition(self._table, self.state, event, self.vars, args, self._guards)
 
     def fire(self, event: E, **args: Any) -> Fired:
         """Apply ``event`` with its arguments; return what fired (its effects are for the caller to run).
@@ -148,10 +172,7 @@ class TableMachine(Generic[S, E]):
         if tr is None:
             self._fail(event, args)
         assert tr is not None
-        v = before
-        for name in tr.updates:
-            v = self._updates[name](v, args)
-        v = v._replace(state=tr.target)
+        v = apply_transition(before, tr, args, self._updates)
         self.vars = v
         return Fired(before.state, event, tr, before, v)
 

@@ -123,6 +123,16 @@ WORKER_TABLE: dict[tuple[WorkerState, WorkerEvent], tuple[Transition, ...]] = {
 }
 
 
+#: The rank table's effects that call into the worker machine, and the worker event each one fires
+#: (the engine runs them as the worker API calls of the same names; the model fires the event).
+WORKER_EVENT_OF_EFFECT: dict[str, WorkerEvent] = {
+    "start_weight_update": WorkerEvent.START,
+    "enter_weight_broadcast": WorkerEvent.UPDATE,
+    "finish_weight_update": WorkerEvent.FINISH,
+    "enter_transfer_init": WorkerEvent.INIT,
+}
+
+
 def worker_table_digest() -> str:
     """SHA-256 of the worker table (part of the digest ``prove --check`` compares)."""
     rows = sorted(

@@ -25,7 +25,13 @@ import torch
 from weightsync.impl.engine.messages import Request, TokenDelta
 from weightsync.impl.models.causal_lm import CausalLM, KVCache
 from weightsync.impl.models.sampling import RequestSampler
-from weightsync.spec.states import PauseState, schedulable, unfinished_for_sync
+from weightsync.spec.states import (
+    PauseState,
+    admits_waiting,
+    advances_running,
+    schedulable,
+    unfinished_for_sync,
+)
 
 
 @dataclass
@@ -105,11 +111,11 @@ class Scheduler:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[TokenDelta]:
         """Run one step; returns the token deltas (empty for a dummy step, e.g. under PAUSED_ALL)."""
-        if self.pause_state is PauseState.UNPAUSED:
+        if admits_waiting(self.pause_state):
             while self.waiting and len(self.running) < self.max_batch:
                 live = self.waiting.popleft()
                 self.running[live.request.req_id] = live
-        if self.pause_state is PauseState.PAUSED_ALL or not self.running:
+        if not advances_running(self.pause_state) or not self.running:
             return []
         self.steps += 1
         lives = list(self.running.values())

@@ -333,8 +333,6 @@ def _place(
         if d is None or d.dtype != m.dtype or tuple(d.shape) != tuple(m.shape) or d.device != device:
             return None
         dests.append(d)
-    if len(dests) == 1:
-        return as_bytes(dests[0]) if dests[0].is_contiguous() else None
     return contiguous_run(b._replace(members=tuple(range(len(dests)))), dests)
 
 
