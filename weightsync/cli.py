@@ -65,6 +65,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sync-interval", type=int, default=2, help="K: DP sync all-reduce every K steps")
     c.add_argument("--max-states", type=int, default=20_000_000, help="stop exploring past this many")
     c.add_argument("--symmetry", action="store_true", help="symmetry reduction over ranks (safety only)")
+    c.add_argument(
+        "--stray-resume", action="store_true", help="the controller may issue one resume no pause preceded"
+    )
+    c.add_argument(
+        "--repeat-resume",
+        action="store_true",
+        help="the controller may re-send resume once while its first is outstanding (a retry)",
+    )
+    c.add_argument(
+        "--failures",
+        type=int,
+        default=0,
+        help="weight-transfer failures the model may inject (init, start, update, finish)",
+    )
+    c.add_argument("--tokens", type=int, default=2, help="steps each request needs")
+    c.add_argument(
+        "--init-transfer", action="store_true", help="the controller calls init_weight_transfer_engine once"
+    )
 
     e = add("export", "export the per-rank FSM, the global state graph or a counterexample")
     e.add_argument("what", choices=["rank-fsm", "state-graph", "counterexample"])
@@ -143,13 +161,35 @@ def _check(args: argparse.Namespace) -> int:
     err = None
     if args.variant not in VARIANTS:
         err = f"unknown variant {args.variant!r}; known: {', '.join(VARIANTS)}"
-    elif args.ranks < 1 or args.requests < 0 or args.cycles < 0 or args.sync_interval < 1:
-        err = "need --ranks >= 1, --requests >= 0, --cycles >= 0, --sync-interval >= 1"
+    elif (
+        args.ranks < 1
+        or args.requests < 0
+        or args.cycles < 0
+        or args.sync_interval < 1
+        or args.failures < 0
+        or args.tokens < 1
+        or args.max_states < 1
+    ):
+        err = (
+            "need --ranks >= 1, --requests >= 0, --cycles >= 0, --sync-interval >= 1, --failures >= 0, "
+            f"--tokens >= 1, --max-states >= 1 (got --ranks {args.ranks}, --requests {args.requests}, "
+            f"--cycles {args.cycles}, --sync-interval {args.sync_interval}, --failures {args.failures}, "
+            f"--tokens {args.tokens}, --max-states {args.max_states})"
+        )
     if err:
         msg = err
         emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
         return EXIT_USAGE
-    bounds = Bounds(requests=args.requests, cycles=args.cycles, sync_interval=args.sync_interval)
+    bounds = Bounds(
+        requests=args.requests,
+        cycles=args.cycles,
+        sync_interval=args.sync_interval,
+        tokens=args.tokens,
+        init_transfer=args.init_transfer,
+        stray_resume=args.stray_resume,
+        repeat_resume=args.repeat_resume,
+        failures=args.failures,
+    )
     out = check(
         args.variant,
         args.ranks,

@@ -97,7 +97,7 @@ class RequestStream:
     prompt: tuple[int, ...]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    versions: list[int | str] = field(default_factory=list)
     finish_reason: str | None = None
     done: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -603,13 +603,21 @@ class DPEngineClient:
         """Every rank receives the weights described by ``update_info`` (concurrently with the trainer)."""
         self.fan_out("update_weights", timeout, update_info=update_info)
 
-    def finish_weight_update(self, timeout: float | None = None) -> None:
-        """Close the round on every rank (bumps each rank's weight_version)."""
-        self.fan_out("finish_weight_update", timeout)
+    def finish_weight_update(
+        self,
+        timeout: float | None = None,
+        *,
+        weight_version: int | str | None = None,
+        monotonic: bool = False,
+    ) -> None:
+        """Close the round on every rank. ``weight_version`` (vLLM 0.32's string version, or None: the
+        number of successful rounds) becomes each rank's version only if its finish succeeded;
+        ``monotonic`` refuses a version older than the served one (the rank then fails the round)."""
+        self.fan_out("finish_weight_update", timeout, weight_version=weight_version, monotonic=monotonic)
 
-    def get_weight_version(self) -> list[int]:
-        """Each rank's weight version (completed updates), in rank order."""
-        return [int(v) for v in self.fan_out("get_weight_version", 10.0)]
+    def get_weight_version(self) -> list[int | str]:
+        """Each rank's weight version, in rank order."""
+        return list(self.fan_out("get_weight_version", 10.0))
 
     def trace_to(self, path: str | None) -> None:
         """Every rank appends one JSONL line per transition to ``path`` itself (O_APPEND, written before the

@@ -132,7 +132,7 @@ class TokenDelta:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str | None
-    weight_version: int
+    weight_version: int | str
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class Scheduler:
         self.pause_state = PauseState.UNPAUSED
         self.waiting: deque[_Live] = deque()
         self.running: dict[str, _Live] = {}
-        self.weight_version = 0
+        self.weight_version: int | str = 0
         self.steps = 0  # real (non-dummy) steps executed
 
     # ------------------------------------------------------------------ queues

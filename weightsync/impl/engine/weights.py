@@ -40,6 +40,8 @@ class WeightWorker(Protocol):
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None: ...
     def update_weights(self, update_info: dict[str, Any]) -> None: ...
     def finish_weight_update(self) -> None: ...
+    def fail_round(self) -> None: ...
+    def fail_init(self) -> None: ...
 
 
 def _rendezvous(host: str, port: int, rank: int, world: int, timeout_s: float, phase: str) -> tuple[Any, Any]:
@@ -123,12 +125,23 @@ class SimpleBroadcastWorker:
             self._received.add(name)
 
     def finish_weight_update(self) -> None:
-        """Close the round: IncompleteUpdateError if a checkpoint weight did not arrive."""
+        """Close the round: IncompleteUpdateError if a checkpoint weight did not arrive (the round stays
+        open; the engine's table then fails it)."""
         missing = self.model.checkpoint_weight_names() - self._received
-        self.machine.fire(WorkerEvent.FINISH)
         if missing:
             raise IncompleteUpdateError(sorted(missing))
+        self.machine.fire(WorkerEvent.FINISH)
         self.model.process_weights_after_loading()
+
+    def fail_round(self) -> None:
+        """Abandon a failed round (the weights are partial until a round completes)."""
+        if self.machine.select(WorkerEvent.FAIL, {}) is not None:
+            self.machine.fire(WorkerEvent.FAIL)
+
+    def fail_init(self) -> None:
+        """A failed init: initialise again before the next round."""
+        if self.machine.select(WorkerEvent.FAIL_INIT, {}) is not None:
+            self.machine.fire(WorkerEvent.FAIL_INIT)
 
 
 class SimpleBroadcastTrainer:

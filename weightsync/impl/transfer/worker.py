@@ -253,6 +253,19 @@ class WeightTransferWorker:
         self.machine.fire(WorkerEvent.FINISH)
         self.model.process_weights_after_loading()
 
+    def fail_round(self) -> None:
+        """The round failed (an update or finish raised, or the rank refused its version): abandon it. The
+        worker is ready for a new round; its weights are marked partial (``machine.vars.partial``) until a
+        round completes. A no-op where the machine has no such row (after shutdown or an error)."""
+        if self.machine.select(WorkerEvent.FAIL, {}) is not None:
+            self.machine.fire(WorkerEvent.FAIL)
+            self._loaded = set()
+
+    def fail_init(self) -> None:
+        """``init_weight_transfer_engine`` failed: the worker must be initialised again before a round."""
+        if self.machine.select(WorkerEvent.FAIL_INIT, {}) is not None:
+            self.machine.fire(WorkerEvent.FAIL_INIT)
+
     def shutdown(self) -> None:
         """Release the transport; afterwards every call raises LocalProtocolError."""
         self._legal(WorkerEvent.SHUTDOWN)
