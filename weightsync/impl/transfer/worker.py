@@ -43,8 +43,9 @@ Rules:
    non-finite elements, and the transport fails the round on every rank (peers raise PeerFailedError
    naming this rank). The transport never receives in place under this flag (as with ``verify``), so no
    non-finite value reaches a parameter. State afterwards: parameters hold the values of the batches loaded
-   before the refused one (this and earlier calls of the round), the refused batch and every later one are
-   not loaded, ``weight_version`` is unchanged, the machine stays ``active`` and
+   before the refused one (earlier calls of the round, and earlier batches of this call unless the call was
+   staged under rule 3a, which then loaded nothing), the refused batch and every later one are not loaded,
+   ``weight_version`` is unchanged, the machine stays ``active`` and
    ``finish_weight_update`` raises IncompleteUpdateError naming the refused weights (the round cannot
    finish on this transport, rule 6); an engine rank stops stepping when ``update_weights`` fails, so it
    never serves these weights.
