@@ -83,9 +83,11 @@ class EngineConfig:
         variant: protocol variant (a :data:`~weightsync.spec.rank.VARIANTS` name).
         sync_interval: K, the DP sync all-reduce cadence in steps (32 in vLLM, PR #21617).
         init_seed: seed of the engines' initial random weights (None: the model's zero init).
-        collective_timeout_s: deadline of every DP collective, rendezvous and transfer, seconds.
-        transfer: weight-transfer worker factory (``"simple"`` or ``"package.module:fn"``, see
-            :func:`weightsync.impl.engine.weights.make_worker`).
+        collective_timeout_s: deadline of every DP collective and of the DP rendezvous, seconds (the weight
+            transfer's deadline is its ``init_info['timeout_s']``).
+        transfer: weight-transfer worker factory ``"package.module:fn"`` (see
+            :func:`weightsync.impl.engine.weights.make_worker`); default: the broadcast transport's
+            ``weightsync.impl.transfer.worker:broadcast_worker``.
         max_batch: most requests running per rank.
         idle_sleep_s: how long an idle loop iteration sleeps, seconds.
         step_sleep_s: extra sleep after every executed step (dummy or real), seconds (slows the loop for
@@ -101,7 +103,7 @@ class EngineConfig:
     sync_interval: int = 32
     init_seed: int | None = 0
     collective_timeout_s: float = 30.0
-    transfer: str = "simple"
+    transfer: str = "weightsync.impl.transfer.worker:broadcast_worker"
     max_batch: int = 64
     idle_sleep_s: float = 0.002
     step_sleep_s: float = 0.0
@@ -201,7 +203,7 @@ class EngineCore:
         if cfg.init_seed is not None:
             self.model.load_weights(random_weights(self.model, cfg.init_seed))
         self.sched = Scheduler(self.model, rank, cfg.max_batch)
-        self.worker = make_worker(cfg.transfer, self.model, rank, cfg.collective_timeout_s)
+        self.worker = make_worker(cfg.transfer, self.model, rank)
         self.weight_version: int | str = 0
         self._round_error: BaseException | None = None  # the last weight-transfer failure (rank `failed`)
         self.dp = DPGroup(rank, cfg.dp_size, cfg.host, cfg.dp_port, cfg.collective_timeout_s)

@@ -44,6 +44,7 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
     if hasattr(torch, _name):
         DTYPES[_name] = getattr(torch, _name)
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+_FINITE_NATIVE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class PortInUseError(WeightSyncError, OSError):
@@ -52,6 +53,45 @@ class PortInUseError(WeightSyncError, OSError):
 
 class ChecksumMismatchError(WeightSyncError):
     """With ``verify=True``, a bucket's checksum on some rank differs from the trainer's (corruption)."""
+
+
+class NonFiniteWeightError(WeightSyncError, ValueError):
+    """With ``update_info['check_finite']=True``, received floating-point weights hold NaN or +/-Inf.
+
+    Raised by the engine worker on the received bytes, before ``load_weights`` copies any weight of the
+    batch (see :class:`~weightsync.impl.transfer.worker.WeightTransferWorker`, rule 7).
+
+    Attributes:
+        counts: weight name -> number of non-finite elements, in arrival order.
+    """
+
+    def __init__(self, counts: Mapping[str, int], numels: Mapping[str, int]) -> None:
+        self.counts: dict[str, int] = dict(counts)
+        shown = "; ".join(
+            f"{n!r} has {c} non-finite element(s) of {numels[n]}" for n, c in list(self.counts.items())[:10]
+        )
+        more = f"; and {len(self.counts) - 10} more weight(s)" if len(self.counts) > 10 else ""
+        super().__init__(
+            f"update_weights: check_finite=True: every floating-point weight must be finite (no NaN, +Inf or "
+            f"-Inf) before it is loaded, but {len(self.counts)} weight(s) are not: {shown}{more}; nothing of "
+            "this batch was loaded, and this round cannot finish"
+        )
+
+
+def non_finite_counts(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """Number of NaN / +Inf / -Inf elements per floating-point tensor of ``weights`` (only nonzero counts).
+
+    Integer and bool tensors are always finite. float8 tensors are widened to float32 for the test.
+    """
+    out: dict[str, int] = {}
+    for name, t in weights:
+        if not t.dtype.is_floating_point or t.numel() == 0:
+            continue
+        x = t if t.dtype in _FINITE_NATIVE else t.float()
+        bad = t.numel() - int(torch.isfinite(x).sum())
+        if bad:
+            out[name] = bad
+    return out
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -219,6 +259,9 @@ class UpdateInfo:
         packed_buffer_size_bytes: bucket capacity B in bytes (> 0); default 1 GiB.
         packed_num_buffers: number of pipelined bucket buffers (>= 1); default 2.
         verify: carry a CRC32 per bucket and compare it on every rank (weightsync extension).
+        check_finite: the engine worker refuses NaN / +-Inf in received floating-point weights before
+            loading them (weightsync extension, default False; local to each worker, so not part of the
+            wire description: the trainer never sees it). See the worker's rule 7.
     """
 
     names: tuple[str, ...]
@@ -228,6 +271,7 @@ class UpdateInfo:
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     verify: bool = False
+    check_finite: bool = False
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("names", "dtype_names", "shapes")
     OPTIONAL: ClassVar[tuple[str, ...]] = (
@@ -235,6 +279,7 @@ class UpdateInfo:
         "packed_buffer_size_bytes",
         "packed_num_buffers",
         "verify",
+        "check_finite",
     )
 
     @classmethod
@@ -245,7 +290,8 @@ class UpdateInfo:
             ValueError: not a dict; a missing or unknown field; ``names``/``dtype_names``/``shapes`` not
                 lists of equal length (reference section 2: "unequal lengths -> ValueError"); a name that is
                 not a non-empty str or appears twice; an unknown dtype name; a shape that is not a list of
-                ints or has a negative dimension; ``packed_buffer_size_bytes < 1``; ``packed_num_buffers < 1``.
+                ints or has a negative dimension; ``packed_buffer_size_bytes < 1``; ``packed_num_buffers < 1``;
+                ``verify`` / ``packed`` / ``check_finite`` not a bool.
         """
         what = "update_info"
         d = _require_mapping(obj, what)
@@ -303,6 +349,7 @@ class UpdateInfo:
                 else DEFAULT_PACKED_NUM_BUFFERS
             ),
             verify=_bool(d, "verify", what) if "verify" in d else False,
+            check_finite=_bool(d, "check_finite", what) if "check_finite" in d else False,
         )
 
     def metas(self) -> list[TensorMeta]:
@@ -321,6 +368,7 @@ class UpdateInfo:
             "packed_buffer_size_bytes": self.packed_buffer_size_bytes,
             "packed_num_buffers": self.packed_num_buffers,
             "verify": self.verify,
+            "check_finite": self.check_finite,
         }
 
 
@@ -427,6 +475,10 @@ class LoadableModel(Protocol):
     Contract: ``load_weights`` *copies* every tensor into the model's own storage and keeps no reference
     to it: the transports hand out views of reused buffers (packed broadcast) or of shared memory (IPC),
     which are overwritten as soon as ``load_weights`` returns.
+
+    Optional: ``checkpoint_weight_dtypes() -> {name: dtype}`` (exact dtype checks, worker rule 4) and
+    ``tied_checkpoint_weights() -> {alias: source}`` (names accepted without being expected, e.g. a tied
+    ``lm_head.weight``; ``load_weights`` checks each alias against its source, worker rule 3).
     """
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -547,6 +599,7 @@ __all__ = [
     "LoadFn",
     "LoadableModel",
     "LocalCheck",
+    "NonFiniteWeightError",
     "ParallelInfo",
     "PortInUseError",
     "RendezvousInitInfo",
@@ -556,4 +609,5 @@ __all__ = [
     "WeightTransferEngine",
     "dtype_name",
     "meta_of",
+    "non_finite_counts",
 ]
