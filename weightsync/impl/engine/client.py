@@ -225,7 +225,16 @@ class DPEngineClient:
         coord_in = self._router_coord if self.routed else [q.to_coord for q in self.queues]
         coord = self._ctx.Process(
             target=run_coordinator,
-            args=(self._fe2coord, coord_in, wave_out, self._stats, self._stop, 0.001, self.routed),
+            args=(
+                self._fe2coord,
+                coord_in,
+                wave_out,
+                self._stats,
+                self._stop,
+                0.001,
+                self.routed,
+                get_variant(self.cfg.variant).coordinator_latches,
+            ),
             daemon=True,
             name="weightsync-dp-coordinator",
         )

@@ -301,8 +301,7 @@ class EngineCore:
         try:
             op()
         except Exception as exc:
-            self._round_error = exc
-            self.dp.post("idle")
+            self._round_error = exc  # the DP board keeps the phase it failed in (repro reports it)
             self.fire(RankEvent.TRANSFER_FAILED, phase=phase, error=f"{type(exc).__name__}: {exc}")
             raise _RoundFailed(exc) from exc
 
