@@ -47,7 +47,7 @@ from weightsync.spec.states import (
     schedulable,
     unfinished_for_sync,
 )
-from weightsync.spec.table import Transition, apply_transition, select_transition
+from weightsync.spec.table import ALWAYS, Transition, apply_transition, select_transition
 from weightsync.spec.worker import (
     WORKER_EVENT_OF_EFFECT,
     WORKER_GUARDS,
@@ -83,6 +83,7 @@ NOT_SENT, SENT, REPLIED, SPURIOUS, FAILED_REPLY = 0, 1, 2, 3, 4
 RETRY = -1
 #: Rank effects that are worker operations that may fail (when Bounds.failures allows one).
 FAILABLE_EFFECTS = frozenset({"start_weight_update", "finish_weight_update"})
+_REPLIES = frozenset({"reply", "reply_resume"})
 FAIL_PHASE = {
     "start_weight_update": "start",
     "finish_weight_update": "finish",
@@ -778,13 +779,45 @@ class Model:
         """Re-send resume to every rank (after each rank's first), untracked."""
         w = _Work(s)
         w.ctrl = ctrl
+        w.untracked = True
         f = 0 if self.ordered else F_CTRL
         for i in range(self.n):
-            rk = w.ranks[i]
-            w.ranks[i] = rk._replace(
-                inq=(*rk.inq[:f], (*rk.inq[f], ("U", "resume", RETRY)), *rk.inq[f + 1 :])
-            )
+            if not self._deliver_now(w, i, "resume"):
+                rk = w.ranks[i]
+                w.ranks[i] = rk._replace(
+                    inq=(*rk.inq[:f], (*rk.inq[f], ("U", "resume", RETRY)), *rk.inq[f + 1 :])
+                )
+        w.untracked = False
         return w.freeze()
+
+    def _deliver_now(self, w: _Work, i: int, call: str) -> bool:
+        """Reduction: a resume sent to a rank that will take it as a no-op whenever it arrives is received
+        at once. It applies when the rank is not blocked, nothing is queued before the call (its
+        controller FIFO, or its only FIFO under ``ordered``), and the table has a single unguarded row for
+        RESUME in the rank's state that changes no variable and only replies. Such a rank can leave its
+        state only through a later controller call (queued behind this one), so the row that fires is the
+        same at any delivery time; delivering later differs only in the controller's view of the reply
+        (it may always wait longer) and reaches no other state. The lookup goes through :meth:`fire`, so
+        a mutant of that row is still seen (mutation equivalence)."""
+        if call != "resume":
+            return False
+        rk = w.ranks[i]
+        if rk.blocked or (any(rk.inq) if self.ordered else rk.inq[F_CTRL]):
+            return False
+        v = rk.vars
+        rows = self.table.get((v.state, RankEvent.RESUME), ())
+        if len(rows) != 1:
+            return False
+        row = rows[0]
+        if row.guard != ALWAYS or row.target != v.state or not set(row.effects) <= _REPLIES:
+            return False
+        tr, after = self.fire(i, v, RankEvent.RESUME, ())
+        if tr is None or after != v:
+            return False
+        w.ranks[i] = rk._replace(pz=0)
+        for eff in tr.effects:
+            self._effect(w, i, eff, v, -1)
+        return True
 
     def _fan_out(
         self,
@@ -808,10 +841,10 @@ class Model:
         targets = [] if trainer else (list(range(self.n)) if target is None else [target])
         arg = ctrl[2] + 1 if phase == FINISH else 0  # finish carries the version: successful rounds + 1
         for i in targets:
-            rk = w.ranks[i]
-            w.ranks[i] = rk._replace(
-                inq=(*rk.inq[:f], (*rk.inq[f], ("U", call, arg)), *rk.inq[f + 1 :]), status=SENT
-            )
+            rk = w.ranks[i]._replace(status=SENT)
+            w.ranks[i] = rk
+            if not self._deliver_now(w, i, call):
+                w.ranks[i] = rk._replace(inq=(*rk.inq[:f], (*rk.inq[f], ("U", call, arg)), *rk.inq[f + 1 :]))
         if phase in (UPDATE, INIT) and (trainer or target is None):
             w.trainer = ("weight_broadcast" if phase == UPDATE else "transfer_init", SENT)
         return w.freeze()
