@@ -34,6 +34,7 @@ class Cluster:
         step_sleep_s: float = 0.0,
         engine: Any = None,
         hold: bool = False,
+        transfer: str = BROADCAST_WORKER,
     ) -> None:
         cfg = EngineConfig(
             dp_size=dp_size,
@@ -42,7 +43,7 @@ class Cluster:
             sync_interval=sync_interval,
             collective_timeout_s=timeout_s,
             step_sleep_s=step_sleep_s,
-            transfer=BROADCAST_WORKER,
+            transfer=transfer,
         )
         self.client = DPEngineClient(cfg, hold=hold).start()
         self.engine = engine(self.client) if engine is not None else self.client
