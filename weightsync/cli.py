@@ -13,7 +13,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_OK = 0
 EXIT_VIOLATION = 1
@@ -89,7 +89,7 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors raise :class:`UsageError` (so ``main`` can print them as JSON)."""
 
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: error: {message}", self.format_usage())
 
 
