@@ -220,3 +220,66 @@ def test_bad_requests_on_both_ranks_then_both_serve_and_a_weight_round_works(clu
         s = c.add_request([4, 5], greedy(3), req_id=f"after-round-{r}", rank=r).wait(30)
         assert s.finish_reason == "length" and s.versions == [v0[r] + 1] * 3
     assert not c.failures
+
+
+def _ws_message(sizes: dict[int, int]) -> str:
+    shown = ", ".join(f"rank {r}{' (trainer)' if r == 0 else ''} says {w}" for r, w in sorted(sizes.items()))
+    return (
+        f"init_weight_transfer_engine: the ranks disagree on world_size: {shown}; every rank (the trainer "
+        "and each engine worker) must pass the same world_size, 1 + the number of engine workers; "
+        "no group was formed"
+    )
+
+
+@pytest.mark.parametrize(("trainer_ws", "engine_ws"), [(3, 2), (2, 3)])
+def test_world_size_disagreement_on_the_dp_cluster_fails_every_side_within_the_timeout(
+    trainer_ws: int, engine_ws: int
+) -> None:
+    """2 DP engines (transfer ranks 1, 2) and a trainer that disagree on world_size: every side raises
+    within the configured timeout, naming each rank's world_size; nothing hangs."""
+    import threading
+    import time
+
+    from weightsync.impl.engine.client import free_port
+    from weightsync.impl.engine.weights import SimpleBroadcastTrainer
+    from weightsync.spec.errors import WireMismatchError
+
+    timeout = 10.0
+    c = Cluster(dp_size=2, sync_interval=4, timeout_s=timeout)
+    try:
+        port = free_port()
+        info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "timeout_s": timeout}
+        box: list[BaseException] = []
+
+        def trainer() -> None:
+            try:
+                SimpleBroadcastTrainer({**info, "world_size": trainer_ws})
+            except BaseException as exc:
+                box.append(exc)
+
+        th = threading.Thread(target=trainer)
+        t0 = time.monotonic()
+        th.start()
+        with pytest.raises(WireMismatchError):
+            c.client.init_weight_transfer_engine({**info, "world_size": engine_ws}, timeout=timeout + 5)
+        th.join(timeout + 5)
+        elapsed = time.monotonic() - t0
+        assert not th.is_alive() and elapsed < timeout, f"{elapsed:.1f} s"
+        # each engine reports its failure right after its reply
+        c.client.wait_for(lambda: len(c.client.failures) == 2, 5.0, "both engines' failure reports")
+        if engine_ws == 2:  # engine 1 would be rank 2 of 2: rejected locally; the others see 3 vs 2
+            seen = {0: 3, 1: 2}
+            assert c.client.failures[1].error == (
+                "ValueError: init_weight_transfer_engine: worker rank 2 = rank_offset + dp_index 1 is outside "
+                "1..1 (world_size=2: the trainer plus one worker per DP rank)"
+            )
+            mismatched = [0]
+        else:
+            seen = {0: 2, 1: 3, 2: 3}
+            mismatched = [0, 1]
+        assert [type(e).__name__ for e in box] == ["WireMismatchError"]
+        assert str(box[0]) == _ws_message(seen)
+        for r in mismatched:
+            assert c.client.failures[r].error == f"WireMismatchError: {_ws_message(seen)}"
+    finally:
+        c.close()

@@ -63,6 +63,7 @@ from weightsync.spec.errors import (
     RemoteProtocolError,
     TransferTimeoutError,
     WeightSyncError,
+    WireMismatchError,
 )
 from weightsync.spec.rank import get_variant
 from weightsync.spec.states import PauseMode
@@ -152,6 +153,8 @@ def _remote_error(rank: int, method: str, reply: UtilityReply, failure: EngineFa
         return IncompleteUpdateError([msg])
     if et == "PeerFailedError":
         return PeerFailedError([rank], method, str(reply.error))
+    if et == "WireMismatchError":
+        return WireMismatchError(msg)
     return EngineCallError(rank, method, et, str(reply.error))
 
 

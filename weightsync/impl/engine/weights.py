@@ -43,10 +43,18 @@ class WeightWorker(Protocol):
 
 
 def _rendezvous(host: str, port: int, rank: int, world: int, timeout_s: float, phase: str) -> tuple[Any, Any]:
+    """Store, then the transports' ticket rendezvous (``control`` rule 3: a ``world_size`` disagreement
+    raises WireMismatchError on every rank, a missing rank is named), then the gloo group."""
+    from weightsync.impl.transfer.control import ControlPlane
+
     td = datetime.timedelta(seconds=timeout_s)
     t0 = time.monotonic()
     try:
-        store = dist.TCPStore(host, port, world, rank == 0, timeout=td, wait_for_workers=True)
+        store = dist.TCPStore(host, port, None, rank == 0, timeout=td, wait_for_workers=False)
+    except Exception as exc:
+        raise TransferTimeoutError(phase, [], time.monotonic() - t0, f"{type(exc).__name__}: {exc}") from exc
+    ControlPlane(dist.PrefixStore("ctl", store), rank, world, timeout_s, f"timeout {timeout_s:g} s").join()
+    try:
         pg = dist.ProcessGroupGloo(dist.PrefixStore("wt", store), rank, world, td)
     except Exception as exc:
         raise TransferTimeoutError(phase, [], time.monotonic() - t0, f"{type(exc).__name__}: {exc}") from exc
@@ -80,15 +88,24 @@ class SimpleBroadcastWorker:
         """Join the transfer group (``master_address``, ``master_port``, ``rank_offset``, ``world_size``).
 
         Raises:
+            WireMismatchError: the trainer and the workers disagree on ``world_size`` (every rank raises).
             TransferTimeoutError: the trainer or a peer did not join within ``timeout_s``.
+            ValueError: this worker's rank ``rank_offset + dp_index`` is outside ``1..world_size-1``
+                (before anything changes).
         """
-        self.machine.fire(WorkerEvent.INIT)
         rank = int(init_info.get("rank_offset", 1)) + self.dp_index
+        world = int(init_info["world_size"])
+        if not 1 <= rank < world:
+            raise ValueError(
+                f"init_weight_transfer_engine: worker rank {rank} = rank_offset + dp_index {self.dp_index} is "
+                f"outside 1..{world - 1} (world_size={world}: the trainer plus one worker per DP rank)"
+            )
+        self.machine.fire(WorkerEvent.INIT)
         self._store, self.pg = _rendezvous(
             str(init_info["master_address"]),
             int(init_info["master_port"]),
             rank,
-            int(init_info["world_size"]),
+            world,
             float(init_info.get("timeout_s", self.timeout_s)),
             "init_weight_transfer_engine",
         )

@@ -129,7 +129,10 @@ class ControlPlane:
             ValueError: some rank was claimed by more than one process (non-bijective rank mapping).
             TransferTimeoutError: phase ``"rendezvous"``, naming the ranks that never joined.
             PeerFailedError: the trainer's store went away (it gave up first).
+            ValueError: this rank is outside ``0..world_size-1`` (before touching the store).
         """
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rendezvous: rank {self.rank} is outside 0..{self.world_size - 1} (world_size)")
         s = self.store
         t0 = time.monotonic()
         seen: list[dict[str, Any]] = []
