@@ -24,8 +24,15 @@ from weightsync.spec.errors import WeightSyncError
 #: vLLM's defaults for the packed format (reference section 3): 1 GiB buffers, two of them.
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
-#: Default deadline of every rendezvous and collective, in seconds (vLLM's TCPStore uses 300 s).
+#: Default deadline of the rendezvous when ``init_info`` has no ``timeout_s``, in seconds (vLLM's TCPStore
+#: uses 300 s: engines may take minutes to start).
 DEFAULT_TIMEOUT_S = 300.0
+#: Without ``timeout_s``, every wait of one update round is sized to the round: this floor, seconds (it
+#: covers the trainer and the engines reaching the round at different times) ...
+DEFAULT_ROUND_FLOOR_S = 60.0
+#: ... plus the round's payload bytes at this conservative bandwidth, bytes per second (50 MB/s: below a
+#: 1 Gbit/s link; gloo on loopback, NCCL and shared memory are 10-1000x faster).
+DEFAULT_ROUND_BANDWIDTH_BPS = 50e6
 
 #: Wire names of the dtypes weightsync can move (vLLM's ``dtype_names`` use the torch attribute names).
 DTYPES: dict[str, torch.dtype] = {
@@ -207,8 +214,11 @@ class RendezvousInitInfo:
         master_address: host of the trainer's TCPStore (the trainer is rank 0 and hosts it).
         master_port: its TCP port, 1..65535.
         rank_offset: transfer rank of this engine's first worker (>= 1; rank 0 is the trainer).
-        world_size: trainer + every engine worker of every replica (>= 2; ``1 + tp*pp*dp`` for one replica).
-        timeout_s: deadline of every rendezvous and collective, seconds (weightsync extension; default 300).
+        world_size: trainer + every engine worker of every replica (>= 2; ``1 + tp*pp*dp`` for one replica);
+            every rank must pass the same value (checked at the rendezvous: ``WireMismatchError``).
+        timeout_s: deadline of every rendezvous and collective, seconds (weightsync extension). None (the
+            field absent): the rendezvous waits :data:`DEFAULT_TIMEOUT_S` and each update round's waits are
+            sized to the round (:meth:`round_deadline`).
         backend: ``"auto"`` (NCCL when CUDA is available, else gloo), ``"gloo"`` or ``"nccl"``
             (weightsync extension; ignored by ``ipc``).
     """
@@ -217,7 +227,7 @@ class RendezvousInitInfo:
     master_port: int
     rank_offset: int
     world_size: int
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float | None = None
     backend: str = "auto"
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("master_address", "master_port", "rank_offset", "world_size")
@@ -242,8 +252,37 @@ class RendezvousInitInfo:
             master_port=_int(d, "master_port", what, 1, 65535),
             rank_offset=_int(d, "rank_offset", what, 1),
             world_size=_int(d, "world_size", what, 2),
-            timeout_s=_float(d, "timeout_s", what) if "timeout_s" in d else DEFAULT_TIMEOUT_S,
+            timeout_s=_float(d, "timeout_s", what) if "timeout_s" in d else None,
             backend=backend,
+        )
+
+    @property
+    def rendezvous_timeout_s(self) -> float:
+        """Deadline of the rendezvous (and of the process-group setup), seconds."""
+        return DEFAULT_TIMEOUT_S if self.timeout_s is None else self.timeout_s
+
+    @property
+    def rendezvous_timeout_basis(self) -> str:
+        """How :attr:`rendezvous_timeout_s` was chosen (quoted in timeout errors)."""
+        if self.timeout_s is None:
+            return f"timeout {DEFAULT_TIMEOUT_S:g} s: the default, init_info has no timeout_s"
+        return f"timeout {self.timeout_s:g} s: init_info['timeout_s']"
+
+    def round_deadline(self, nbytes: int | None) -> tuple[float, str]:
+        """Deadline of every wait of one update round moving ``nbytes`` payload bytes (None: unknown, e.g.
+        a malformed request), and how it was sized (quoted in timeout errors).
+
+        ``init_info['timeout_s']`` when given; else :data:`DEFAULT_ROUND_FLOOR_S` + ``nbytes`` /
+        :data:`DEFAULT_ROUND_BANDWIDTH_BPS`, so a small model fails fast and a large one is not cut off.
+        """
+        if self.timeout_s is not None:
+            return self.timeout_s, f"timeout {self.timeout_s:g} s: init_info['timeout_s']"
+        n = max(0, nbytes or 0)
+        t = DEFAULT_ROUND_FLOOR_S + n / DEFAULT_ROUND_BANDWIDTH_BPS
+        return t, (
+            f"timeout {t:.1f} s sized to the round: {DEFAULT_ROUND_FLOOR_S:g} s floor + {n} bytes at a "
+            f"conservative {DEFAULT_ROUND_BANDWIDTH_BPS / 1e6:g} MB/s (init_info has no timeout_s; set it to "
+            "fix every deadline)"
         )
 
 
@@ -592,6 +631,8 @@ class WeightTransferEngine(ABC):
 __all__ = [
     "DEFAULT_PACKED_BUFFER_SIZE_BYTES",
     "DEFAULT_PACKED_NUM_BUFFERS",
+    "DEFAULT_ROUND_BANDWIDTH_BPS",
+    "DEFAULT_ROUND_FLOOR_S",
     "DEFAULT_TIMEOUT_S",
     "DTYPES",
     "ChecksumMismatchError",

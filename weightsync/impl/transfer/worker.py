@@ -153,6 +153,8 @@ class WeightTransferWorker:
             LocalProtocolError: not configured, in a round (weightsync rejects re-init while active), after
                 an error or shutdown.
             ValueError: malformed ``init_info``, a rank outside the group, or a non-bijective mapping (B1).
+            WireMismatchError: the trainer and the workers disagree on ``world_size`` (every rank raises,
+                naming each rank's value; ``control`` rule 3).
             PortInUseError / TransferTimeoutError: from the rendezvous.
         """
         self._legal(WorkerEvent.INIT)
