@@ -197,6 +197,14 @@ class DemoWorker:
         self._proxy.armed = k is not None and k["rank"] == self.dp_index and k["round"] == self.rounds_started
         self.inner.update_weights(update_info)
 
+    def fail_round(self) -> None:
+        """The round failed (the engine's table moved the rank to ``failed``): the real worker abandons it."""
+        self.inner.fail_round()
+
+    def fail_init(self) -> None:
+        """The init failed: the real worker must be initialised again."""
+        self.inner.fail_init()
+
     def finish_weight_update(self) -> None:
         """Close the round, then write this engine's probe logits (when ``demo_probe_dir`` was given)."""
         self.inner.finish_weight_update()
@@ -306,8 +314,19 @@ class _Guard:
     def update_weights(self, update_info: dict[str, Any], timeout: float | None = None) -> None:
         self._watch("update_weights", lambda: self.client.update_weights(update_info, timeout))
 
-    def finish_weight_update(self, timeout: float | None = None) -> None:
-        self._watch("finish_weight_update", lambda: self.client.finish_weight_update(timeout))
+    def finish_weight_update(
+        self,
+        timeout: float | None = None,
+        *,
+        weight_version: int | str | None = None,
+        monotonic: bool = False,
+    ) -> None:
+        self._watch(
+            "finish_weight_update",
+            lambda: self.client.finish_weight_update(
+                timeout, weight_version=weight_version, monotonic=monotonic
+            ),
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)

@@ -387,7 +387,36 @@ class Model:
                         out.append((("abort", i, r), self._send_abort(s, i, r)))
         # controller and trainer
         self._controller(s, out)
+        if self.stray_resume or self.repeat_resume:
+            return [(label, self._settle(t)) for label, t in out]
         return out
+
+    def _settle(self, s: G) -> G:
+        """Reduction (with stray or repeated resumes only): a resume at the head of a rank's controller FIFO
+        that the rank takes as a no-op (see :meth:`_deliver_now`) is received at once. It is independent
+        of every other transition (it changes no rank variable, and no other transition can change which
+        row it takes: the rank leaves its state only through a later controller call, queued behind it),
+        so exploring it first loses no reachable state other than those that differ only in the
+        controller's view of that reply."""
+        w: _Work | None = None
+        for i in range(self.n):
+            while True:
+                rk = (w.ranks if w is not None else s.ranks)[i]
+                f = 0 if self.ordered else F_CTRL
+                q = rk.inq[f]
+                if rk.blocked or not q or q[0][0] != "U" or q[0][1] != "resume":
+                    break
+                if w is None:
+                    w = _Work(s)
+                w.untracked = q[0][2] == RETRY
+                w.ranks[i] = rk._replace(inq=(*rk.inq[:f], q[1:], *rk.inq[f + 1 :]))
+                if not self._deliver_now(w, i, "resume", queued=True):
+                    w.ranks[i] = rk
+                    break
+        if w is None:
+            return s
+        w.untracked = False
+        return w.freeze()
 
     # -- ranks
 
@@ -790,7 +819,7 @@ class Model:
         w.untracked = False
         return w.freeze()
 
-    def _deliver_now(self, w: _Work, i: int, call: str) -> bool:
+    def _deliver_now(self, w: _Work, i: int, call: str, queued: bool = False) -> bool:
         """Reduction: a resume sent to a rank that will take it as a no-op whenever it arrives is received
         at once. It applies when the rank is not blocked, nothing is queued before the call (its
         controller FIFO, or its only FIFO under ``ordered``), and the table has a single unguarded row for
@@ -802,7 +831,7 @@ class Model:
         if call != "resume":
             return False
         rk = w.ranks[i]
-        if rk.blocked or (any(rk.inq) if self.ordered else rk.inq[F_CTRL]):
+        if rk.blocked or (not queued and (any(rk.inq) if self.ordered else rk.inq[F_CTRL])):
             return False
         v = rk.vars
         rows = self.table.get((v.state, RankEvent.RESUME), ())
