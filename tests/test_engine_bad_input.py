@@ -241,19 +241,25 @@ def test_world_size_disagreement_on_the_dp_cluster_fails_every_side_within_the_t
     import time
 
     from weightsync.impl.engine.client import free_port
-    from weightsync.impl.engine.weights import SimpleBroadcastTrainer
+    from weightsync.impl.transfer.broadcast import BroadcastTrainer
     from weightsync.spec.errors import WireMismatchError
 
     timeout = 10.0
     c = Cluster(dp_size=2, sync_interval=4, timeout_s=timeout)
     try:
         port = free_port()
-        info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "timeout_s": timeout}
+        info = {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "timeout_s": timeout,
+            "backend": "gloo",
+        }
         box: list[BaseException] = []
 
         def trainer() -> None:
             try:
-                SimpleBroadcastTrainer({**info, "world_size": trainer_ws})
+                BroadcastTrainer({**info, "world_size": trainer_ws})
             except BaseException as exc:
                 box.append(exc)
 
@@ -265,13 +271,14 @@ def test_world_size_disagreement_on_the_dp_cluster_fails_every_side_within_the_t
         th.join(timeout + 5)
         elapsed = time.monotonic() - t0
         assert not th.is_alive() and elapsed < timeout, f"{elapsed:.1f} s"
-        # each engine reports its failure right after its reply
-        c.client.wait_for(lambda: len(c.client.failures) == 2, 5.0, "both engines' failure reports")
+        # the failed init is a table event: every engine is in `failed` with its own error
+        assert [st["state"] for st in c.client.get_state()] == ["failed", "failed"]
+        errors = {r: c.client.call_rank(r, "round_error").result(10.0) for r in range(2)}
         if engine_ws == 2:  # engine 1 would be rank 2 of 2: rejected locally; the others see 3 vs 2
             seen = {0: 3, 1: 2}
-            assert c.client.failures[1].error == (
-                "ValueError: init_weight_transfer_engine: worker rank 2 = rank_offset + dp_index 1 is outside "
-                "1..1 (world_size=2: the trainer plus one worker per DP rank)"
+            assert errors[1] == (
+                "ValueError: transfer rank 2 = rank_offset 1 + dp_index 1 * 1 + local_rank 0 is outside 1..1 "
+                "(world_size=2; vLLM PR #36940)"
             )
             mismatched = [0]
         else:
@@ -280,6 +287,6 @@ def test_world_size_disagreement_on_the_dp_cluster_fails_every_side_within_the_t
         assert [type(e).__name__ for e in box] == ["WireMismatchError"]
         assert str(box[0]) == _ws_message(seen)
         for r in mismatched:
-            assert c.client.failures[r].error == f"WireMismatchError: {_ws_message(seen)}"
+            assert errors[r] == f"WireMismatchError: {_ws_message(seen)}"
     finally:
         c.close()

@@ -888,6 +888,14 @@ class _Run:
             tmp.cleanup()
         return self._result(error, list(getattr(engine, "violations", []) or []))
 
+    @staticmethod
+    def _round_failed(guard: _Guard, rank: int) -> bool:
+        """Whether engine ``rank`` is in the table's ``failed`` state (False if it cannot answer)."""
+        try:
+            return bool(guard.client.call_rank(rank, "get_state").result(10.0)["state"] == "failed")
+        except Exception:
+            return False
+
     def _describe_failure(
         self, exc: BaseException, guard: _Guard | None, send_errors: list[BaseException]
     ) -> str:
@@ -901,13 +909,17 @@ class _Run:
         else:
             parts.append(f"{type(exc).__name__}: {exc}")
         if guard is not None:
-            if dead:  # the surviving ranks fail within the timeout too: give them the time to report it
-                alive = [r for r in range(self.cfg.ranks) if r not in dead]
+            alive = [r for r in range(self.cfg.ranks) if r not in dead]
+            if dead:  # the surviving ranks fail their round within the timeout too (state `failed`)
                 deadline = time.monotonic() + self.cfg.timeout_s + 5.0
-                while time.monotonic() < deadline and any(r not in guard.client.failures for r in alive):
+                while time.monotonic() < deadline and not all(self._round_failed(guard, r) for r in alive):
                     time.sleep(0.05)
             for r, f in sorted(guard.client.failures.items()):
                 parts.append(f"engine rank {r} failed in {f.phase}: {f.error}")
+            for r in alive:
+                if r not in guard.client.failures and self._round_failed(guard, r):
+                    err = guard.client.call_rank(r, "round_error").result(10.0)
+                    parts.append(f"engine rank {r} failed its round (state failed): {err}")
         for e in send_errors:
             parts.append(f"trainer send failed: {type(e).__name__}: {e}")
         return "; ".join(parts)

@@ -248,6 +248,9 @@ class EngineCore:
         self.queries: dict[str, Callable[..., Any]] = {
             "get_weight_version": lambda: self.weight_version,
             "get_state": lambda: vars_dict(self.machine.vars),
+            "round_error": lambda: (
+                f"{type(self._round_error).__name__}: {self._round_error}" if self._round_error else None
+            ),
             "snapshot": lambda: {"vars": vars_dict(self.machine.vars), "rank_seq": self.rank_seq},
             "get_pid": os.getpid,
             "set_trace": self._set_trace,
