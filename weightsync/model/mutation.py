@@ -286,6 +286,10 @@ def run_mutation(
     global _FIRINGS
     t0 = time.perf_counter()
     configs = kw.get("configs")
+    if configs is not None:  # a mutant is killed only by what the unmutated table does not violate
+        why = kills(variant, get_variant(variant).table, configs=configs)
+        if why is not None:
+            raise RuntimeError(f"the unmutated {variant} table fails {why}: fix it before mutating")
     if firings is None and configs is not None:
         firings = reachable_firings(variant, configs)
     _FIRINGS = firings

@@ -39,6 +39,7 @@ EXTRA_PROOFS: tuple[tuple[str, str, str, int, Bounds, str], ...] = (
     ),
     ("failures", "two-phase-epoch", "per-socket", 2, Bounds(failures=1, init_transfer=True), "verified"),
     ("stray-resume", "two-phase", "per-socket", 2, Bounds(stray_resume=True), "counterexample"),
+    ("client-abort", "two-phase-epoch", "per-socket", 2, Bounds(client_aborts=1), "verified"),
 )
 
 

@@ -652,7 +652,7 @@ class Model:
         kind = msg[0]
         if kind == "FIRST_REQ":
             exclude, mw = msg[1], msg[2]
-            if mw < wave:
+            if mw < wave or not self.variant.first_req_excludes:
                 exclude = -1
             if not running:
                 if (

@@ -663,6 +663,11 @@ class Variant:
         coordinator_latches: the DP coordinator sets engines_running when it broadcasts START_DP_WAVE for a
             FIRST_REQ (before vLLM's fix of issue #51476); False: only the engines' own reports
             (start_wave, wave_complete) move it (vLLM 0.32 ``v1/engine/coordinator.py:363-375``).
+        first_req_excludes: the coordinator's START_DP_WAVE for a FIRST_REQ excludes the rank the
+            request went to (vLLM ``coordinator.py:363-375``, ``core.py:2288``). False: every rank takes
+            it. The exclusion is unsafe with client aborts: the target rank drops the wake-up, the client
+            aborts the request before that rank steps, and its woken peer steps alone into ``dp_step`` (a
+            one-sided collective; ``proofs`` row ``client-abort``).
     """
 
     name: str
@@ -674,6 +679,7 @@ class Variant:
     expected: str = "counterexample"
     verified_channels: tuple[str, ...] = ()
     coordinator_latches: bool = True
+    first_req_excludes: bool = True
 
     def expected_verdict(self, channels: str) -> str:
         """ "verified" if the variant should verify under ``channels``, else "counterexample"."""
@@ -691,6 +697,7 @@ class Variant:
             str(self.pause_in_front_end),
             str(self.resume_barrier_carries_wave),
             str(self.coordinator_latches),
+            str(self.first_req_excludes),
         )
 
 
@@ -707,6 +714,7 @@ VARIANTS: dict[str, Variant] = {
             expected="verified",
             verified_channels=("per-socket", "ordered"),
             coordinator_latches=False,
+            first_req_excludes=False,
         ),
         Variant(
             "two-phase",

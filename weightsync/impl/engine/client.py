@@ -244,6 +244,7 @@ class DPEngineClient:
                 0.001,
                 self.routed,
                 get_variant(self.cfg.variant).coordinator_latches,
+                get_variant(self.cfg.variant).first_req_excludes,
             ),
             daemon=True,
             name="weightsync-dp-coordinator",

@@ -26,18 +26,20 @@ from weightsync.impl.engine.messages import FirstReq, StartDPWave, StartWave, St
 class CoordinatorState:
     """The coordinator's variables (vLLM names). ``latches``: the variant's
     :attr:`~weightsync.spec.rank.Variant.coordinator_latches` (FIRST_REQ sets engines_running; vLLM 0.32
-    ``v1/engine/coordinator.py:363-375`` does not: only the engines' reports move it)."""
+    ``v1/engine/coordinator.py:363-375`` does not: only the engines' reports move it). ``excludes``: the
+    variant's :attr:`~weightsync.spec.rank.Variant.first_req_excludes`."""
 
     current_wave: int = 0
     engines_running: bool = False
     latches: bool = True
+    excludes: bool = True
 
 
 def handle(state: CoordinatorState, msg: Any) -> list[StartDPWave]:
     """Apply one message to ``state``; return the START_DP_WAVE messages to broadcast (pure logic)."""
     if isinstance(msg, FirstReq):
         if not state.engines_running:
-            exclude = -1 if msg.wave < state.current_wave else msg.exclude
+            exclude = -1 if msg.wave < state.current_wave or not state.excludes else msg.exclude
             state.engines_running = state.latches
             return [StartDPWave(state.current_wave, exclude)]
         return []
@@ -64,6 +66,7 @@ def run_coordinator(
     poll_s: float = 0.001,
     ack: bool = False,
     latches: bool = True,
+    excludes: bool = True,
 ) -> None:
     """Process entry point: poll FIRST_REQ (front-end) and wave_complete/start_wave (engines) until ``stop``.
 
@@ -76,9 +79,9 @@ def run_coordinator(
         poll_s: sleep between idle polls, seconds.
         ack: publish stats after every message handled, changed or not (``weightsync repro`` uses them as
             acknowledgements; START_DP_WAVE broadcasts are queued before the stats).
-        latches: see :class:`CoordinatorState`.
+        latches, excludes: see :class:`CoordinatorState`.
     """
-    st = CoordinatorState(latches=latches)
+    st = CoordinatorState(latches=latches, excludes=excludes)
     stats_out.put(Stats(st.current_wave, st.engines_running))
     k = 0
     while not stop.is_set():
