@@ -41,7 +41,7 @@ else ifneq ($(VLLM),none)
 	$(error VLLM must be cpu, gpu or none, not '$(VLLM)')
 endif
 ifneq ($(VLLM),none)
-	$(BIN)/python -c "import vllm; print('vllm', vllm.__version__, 'imports')"
+	$(BIN)/python -c "import vllm, weightsync.vllm.plugin as p; p.register(); print('vllm', vllm.__version__, 'imports; weightsync plugin registers')"
 endif
 	touch $(VLLM_STAMP)
 

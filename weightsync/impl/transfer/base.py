@@ -219,6 +219,8 @@ class UpdateInfo:
         packed_buffer_size_bytes: bucket capacity B in bytes (> 0); default 1 GiB.
         packed_num_buffers: number of pipelined bucket buffers (>= 1); default 2.
         verify: carry a CRC32 per bucket and compare it on every rank (weightsync extension).
+        layout: bucket layout, ``"aligned"`` (weightsync's, packing rules 2-4) or ``"vllm"`` (vLLM's NCCL
+            packer byte for byte, packing rule 8); weightsync extension.
     """
 
     names: tuple[str, ...]
@@ -228,6 +230,7 @@ class UpdateInfo:
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     verify: bool = False
+    layout: str = "aligned"
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("names", "dtype_names", "shapes")
     OPTIONAL: ClassVar[tuple[str, ...]] = (
@@ -235,6 +238,7 @@ class UpdateInfo:
         "packed_buffer_size_bytes",
         "packed_num_buffers",
         "verify",
+        "layout",
     )
 
     @classmethod
@@ -303,6 +307,7 @@ class UpdateInfo:
                 else DEFAULT_PACKED_NUM_BUFFERS
             ),
             verify=_bool(d, "verify", what) if "verify" in d else False,
+            layout=_layout(d, what),
         )
 
     def metas(self) -> list[TensorMeta]:
@@ -321,7 +326,17 @@ class UpdateInfo:
             "packed_buffer_size_bytes": self.packed_buffer_size_bytes,
             "packed_num_buffers": self.packed_num_buffers,
             "verify": self.verify,
+            "layout": self.layout,
         }
+
+
+def _layout(d: Mapping[str, Any], what: str) -> str:
+    if "layout" not in d:
+        return "aligned"
+    v = d["layout"]
+    if v not in ("aligned", "vllm"):
+        raise ValueError(f"{what}['layout']={v!r} must be 'aligned' (weightsync's) or 'vllm' (vLLM's packer)")
+    return str(v)
 
 
 @dataclass(frozen=True)
@@ -329,24 +344,26 @@ class SendArgs:
     """Trainer-side packing arguments (vLLM's ``trainer_args`` less the group); must equal the engines'.
 
     Attributes mirror :class:`UpdateInfo`'s ``packed``, ``packed_buffer_size_bytes``,
-    ``packed_num_buffers`` and ``verify``.
+    ``packed_num_buffers``, ``verify`` and ``layout``.
     """
 
     packed: bool = False
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     verify: bool = False
+    layout: str = "aligned"
 
     OPTIONAL: ClassVar[tuple[str, ...]] = (
         "packed",
         "packed_buffer_size_bytes",
         "packed_num_buffers",
         "verify",
+        "layout",
     )
 
     @classmethod
     def parse(cls, d: Mapping[str, Any]) -> SendArgs:
-        """Validate the packing part of ``trainer_args`` (keys other than these four are ignored here).
+        """Validate the packing part of ``trainer_args`` (keys other than these five are ignored here).
 
         Raises:
             ValueError: a wrong type or out-of-range value, as for :meth:`UpdateInfo.parse`.
@@ -365,6 +382,7 @@ class SendArgs:
                 else DEFAULT_PACKED_NUM_BUFFERS
             ),
             verify=_bool(d, "verify", what) if "verify" in d else False,
+            layout=_layout(d, what),
         )
 
     def update_info(self, metas: Sequence[TensorMeta]) -> UpdateInfo:
@@ -377,6 +395,7 @@ class SendArgs:
             packed_buffer_size_bytes=self.packed_buffer_size_bytes,
             packed_num_buffers=self.packed_num_buffers,
             verify=self.verify,
+            layout=self.layout,
         )
 
 

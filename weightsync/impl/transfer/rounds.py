@@ -14,16 +14,22 @@ Rules:
    others :class:`~weightsync.spec.errors.PeerFailedError` naming it.
 3. **End.** A last status exchange after the final bucket, so a failure while loading the last bucket is
    seen by every rank too.
+4. **Streaming senders.** A trainer that declares its tensors' metadata up front (vLLM's
+   ``WeightSource.metadata()``) agrees on the wire from that declaration alone and then pulls the tensors
+   from its stream bucket by bucket (:class:`TensorFeed`): the stream is never materialised, and only the
+   tensors of buckets being packed or on the wire are referenced. A streamed tensor that differs from its
+   declaration (name, dtype or shape), a missing one or an extra one fails that bucket (or the end), so
+   every rank aborts there (rule 2) instead of splitting the stream differently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from weightsync.impl.transfer.base import SendArgs, TensorMeta, meta_of
+from weightsync.impl.transfer.base import SendArgs, TensorMeta, dtype_name, meta_of
 from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.packing import (
     Bucket,
@@ -104,7 +110,121 @@ def open_send_round(
     if veto is not None:
         raise ValueError(f"trainer_send_weights: {veto}")
     tensors = [t.detach() for _, t in items]
-    return tensors, plan_buckets([m.nbytes for m in metas], args.packed_buffer_size_bytes, args.packed)
+    return tensors, plan_buckets(
+        [m.nbytes for m in metas], args.packed_buffer_size_bytes, args.packed, args.layout
+    )
+
+
+class TensorFeed:
+    """The trainer's tensors of one round in order: all at hand (a list) or pulled from a stream (rule 4).
+
+    Args:
+        metas: what the round declared, in order.
+        tensors: the tensors, when the caller already holds them all (random access).
+        stream: ``(name, tensor)`` pairs to pull from in order, when it does not.
+    """
+
+    def __init__(
+        self,
+        metas: Sequence[TensorMeta],
+        tensors: Sequence[torch.Tensor] | None = None,
+        stream: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
+        if (tensors is None) == (stream is None):
+            raise ValueError("TensorFeed needs exactly one of tensors and stream")
+        self.metas = metas
+        self.at_hand: list[torch.Tensor] | None = None if tensors is None else list(tensors)
+        self._it: Iterator[tuple[str, torch.Tensor]] | None = None if stream is None else iter(stream)
+        self._next = 0
+
+    def take(self, members: Sequence[int]) -> dict[int, torch.Tensor]:
+        """The tensors of ``members`` (consecutive, in order, each taken once when streaming), detached.
+
+        Raises:
+            ValueError: a streamed tensor differs from its declaration, or the stream ended early.
+        """
+        if self.at_hand is not None:
+            return {i: self.at_hand[i] for i in members}
+        assert self._it is not None
+        out: dict[int, torch.Tensor] = {}
+        for i in members:
+            if i != self._next:
+                raise ValueError(f"tensor {i} requested out of order (next is {self._next})")
+            m = self.metas[i]
+            try:
+                name, t = next(self._it)
+            except StopIteration:
+                raise ValueError(
+                    f"the weight stream ended after {i} tensors; {len(self.metas)} were declared "
+                    f"(first missing: {m.name!r})"
+                ) from None
+            got = (name, _dtype_text(t.dtype), tuple(int(d) for d in t.shape))
+            if got != (m.name, m.dtype_name, m.shape):
+                raise ValueError(
+                    f"the weight stream disagrees with its declared metadata at index {i}: declared "
+                    f"{m.name!r} {m.dtype_name} {list(m.shape)}, got {got[0]!r} {got[1]} {list(got[2])}; "
+                    "both must enumerate the same tensors in the same order"
+                )
+            out[i] = t.detach()
+            self._next += 1
+        return out
+
+    def finish(self) -> None:
+        """Check that a stream is exhausted after the last declared tensor.
+
+        Raises:
+            ValueError: it yields more (naming the first extra) or fewer tensors than declared.
+        """
+        if self._it is None:
+            return
+        if self._next != len(self.metas):
+            raise ValueError(f"only {self._next} of {len(self.metas)} declared tensors were taken")
+        extra = next(self._it, None)
+        if extra is not None:
+            raise ValueError(
+                f"the weight stream yields more tensors than the {len(self.metas)} declared; "
+                f"first extra is {extra[0]!r}"
+            )
+
+
+def _dtype_text(dtype: torch.dtype) -> str:
+    try:
+        return dtype_name(dtype)
+    except ValueError:
+        return str(dtype).removeprefix("torch.")
+
+
+def open_send_stream(
+    cp: ControlPlane,
+    seq: int,
+    declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+    stream: Iterable[tuple[str, torch.Tensor]],
+    args: SendArgs,
+) -> tuple[TensorFeed, tuple[Bucket, ...]]:
+    """Trainer side of rule 1 from declared ``(name, dtype, shape)`` metadata (rule 4): agree on the wire
+    (an undescribable dtype is vetoed, so every consumer is told), then plan the buckets.
+
+    Returns:
+        (a :class:`TensorFeed` over ``stream``, the bucket plan).
+
+    Raises:
+        ValueError: the trainer vetoed, after the consumers were told.
+        WireMismatchError / TransferTimeoutError: as :func:`agree`.
+    """
+    veto: str | None = None
+    metas: list[TensorMeta] = []
+    try:
+        metas = [TensorMeta(n, dtype_name(d), tuple(int(x) for x in s)) for n, d, s in declared]
+    except ValueError as exc:
+        veto = str(exc)
+    info = args.update_info(metas)
+    agree(cp, seq, wire_description(info) if veto is None else None, veto)
+    if veto is not None:
+        raise ValueError(f"trainer_send_weights: {veto}")
+    sizes = [m.nbytes for m in metas]
+    return TensorFeed(metas, stream=stream), plan_buckets(
+        sizes, args.packed_buffer_size_bytes, args.packed, args.layout
+    )
 
 
 def status(
@@ -134,4 +254,4 @@ def status(
     return vals
 
 
-__all__ = ["PHASE_WIRE", "agree", "status"]
+__all__ = ["PHASE_WIRE", "TensorFeed", "agree", "open_send_round", "open_send_stream", "status"]
