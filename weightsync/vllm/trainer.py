@@ -136,6 +136,16 @@ def _wire_dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def update_info_of(declared: Declared) -> dict[str, Any]:
+    """The ``update_info`` dict of one round over ``declared`` ``(name, dtype, shape)``: exactly vLLM's
+    ``NCCLWeightTransferUpdateInfo`` fields (``names``, ``dtype_names``, ``shapes``)."""
+    return {
+        "names": [n for n, _, _ in declared],
+        "dtype_names": [_wire_dtype(d) for _, d, _ in declared],
+        "shapes": [list(s) for _, _, s in declared],
+    }
+
+
 def _chunks(
     pairs: Iterable[tuple[str, torch.Tensor]], limit: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -295,11 +305,7 @@ class _WeightsyncTrainer(TrainerWeightTransferEngine):
         declared: Declared,
         stream: Iterator[tuple[str, torch.Tensor]],
     ) -> None:
-        update_info = {
-            "names": [n for n, _, _ in declared],
-            "dtype_names": [_wire_dtype(d) for _, d, _ in declared],
-            "shapes": [list(s) for _, _, s in declared],
-        }
+        update_info = update_info_of(declared)
         sendable: Sequence[tuple[str, torch.dtype, Sequence[int]]] = declared
         concurrently(
             lambda: self.client.update_weights(update_info),
@@ -361,4 +367,5 @@ __all__ = [
     "WeightsyncIPCTrainerInitInfo",
     "WeightsyncTrainerInitInfo",
     "concurrently",
+    "update_info_of",
 ]
