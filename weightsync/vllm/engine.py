@@ -255,20 +255,22 @@ class _WeightsyncEngine(WeightTransferEngine):
         """
         transport = self._require_transport()
         try:
-            typed = self.parse_update_info(update_info)
-            self._check(typed)
-        except ValueError as exc:
             try:
-                transport.reject_update(exc)  # the veto: every rank fails before any payload
-            except ValueError:
+                typed = self.parse_update_info(update_info)
+                self._check(typed)
+            except ValueError as exc:
+                try:
+                    transport.reject_update(exc)  # the veto: every rank fails before any payload
+                except ValueError:
+                    raise
+                except Exception as other:  # the veto itself failed (a peer is gone): the input error
+                    raise exc from other
                 raise
-            except Exception as other:  # the veto itself failed (a peer is gone): report the input error
-                raise exc from other
-            raise
-        try:
             self.receive_weights(typed)
         except BaseException:
-            # vLLM's worker ends the round on any error (gpu_worker.py:1582): give the model its weights back
+            # vLLM's worker ends the round on any error here (v1/worker/gpu_worker.py:1582), with the
+            # layers still on the meta device: the next forward would kill the EngineCore
+            # (NotImplementedError in a CPU GEMM on meta tensors). Give the model its weights back.
             abandon_layerwise_reload(self.model)
             self._received = None
             raise

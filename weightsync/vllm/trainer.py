@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -263,7 +263,8 @@ class _WeightsyncTrainer(TrainerWeightTransferEngine):
         """One full round (rule 2) from ``weights`` (this round only) or the ``source`` given at init.
 
         Args:
-            weights: a ``WeightSource``, an ``nn.Module`` or an iterable of ``(name, tensor)`` pairs.
+            weights: a ``WeightSource``, an ``nn.Module``, a state dict or an iterable of
+                ``(name, tensor)`` pairs.
             weight_version: passed to ``client.finish_weight_update`` (vLLM stores it as the version).
 
         Raises:
@@ -271,17 +272,30 @@ class _WeightsyncTrainer(TrainerWeightTransferEngine):
             RuntimeError: an earlier round broke the endpoint (re-run ``trainer_init``).
             WireMismatchError / PeerFailedError / TransferTimeoutError, or the engines' RPC error.
         """
-        source = weights if weights is not None else self.source
-        if source is None:
-            raise ValueError("send_weights: no source; pass one to trainer_init(source=...) or send_weights")
-        if isinstance(source, torch.nn.Module):
-            source = ModuleSource(source)
+        source = self._source(weights)
         if not self.is_sender:
             for _ in source:  # rule 4: the trainer-side collectives of the source's iteration
                 pass
             return
-        endpoint = self._require_endpoint()
+        self._require_endpoint()
         self.client.start_weight_update()
+        self.update(source)
+        if weight_version is None:
+            self.client.finish_weight_update()
+        else:
+            self.client.finish_weight_update(weight_version)
+        self.rounds += 1
+
+    def update(self, weights: Any) -> None:
+        """Only the ``update_weights`` part of a round (rules 2-3), for a caller that opens and closes
+        the round itself (``start_weight_update`` / ``finish_weight_update`` through its own client), e.g.
+        to send the rest after ``finish_weight_update`` reported missing weights. Sender only.
+
+        Raises:
+            as :meth:`send_weights`.
+        """
+        endpoint = self._require_endpoint()
+        source = self._source(weights)
         try:
             metadata = getattr(source, "metadata", None)
             if callable(metadata):
@@ -293,11 +307,16 @@ class _WeightsyncTrainer(TrainerWeightTransferEngine):
         except BaseException as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
             raise
-        if weight_version is None:
-            self.client.finish_weight_update()
-        else:
-            self.client.finish_weight_update(weight_version)
-        self.rounds += 1
+
+    def _source(self, weights: Any) -> Any:
+        source = weights if weights is not None else self.source
+        if source is None:
+            raise ValueError("send_weights: no source; pass one to trainer_init(source=...) or send_weights")
+        if isinstance(source, torch.nn.Module):
+            source = ModuleSource(source)
+        elif isinstance(source, Mapping):  # a state dict: its items, in its order
+            source = source.items()
+        return source
 
     def _round(
         self,
