@@ -172,7 +172,7 @@ def test_http_client_and_router_requests_parse_in_weightsync(monkeypatch: pytest
         assert eng.parse_update_info(dict_req.update_info).names == ["a"]
 
     # a list payload is indexed by global worker rank by vLLM's worker before the engine sees it
-    # (v1/worker/gpu_worker.py:1570-1577): dp_index * (TP*PP) + rank
+    # (v1/worker/gpu_worker.py:1570-1578): dp_index * (TP*PP) + rank
     seen: list[Any] = []
     for dp_index in (0, 1):
         fake = SimpleNamespace(

@@ -16,7 +16,7 @@ Rules:
    weightsync's wire agreement runs over the TCPStore) plus optional weightsync fields (``timeout_s``,
    ``verify``, ``layout``, ``group_backend``). ``update_info`` takes ``names``, ``dtype_names``,
    ``shapes`` (vLLM's worker picks this rank's entry when it is a list indexed by worker rank,
-   ``gpu_worker.py:1572``) plus an optional ``verify``. As in vLLM, the packing parameters are fixed at
+   ``gpu_worker.py:1570-1578``) plus an optional ``verify``. As in vLLM, the packing parameters are fixed at
    init, from the trainer's.
 2. **Layout.** ``weightsync`` packs in vLLM's own layout by default (``layout="vllm"``: exceed-then-flush,
    no alignment, ``packed_tensor.py``); ``layout="aligned"`` selects weightsync's.
@@ -35,7 +35,7 @@ Rules:
    round stays open. A round that failed inside ``update_weights`` is abandoned: the pending layers get
    their previous weights back (``weightsync.vllm.reload``).
 5. **CPU.** vLLM's ``update_weights`` ends with ``torch.accelerator.synchronize()``
-   (``distributed/weight_transfer/base.py:484``), which raises on a CPU-only torch; these engines
+   (``distributed/weight_transfer/base.py:502``), which raises on a CPU-only torch; these engines
    synchronise only a CUDA device.
 """
 
@@ -268,7 +268,7 @@ class _WeightsyncEngine(WeightTransferEngine):
                 raise
             self.receive_weights(typed)
         except BaseException:
-            # vLLM's worker ends the round on any error here (v1/worker/gpu_worker.py:1582), with the
+            # vLLM's worker ends the round on any error here (v1/worker/gpu_worker.py:1583), with the
             # layers still on the meta device: the next forward would kill the EngineCore
             # (NotImplementedError in a CPU GEMM on meta tensors). Give the model its weights back.
             abandon_layerwise_reload(self.model)

@@ -14,7 +14,7 @@ Two gaps, which weightsync closes:
    round missing a tensor silently serves a mix of old weights and garbage. :func:`incomplete_parameters`
    names what is missing before finalising, and the engine raises ``IncompleteUpdateError`` instead.
 2. **A failed round leaves the model on the meta device.** After an error inside ``update_weights`` the
-   worker marks the round inactive (``v1/worker/gpu_worker.py:1582``), but the layers stay on meta with
+   worker marks the round inactive (``v1/worker/gpu_worker.py:1583``), but the layers stay on meta with
    their buffered tensors, and the next ``initialize_layerwise_reload`` skips them (``layerwise.py:105``),
    replaying the stale buffers. :func:`abandon_layerwise_reload` puts every pending layer's kernel tensors
    back (their last complete values) and clears its state.
@@ -67,7 +67,7 @@ def incomplete_parameters(model: torch.nn.Module) -> list[str]:
 def abandon_layerwise_reload(model: torch.nn.Module) -> int:
     """Undo an unfinished layerwise reload: every layer still pending gets its kernel tensors back (the
     values of the last completed round) and its reload state is cleared. Returns the number of layers
-    restored. Uses ``layerwise._place_kernel_tensors`` (vLLM 0.32, ``layerwise.py:439``)."""
+    restored. Uses ``layerwise._place_kernel_tensors`` (vLLM 0.32, ``layerwise.py:436``)."""
     from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
 
     restored = 0

@@ -132,7 +132,7 @@ class WeightsyncIPCTrainerInitInfo(WeightsyncTrainerInitInfo):
 
 
 def _wire_dtype(dtype: torch.dtype) -> str:
-    # vLLM's trainer convention (nccl_engine.py:333): the torch attribute name
+    # vLLM's trainer convention (nccl_engine.py:334): the torch attribute name
     return str(dtype).removeprefix("torch.")
 
 
