@@ -304,6 +304,7 @@ class _WeightsyncTrainer(TrainerWeightTransferEngine):
             else:
                 for chunk in _chunks(source, self.args.packed_buffer_size_bytes):
                     self._round(endpoint, [(n, t.dtype, tuple(t.shape)) for n, t in chunk], iter(chunk))
+                    del chunk  # before the next chunk is pulled: hold one chunk at a time
         except BaseException as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
             raise
