@@ -1,4 +1,5 @@
-"""Helpers for the engine tests: start a small DP cluster with a trainer on the ``simple`` transport."""
+"""Helpers for the engine tests: a small DP cluster whose engines receive weights through the real broadcast
+transport (``weightsync.impl.transfer``, gloo on CPU), with the trainer side in this process."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 from weightsync.impl.engine.client import DPEngineClient, RequestStream, free_port
 from weightsync.impl.engine.controller import RoundTimes, update_round
 from weightsync.impl.engine.core import EngineConfig, tiny_config
-from weightsync.impl.engine.weights import SimpleBroadcastTrainer, random_weights
+from weightsync.impl.engine.weights import BROADCAST_WORKER, random_weights, update_info_for
 from weightsync.impl.models.causal_lm import CausalLM
 from weightsync.impl.models.sampling import SamplingParams
+from weightsync.impl.transfer.broadcast import BroadcastTrainer
 
 CFG = tiny_config()
 
@@ -21,7 +23,7 @@ def greedy(n: int) -> SamplingParams:
 
 
 class Cluster:
-    """A started DP cluster plus the trainer side of the simple transport."""
+    """A started DP cluster plus the trainer side (rank 0) of the broadcast transport."""
 
     def __init__(
         self,
@@ -32,6 +34,7 @@ class Cluster:
         step_sleep_s: float = 0.0,
         engine: Any = None,
         hold: bool = False,
+        transfer: str = BROADCAST_WORKER,
     ) -> None:
         cfg = EngineConfig(
             dp_size=dp_size,
@@ -40,10 +43,12 @@ class Cluster:
             sync_interval=sync_interval,
             collective_timeout_s=timeout_s,
             step_sleep_s=step_sleep_s,
+            transfer=transfer,
         )
         self.client = DPEngineClient(cfg, hold=hold).start()
         self.engine = engine(self.client) if engine is not None else self.client
-        self.trainer: SimpleBroadcastTrainer | None = None
+        self.trainer: BroadcastTrainer | None = None
+        self.timeout_s = timeout_s
         self.model = CausalLM(CFG)
 
     def init_transfer(self) -> None:
@@ -53,22 +58,40 @@ class Cluster:
             "master_port": port,
             "rank_offset": 1,
             "world_size": 1 + self.client.dp_size,
+            "timeout_s": self.timeout_s,
+            "backend": "gloo",
         }
-        box: list[SimpleBroadcastTrainer] = []
-        th = threading.Thread(target=lambda: box.append(SimpleBroadcastTrainer(info, timeout_s=30)))
+        box: list[BroadcastTrainer] = []
+        errors: list[BaseException] = []
+
+        def host() -> None:
+            try:
+                box.append(BroadcastTrainer(info))
+            except BaseException as exc:
+                errors.append(exc)
+
+        th = threading.Thread(target=host, daemon=True)
         th.start()
         self.engine.init_weight_transfer_engine(info)
-        th.join(30)
+        th.join(self.timeout_s + 5)
+        if errors:
+            raise errors[0]
+        assert box, f"the trainer did not join the transfer group within {self.timeout_s + 5} s"
         self.trainer = box[0]
+
+    def send(self, weights: list[tuple[str, Any]]) -> None:
+        """The trainer's side of one ``update_weights``: broadcast ``weights`` (one tensor per bucket)."""
+        assert self.trainer is not None
+        self.trainer.send(weights)
 
     def update(self, seed: int, mode: str = "keep", clear_cache: bool = True) -> RoundTimes:
         if self.trainer is None:
             self.init_transfer()
         assert self.trainer is not None
         ws = random_weights(self.model, seed)
-        info = SimpleBroadcastTrainer.update_info(ws)
-        trainer = self.trainer
-        return update_round(self.engine, info, lambda: trainer.send(ws), mode=mode, clear_cache=clear_cache)
+        return update_round(
+            self.engine, update_info_for(ws), lambda: self.send(ws), mode=mode, clear_cache=clear_cache
+        )
 
     def close(self) -> None:
         if self.trainer is not None:

@@ -81,13 +81,13 @@ def test_checked_engine_rejects_illegal_calls_before_the_engine(cluster: Cluster
     # resume while updating is illegal too; finish then resume is legal
     with pytest.raises(LocalProtocolError):
         eng.resume()
-    from weightsync.impl.engine.weights import SimpleBroadcastTrainer, random_weights
+    from weightsync.impl.engine.weights import random_weights, update_info_for
 
     ws = random_weights(cluster.model, 5)
     assert cluster.trainer is not None
-    t = threading.Thread(target=cluster.trainer.send, args=(ws,))
+    t = threading.Thread(target=cluster.send, args=(ws,))
     t.start()
-    eng.update_weights(SimpleBroadcastTrainer.update_info(ws))
+    eng.update_weights(update_info_for(ws))
     t.join(30)
     eng.finish_weight_update()
     eng.resume()
@@ -131,13 +131,13 @@ def test_twenty_cycles_trace_replays_and_corruption_is_caught(
         eng.pause(mode, clear)
         streams += [cluster.client.add_request([3, i % 50 + 1], greedy(4)) for _ in range(n_during)]
         eng.start_weight_update()
-        from weightsync.impl.engine.weights import SimpleBroadcastTrainer, random_weights
+        from weightsync.impl.engine.weights import random_weights, update_info_for
 
         ws = random_weights(cluster.model, 100 + i)
         assert cluster.trainer is not None
-        t = threading.Thread(target=cluster.trainer.send, args=(ws,))
+        t = threading.Thread(target=cluster.send, args=(ws,))
         t.start()
-        eng.update_weights(SimpleBroadcastTrainer.update_info(ws))
+        eng.update_weights(update_info_for(ws))
         t.join(30)
         eng.finish_weight_update()
         eng.resume()

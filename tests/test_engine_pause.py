@@ -91,15 +91,15 @@ def _keep_round(c: Cluster, seed: int, clear_cache: bool, n: int, tag: str) -> N
     late = c.client.add_request([9, 10], greedy(3), req_id=f"{tag}-late")
     c.client.start_weight_update()
     ws_seed = seed
-    from weightsync.impl.engine.weights import SimpleBroadcastTrainer, random_weights
+    from weightsync.impl.engine.weights import random_weights, update_info_for
 
     ws = random_weights(c.model, ws_seed)
     import threading
 
     assert c.trainer is not None
-    th = threading.Thread(target=c.trainer.send, args=(ws,))
+    th = threading.Thread(target=c.send, args=(ws,))
     th.start()
-    c.client.update_weights(SimpleBroadcastTrainer.update_info(ws))
+    c.client.update_weights(update_info_for(ws))
     th.join(30)
     c.client.finish_weight_update()
     frozen = {s.req_id: len(s.tokens) for s in streams}

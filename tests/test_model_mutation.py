@@ -39,7 +39,7 @@ def test_mutants_cover_every_row() -> None:
         ("running/pause#0: drop update set_pause_state", "pause_gating"),
         ("running/step#0: drop effect execute_step", "tokens_exactly_once"),
         ("paused/dp_sync_done#0: drop effect clear_cache", "no_stale_kv"),
-        ("updating/finish_weight_update#0: drop update bump_weight_version", "version_agreement"),
+        ("updating/finish_done#1: drop update set_weight_version", "version_agreement"),
         ("verified/start_weight_update#0: drop effect start_weight_update", "phase_bracketing"),
     ],
 )

@@ -10,7 +10,15 @@ import pytest
 import torch
 import transformers
 
-from weightsync.impl.models import CausalLM, LMConfig, RequestSampler, SamplingParams, sample_batch
+from weightsync.impl.models import (
+    CausalLM,
+    LMConfig,
+    RequestSampler,
+    SamplingParams,
+    TiedWeightMismatchError,
+    sample_batch,
+)
+from weightsync.spec.errors import WireMismatchError
 
 torch.set_num_threads(1)
 
@@ -150,11 +158,12 @@ def test_names_and_protocol() -> None:
     assert kernel["model.layers.0.self_attn.qkv_proj.weight"].shape == (64 + 2 * 32, 64)
     assert kernel["model.layers.0.mlp.gate_up_proj.weight"].shape == (192, 64)
     assert m.kernel_name_for("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up_proj.weight"
-    # tied lm_head accepted and skipped; legacy inv_freq skipped
+    # a tied lm_head equal to the loaded embedding is accepted, not copied, not returned; inv_freq skipped
     emb = m.model.embed_tokens.weight.detach().clone()
+    assert m.tied_checkpoint_weights() == {"lm_head.weight": "model.embed_tokens.weight"}
     got = m.load_weights(
         [
-            ("lm_head.weight", torch.zeros(101, 64)),
+            ("lm_head.weight", emb.clone()),
             ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8)),
         ]
     )
@@ -163,6 +172,85 @@ def test_names_and_protocol() -> None:
     assert m.lm_head.weight is m.model.embed_tokens.weight
     # inv_freq is a non-persistent buffer
     assert "model.rotary_emb.inv_freq" not in m.state_dict()
+
+
+def _snapshot(m: CausalLM) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def _unchanged(m: CausalLM, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(p, before[n]) for n, p in m.named_parameters())
+
+
+def test_tied_lm_head_from_hf_state_dict_accepted_when_equal_refused_otherwise() -> None:
+    hf = make_hf("Qwen2ForCausalLM", num_key_value_heads=2, tie_word_embeddings=True)
+    sd = {n: t.detach() for n, t in hf.state_dict().items()}
+    assert "lm_head.weight" in sd  # Hugging Face's state_dict lists the tied tensor under both names
+    cfg = LMConfig.from_hf_dict(hf.config.to_dict())
+    ids = torch.randint(0, 101, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids).logits
+
+    # accepted: lm_head.weight first in the call, so it is compared with the embedding of the same call
+    # (the fresh model's own embedding is all zeros and would not match)
+    m = CausalLM(cfg)
+    items = [("lm_head.weight", sd["lm_head.weight"])] + [
+        (n, t) for n, t in sd.items() if n != "lm_head.weight"
+    ]
+    assert m.load_weights(items) == m.checkpoint_weight_names()
+    assert torch.equal(m.forward_full(ids), ref)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+
+    # refused: new weights whose lm_head.weight differs from their embedding in one element; the call
+    # changes no parameter, including those listed before lm_head.weight
+    hf2 = make_hf("Qwen2ForCausalLM", seed=1, num_key_value_heads=2, tie_word_embeddings=True)
+    sd2 = {n: t.detach().clone() for n, t in hf2.state_dict().items()}
+    bad = sd2["model.embed_tokens.weight"].clone()
+    bad[3, 7] += 0.25
+    sd2["lm_head.weight"] = bad
+    want = float((bad.double() - sd2["model.embed_tokens.weight"].double()).abs().max())
+    assert want > 0.2
+    before = _snapshot(m)
+    with pytest.raises(TiedWeightMismatchError) as ei:
+        m.load_weights(sd2.items())
+    msg = str(ei.value)
+    assert msg == (
+        "load_weights: lm_head.weight refused: tied embeddings: lm_head.weight must equal "
+        "model.embed_tokens.weight (tie_word_embeddings=True; the model keeps one tensor for both), but 1 of "
+        f"6464 element(s) differ bitwise, max abs difference {want:.6g} (compared with the "
+        "model.embed_tokens.weight received in the same call); nothing of this load_weights call was loaded"
+    )
+    assert isinstance(ei.value, WireMismatchError) and isinstance(ei.value, ValueError)
+    assert ei.value.max_abs_diff == want and ei.value.differing == 1
+    assert _unchanged(m, before)
+    assert torch.equal(m.forward_full(ids), ref)
+
+    # alone in a call, lm_head.weight is compared with the embedding already loaded
+    with pytest.raises(
+        TiedWeightMismatchError,
+        match=r"max abs difference .* \(compared with the "
+        r"model\.embed_tokens\.weight already loaded\)",
+    ) as ei2:
+        m.load_weights([("lm_head.weight", sd2["model.embed_tokens.weight"])])
+    assert ei2.value.differing > 6000
+    assert _unchanged(m, before)
+    assert m.load_weights([("lm_head.weight", sd["model.embed_tokens.weight"].clone())]) == set()
+    # wrong shape or dtype of the alias: the usual input errors
+    with pytest.raises(ValueError, match=r"lm_head\.weight: expected shape \(101, 64\), got \(100, 64\)"):
+        m.load_weights([("lm_head.weight", torch.zeros(100, 64))])
+    assert _unchanged(m, before)
+
+
+def test_load_weights_checks_every_item_before_copying() -> None:
+    m = engine_for(make_hf("LlamaForCausalLM", num_key_value_heads=2))
+    before = _snapshot(m)
+    with pytest.raises(ValueError, match=r"model\.norm\.weight: expected shape \(64,\), got \(65,\)"):
+        m.load_weights(
+            [("model.layers.0.mlp.up_proj.weight", torch.ones(96, 64)), ("model.norm.weight", torch.ones(65))]
+        )
+    with pytest.raises(KeyError, match="bogus"):
+        m.load_weights([("model.layers.0.mlp.up_proj.weight", torch.ones(96, 64)), ("bogus", torch.ones(1))])
+    assert _unchanged(m, before)
 
 
 def test_load_weights_shards_in_place_and_errors() -> None:

@@ -96,6 +96,8 @@ def test_two_phase_pause_update_resume_cycle() -> None:
     assert m.vars.collective == "weight_broadcast"
     m.fire(RankEvent.WEIGHT_BROADCAST_DONE)
     m.fire(RankEvent.FINISH_UPDATE)
+    assert m.state is RankState.UPDATING and m.vars.weight_version == 0  # not before the workers' finish
+    m.fire(RankEvent.FINISH_DONE)
     assert m.state is RankState.VERIFIED and m.vars.weight_version == 1
     m.fire(RankEvent.RESUME)
     assert m.state is RankState.RESUMING and m.vars.collective == "resume_barrier"

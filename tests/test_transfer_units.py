@@ -67,6 +67,7 @@ GOOD_UPDATE = {"names": ["a", "b"], "dtype_names": ["float32", "bfloat16"], "sha
         ),
         ({**GOOD_UPDATE, "names": ["a", "a"]}, "lists 'a' twice"),
         ({**GOOD_UPDATE, "packed": "yes"}, r"\['packed'\] must be a bool"),
+        ({**GOOD_UPDATE, "check_finite": 1}, r"\['check_finite'\] must be a bool, got int 1"),
         ({**GOOD_UPDATE, "packed_buffer_size_bytes": 0}, r"packed_buffer_size_bytes'\]=0 must be >= 1"),
         ({**GOOD_UPDATE, "packed_num_buffers": 0}, r"packed_num_buffers'\]=0 must be >= 1"),
         ({**GOOD_UPDATE, "shapes": [[2, 3.0], [4]]}, "must contain only ints"),
@@ -83,6 +84,10 @@ def test_update_info_defaults_and_round_trip() -> None:
     info = UpdateInfo.parse(GOOD_UPDATE)
     assert (info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers) == (False, 1 << 30, 2)
     assert UpdateInfo.parse(info.to_dict()) == info
+    assert info.check_finite is False  # opt-in; local to the worker, not part of the wire description
+    checked = UpdateInfo.parse({**GOOD_UPDATE, "check_finite": True})
+    assert checked.check_finite and UpdateInfo.parse(checked.to_dict()) == checked
+    assert wire_description(checked) == wire_description(info)
     assert UpdateInfo.parse({"names": [], "dtype_names": [], "shapes": []}).names == ()  # empty is valid
 
 

@@ -236,18 +236,25 @@ class Tracked:
             yield f"w{i}", self.make(i)
 
 
+class ShardGone(RuntimeError):
+    pass
+
+
 class TrackedSource(WeightSource):
     """A vLLM ``WeightSource`` whose iteration materialises each tensor on demand."""
 
-    def __init__(self, tracked: Tracked, lie_at: int | None = None) -> None:
+    def __init__(self, tracked: Tracked, lie_at: int | None = None, raise_at: int | None = None) -> None:
         self.t = tracked
         self.lie_at = lie_at
+        self.raise_at = raise_at
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(f"w{i}", torch.float32, (self.t.numel,)) for i in range(self.t.n)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self.t.pairs():
+            if self.raise_at is not None and name == f"w{self.raise_at}":
+                raise ShardGone(f"checkpoint shard {self.raise_at} is gone")
             if self.lie_at is not None and name == f"w{self.lie_at}":
                 t = t[:-1]
             yield name, t
@@ -304,6 +311,30 @@ def test_a_source_that_disagrees_with_its_metadata_fails_both_sides() -> None:
     assert "rank(s) 0 failed" in str(client.errors[0])
     with pytest.raises(RuntimeError, match="unusable after a failed round"):
         tr.send_weights(TrackedSource(Tracked(1, 4)))
+    assert "finish" not in [c[0] if isinstance(c, tuple) else c for c in client.calls]
+    tr.shutdown()
+    client.engine.shutdown()
+
+
+@pytest.mark.parametrize("ipc", [False, True], ids=["broadcast", "ipc"])
+def test_a_source_that_raises_mid_stream_fails_both_sides_at_once(ipc: bool) -> None:
+    """main's rule for a raising trainer iterator, on wt-d's streamed round: the trainer re-raises the
+    source's own exception and the receiver fails at once (not at its 20 s deadline) naming it."""
+    client = LoopbackClient(ipc)
+    tr = _trainer(client, packed_buffer_size_bytes=256 << 10)
+    t0 = time.monotonic()
+    with pytest.raises(ShardGone, match="checkpoint shard 7 is gone"):
+        tr.send_weights(TrackedSource(Tracked(12, 16 << 10), raise_at=7))
+    deadline = time.monotonic() + 10
+    while not client.errors and time.monotonic() < deadline:  # the receiver fails in the RPC's thread
+        time.sleep(0.01)
+    assert time.monotonic() - t0 < 6
+    assert client.errors and isinstance(client.errors[0], PeerFailedError)
+    assert client.errors[0].ranks == (0,)
+    assert (
+        "rank 0: the trainer's weight iterator raised ShardGone: checkpoint shard 7 is gone after 7 tensor(s)"
+        in str(client.errors[0])
+    )
     assert "finish" not in [c[0] if isinstance(c, tuple) else c for c in client.calls]
     tr.shutdown()
     client.engine.shutdown()

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_OK = 0
 EXIT_VIOLATION = 1
@@ -39,13 +40,66 @@ def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
     return handler
 
 
+def _int_in(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type`` accepting an int in ``[minimum, maximum]``; argparse names the flag in its error."""
+    rule = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer {rule}, got {text!r}") from None
+        if v < minimum or (maximum is not None and v > maximum):
+            raise argparse.ArgumentTypeError(f"must be an integer {rule}, got {v}")
+        return v
+
+    parse.__name__ = f"int {rule}"
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse ``type`` accepting a positive finite number of seconds."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number of seconds, got {text}")
+    return v
+
+
+_seconds.__name__ = "seconds"
+POSITIVE = _int_in(1)
+NON_NEGATIVE = _int_in(0)
+SEED = _int_in(0, 2**63 - 1)
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit code 2); the message names the flag and the value.
+
+    Attributes:
+        usage: the usage line of the (sub)command that rejected the input.
+    """
+
+    def __init__(self, message: str, usage: str) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise :class:`UsageError` (so ``main`` can print them as JSON)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message}", self.format_usage())
+
+
 # Handlers are registered per command below; each returns an exit code.
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (one subcommand per design.md section 5 command)."""
-    p = argparse.ArgumentParser(prog="weightsync", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = _Parser(prog="weightsync", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
@@ -57,30 +111,48 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = add("check", "explore a variant's N-rank product exhaustively and check every property")
     c.add_argument("--variant", default="two-phase-epoch")
-    c.add_argument("--ranks", type=int, default=2)
+    c.add_argument("--ranks", type=POSITIVE, default=2)
     c.add_argument("--mode", default="all", choices=["abort", "wait", "keep", "all"])
     c.add_argument("--channels", default="per-socket", choices=["per-socket", "ordered"])
-    c.add_argument("--requests", type=int, default=1, help="bound on client requests")
-    c.add_argument("--cycles", type=int, default=1, help="bound on pause/update/resume cycles")
-    c.add_argument("--sync-interval", type=int, default=2, help="K: DP sync all-reduce every K steps")
-    c.add_argument("--max-states", type=int, default=20_000_000, help="stop exploring past this many")
+    c.add_argument("--requests", type=NON_NEGATIVE, default=1, help="bound on client requests")
+    c.add_argument("--cycles", type=NON_NEGATIVE, default=1, help="bound on pause/update/resume cycles")
+    c.add_argument("--sync-interval", type=POSITIVE, default=2, help="K: DP sync all-reduce every K steps")
+    c.add_argument("--max-states", type=POSITIVE, default=20_000_000, help="stop exploring past this many")
     c.add_argument("--symmetry", action="store_true", help="symmetry reduction over ranks (safety only)")
+    c.add_argument(
+        "--stray-resume", action="store_true", help="the controller may issue one resume no pause preceded"
+    )
+    c.add_argument(
+        "--repeat-resume",
+        action="store_true",
+        help="the controller may re-send resume once while its first is outstanding (a retry)",
+    )
+    c.add_argument(
+        "--failures",
+        type=NON_NEGATIVE,
+        default=0,
+        help="weight-transfer failures the model may inject (init, start, update, finish)",
+    )
+    c.add_argument("--tokens", type=POSITIVE, default=2, help="steps each request needs")
+    c.add_argument(
+        "--init-transfer", action="store_true", help="the controller calls init_weight_transfer_engine once"
+    )
 
     e = add("export", "export the per-rank FSM, the global state graph or a counterexample")
     e.add_argument("what", choices=["rank-fsm", "state-graph", "counterexample"])
     e.add_argument("--format", default="mermaid", choices=["dot", "mermaid", "graphml", "svg"])
     e.add_argument("--out", required=True)
     e.add_argument("--variant", default="two-phase-epoch")
-    e.add_argument("--ranks", type=int, default=2)
+    e.add_argument("--ranks", type=POSITIVE, default=2)
     e.add_argument("--mode", default="keep", choices=["abort", "wait", "keep"])
     e.add_argument("--channels", default="per-socket", choices=["per-socket", "ordered"])
-    e.add_argument("--requests", type=int, default=1)
+    e.add_argument("--requests", type=NON_NEGATIVE, default=1)
 
     pr = add("prove", "regenerate proofs/ and spec/ (or, with --check, fail if they are stale)")
     pr.add_argument("--check", action="store_true")
 
     mu = add("mutate", "mutation check of the two-phase-epoch table: break one row at a time, re-check")
-    mu.add_argument("--workers", type=int, default=2, help="processes (default 2)")
+    mu.add_argument("--workers", type=POSITIVE, default=2, help="processes (default 2)")
     mu.add_argument("--write", action="store_true", help="write proofs/mutation.json and proofs/MUTATION.md")
     mu.add_argument(
         "--reuse",
@@ -94,20 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
 
     d = add("demo", "the main job: an asynchronous RL loop syncing a causal LM into DP engines")
-    d.add_argument("--ranks", type=int, default=2)
-    d.add_argument("--steps", type=int, default=20)
+    d.add_argument("--ranks", type=POSITIVE, default=2)
+    d.add_argument("--steps", type=NON_NEGATIVE, default=20)
     d.add_argument("--transport", default="broadcast", choices=["broadcast", "ipc"])
     d.add_argument("--mode", default="keep", choices=["abort", "wait", "keep"])
     d.add_argument("--model", default=None, help="a local Hugging Face checkpoint directory (safetensors)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=SEED, default=0)
     d.add_argument("--variant", default="two-phase-epoch")
-    d.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    d.add_argument("--timeout", type=_seconds, default=60.0, help="collective timeout, seconds")
     d.add_argument("--trace", default=None, help="trace file (JSONL); default under ./traces/")
     d.add_argument("--no-check", action="store_true", help="turn the runtime checker off")
 
     r = add("repro", "replay the model's counterexample schedule for VARIANT on real processes")
     r.add_argument("variant")
-    r.add_argument("--timeout", type=float, default=10.0, help="collective timeout, seconds")
+    r.add_argument("--timeout", type=_seconds, default=10.0, help="collective timeout, seconds")
 
     rp = add("replay", "validate recorded traces against the model")
     rp.add_argument("traces", nargs="+")
@@ -143,13 +215,21 @@ def _check(args: argparse.Namespace) -> int:
     err = None
     if args.variant not in VARIANTS:
         err = f"unknown variant {args.variant!r}; known: {', '.join(VARIANTS)}"
-    elif args.ranks < 1 or args.requests < 0 or args.cycles < 0 or args.sync_interval < 1:
-        err = "need --ranks >= 1, --requests >= 0, --cycles >= 0, --sync-interval >= 1"
+    # numeric bounds are checked by the parser's types (exit 2 naming the flag)
     if err:
         msg = err
         emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
         return EXIT_USAGE
-    bounds = Bounds(requests=args.requests, cycles=args.cycles, sync_interval=args.sync_interval)
+    bounds = Bounds(
+        requests=args.requests,
+        cycles=args.cycles,
+        sync_interval=args.sync_interval,
+        tokens=args.tokens,
+        init_transfer=args.init_transfer,
+        stray_resume=args.stray_resume,
+        repeat_resume=args.repeat_resume,
+        failures=args.failures,
+    )
     out = check(
         args.variant,
         args.ranks,
@@ -481,10 +561,18 @@ HANDLERS["demo"] = _demo
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``weightsync`` console script; returns the exit code."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+    except SystemExit as exc:  # --help / --version exit 0
         return int(exc.code or 0)
+    except UsageError as exc:  # a bad flag or value: exit 2 naming it (design.md s5)
+        if "--json" in argv:
+            sys.stdout.write(json.dumps({"error": str(exc)}) + "\n")
+        else:
+            sys.stderr.write(exc.usage)
+        sys.stderr.write(f"{exc}\n")
+        return EXIT_USAGE
     return HANDLERS[args.command](args)
 
 

@@ -251,9 +251,20 @@ class CheckedEngine:
         """Checked ``update_weights`` (legal only between start and finish)."""
         self._call(RankEvent.UPDATE_WEIGHTS, lambda: self.engine.update_weights(update_info, timeout))
 
-    def finish_weight_update(self, timeout: float | None = None) -> None:
-        """Checked ``finish_weight_update``."""
-        self._call(RankEvent.FINISH_UPDATE, lambda: self.engine.finish_weight_update(timeout))
+    def finish_weight_update(
+        self,
+        timeout: float | None = None,
+        *,
+        weight_version: int | str | None = None,
+        monotonic: bool = False,
+    ) -> None:
+        """Checked ``finish_weight_update`` (``weight_version``, ``monotonic``: see the engine client)."""
+        self._call(
+            RankEvent.FINISH_UPDATE,
+            lambda: self.engine.finish_weight_update(
+                timeout, weight_version=weight_version, monotonic=monotonic
+            ),
+        )
 
     def __getattr__(self, name: str) -> Any:
         # add_request, abort, get_weight_version, ... pass through: ADD/ABORT are legal in every state

@@ -197,6 +197,14 @@ class DemoWorker:
         self._proxy.armed = k is not None and k["rank"] == self.dp_index and k["round"] == self.rounds_started
         self.inner.update_weights(update_info)
 
+    def fail_round(self) -> None:
+        """The round failed (the engine's table moved the rank to ``failed``): the real worker abandons it."""
+        self.inner.fail_round()
+
+    def fail_init(self) -> None:
+        """The init failed: the real worker must be initialised again."""
+        self.inner.fail_init()
+
     def finish_weight_update(self) -> None:
         """Close the round, then write this engine's probe logits (when ``demo_probe_dir`` was given)."""
         self.inner.finish_weight_update()
@@ -306,8 +314,19 @@ class _Guard:
     def update_weights(self, update_info: dict[str, Any], timeout: float | None = None) -> None:
         self._watch("update_weights", lambda: self.client.update_weights(update_info, timeout))
 
-    def finish_weight_update(self, timeout: float | None = None) -> None:
-        self._watch("finish_weight_update", lambda: self.client.finish_weight_update(timeout))
+    def finish_weight_update(
+        self,
+        timeout: float | None = None,
+        *,
+        weight_version: int | str | None = None,
+        monotonic: bool = False,
+    ) -> None:
+        self._watch(
+            "finish_weight_update",
+            lambda: self.client.finish_weight_update(
+                timeout, weight_version=weight_version, monotonic=monotonic
+            ),
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
@@ -869,6 +888,14 @@ class _Run:
             tmp.cleanup()
         return self._result(error, list(getattr(engine, "violations", []) or []))
 
+    @staticmethod
+    def _round_failed(guard: _Guard, rank: int) -> bool:
+        """Whether engine ``rank`` is in the table's ``failed`` state (False if it cannot answer)."""
+        try:
+            return bool(guard.client.call_rank(rank, "get_state").result(10.0)["state"] == "failed")
+        except Exception:
+            return False
+
     def _describe_failure(
         self, exc: BaseException, guard: _Guard | None, send_errors: list[BaseException]
     ) -> str:
@@ -882,13 +909,17 @@ class _Run:
         else:
             parts.append(f"{type(exc).__name__}: {exc}")
         if guard is not None:
-            if dead:  # the surviving ranks fail within the timeout too: give them the time to report it
-                alive = [r for r in range(self.cfg.ranks) if r not in dead]
+            alive = [r for r in range(self.cfg.ranks) if r not in dead]
+            if dead:  # the surviving ranks fail their round within the timeout too (state `failed`)
                 deadline = time.monotonic() + self.cfg.timeout_s + 5.0
-                while time.monotonic() < deadline and any(r not in guard.client.failures for r in alive):
+                while time.monotonic() < deadline and not all(self._round_failed(guard, r) for r in alive):
                     time.sleep(0.05)
             for r, f in sorted(guard.client.failures.items()):
                 parts.append(f"engine rank {r} failed in {f.phase}: {f.error}")
+            for r in alive:
+                if r not in guard.client.failures and self._round_failed(guard, r):
+                    err = guard.client.call_rank(r, "round_error").result(10.0)
+                    parts.append(f"engine rank {r} failed its round (state failed): {err}")
         for e in send_errors:
             parts.append(f"trainer send failed: {type(e).__name__}: {e}")
         return "; ".join(parts)

@@ -58,8 +58,9 @@ PROPERTIES: dict[str, tuple[str, str]] = {
         "reference s4 (pause modes)",
     ),
     "version_agreement": (
-        "when a finish_weight_update or resume fan-out has returned, every rank's weight_version and its "
-        "worker's equal the number of update rounds the controller completed",
+        "when a finish_weight_update fan-out has returned without error, every rank's weight_version is the "
+        "version it carried; when a resume fan-out has returned, every rank's weight_version equals the "
+        "number of rounds that succeeded (a failed round never moves a version)",
         "weightsync design s3 'version agreement after resume' (RFC #31848: vLLM has no version counter)",
     ),
     "pause_gating": (
@@ -80,6 +81,16 @@ PROPERTIES: dict[str, tuple[str, str]] = {
     "no_stale_kv": (
         "with clear_cache=True, no request generates from KV computed under an older weight_version",
         "reference s4 (keep + clear_cache re-prefills frozen requests); B14 (vLLM PR #34382)",
+    ),
+    "no_partial_serving": (
+        "no rank advances a request while its worker is mid-round, or after a failed round before a new "
+        "round completed (its weights may be partial)",
+        "weightsync (failures as table rows); AReaL #1160; slime #1420",
+    ),
+    "coordinator_belief": (
+        "once the engines are idle and nothing is in flight, the DP coordinator's (current_wave, "
+        "engines_running) equals the ranks'",
+        "vLLM issue #51476; vLLM 0.32 v1/engine/coordinator.py:363-375 (no latch on FIRST_REQ)",
     ),
     "abort_honoured": (
         "a client ABORT that reaches the rank holding the request aborts it",
@@ -118,6 +129,8 @@ SAFETY = (
     "mode_semantics",
     "tokens_exactly_once",
     "no_stale_kv",
+    "no_partial_serving",
+    "coordinator_belief",
     "abort_honoured",
 )
 PROGRESS = ("progress_pause", "progress_resume", "progress_requests")

@@ -60,6 +60,17 @@ MUTATION_BOUNDS: tuple[MutationConfig, ...] = (
     # two cycles with one request: a flag left over from cycle 1 meets a peer still serving in cycle 2
     # (430k-560k states per mode unmutated)
     MutationConfig("cycles2", Bounds(cycles=2), 6_000_000),
+    # one injected weight-transfer failure (init, start, broadcast or finish) with the one-time init, no
+    # requests: the failed state, its refusals, the recovery round and the per-member timeouts
+    MutationConfig("failures-init", Bounds(requests=0, init_transfer=True, failures=1), 60_000),
+    # stray and retried resumes around one request (keep mode; 680k states exhaustively, so bounded)
+    MutationConfig(
+        "stray-repeat-bounded",
+        Bounds(stray_resume=True, repeat_resume=True),
+        120_000,
+        False,
+        (PauseMode.KEEP,),
+    ),
 )
 
 

@@ -47,7 +47,7 @@ from weightsync.spec.states import (
     schedulable,
     unfinished_for_sync,
 )
-from weightsync.spec.table import Transition, apply_transition, select_transition
+from weightsync.spec.table import ALWAYS, Transition, apply_transition, select_transition
 from weightsync.spec.worker import (
     WORKER_EVENT_OF_EFFECT,
     WORKER_GUARDS,
@@ -76,8 +76,20 @@ CALL_EVENT = {
     "finish_weight_update": RankEvent.FINISH_UPDATE,
     "init_weight_transfer_engine": RankEvent.INIT_TRANSFER,
 }
-# Controller per-rank call status.
-NOT_SENT, SENT, REPLIED, SPURIOUS = 0, 1, 2, 3
+# Controller per-rank call status (FAILED_REPLY: the call returned an error: a refusal or a failure).
+NOT_SENT, SENT, REPLIED, SPURIOUS, FAILED_REPLY = 0, 1, 2, 3, 4
+#: The third field of a controller message ("U", call, arg): the version a finish_weight_update carries,
+#: RETRY for a resume re-sent by an orchestrator while its first is outstanding (its reply is not counted).
+RETRY = -1
+#: Rank effects that are worker operations that may fail (when Bounds.failures allows one).
+FAILABLE_EFFECTS = frozenset({"start_weight_update", "finish_weight_update"})
+_REPLIES = frozenset({"reply", "reply_resume"})
+FAIL_PHASE = {
+    "start_weight_update": "start",
+    "finish_weight_update": "finish",
+    "weight_broadcast": "update",
+    "transfer_init": "init",
+}
 
 # Per-socket rank input FIFOs.
 F_ADD, F_CTRL, F_WAVE = 0, 1, 2
@@ -109,7 +121,15 @@ class Bounds(NamedTuple):
             either before the first request (the front-end waits for it) or lazily in the first cycle
             between pause and start; when False the transfer engine is assumed initialised at start.
         stray_resume: the controller may issue one ``resume`` that no pause preceded (an orchestrator's
-            ``finally`` path, reference s9 prime-rl).
+            ``finally`` path, reference s9 prime-rl), when idle or after a completed resume, with requests
+            arriving at any point around it.
+        repeat_resume: the controller may re-send ``resume`` to every rank once while its first resume is
+            still outstanding (a client-side retry, or a second controller); those replies are not counted.
+        failures: weight-transfer failures that may be injected (0 in the default proofs): a
+            ``transfer_init`` or ``weight_broadcast`` collective that fails on every member, or a
+            ``start_weight_update`` / ``finish_weight_update`` that raises on one rank. A transfer collective
+            that a failed rank will never join times out on each member (no bound). The controller then
+            re-initialises (after a failed init) and runs a new round before it resumes.
     """
 
     requests: int = 1
@@ -120,6 +140,8 @@ class Bounds(NamedTuple):
     client_aborts: int = 0
     init_transfer: bool = False
     stray_resume: bool = False
+    repeat_resume: bool = False
+    failures: int = 0
 
 
 class Config(NamedTuple):
@@ -164,6 +186,11 @@ class Rank(NamedTuple):
     worker: WorkerVars
 
 
+#: ``(phase, cycles_started, update_rounds, transfer_initialised, stray_used, repeat_used, failures_used,
+#: recovering)``, see :class:`G`.
+Ctrl = tuple[int, int, int, bool, bool, bool, int, bool]
+
+
 class G(NamedTuple):
     """Global state.
 
@@ -174,8 +201,10 @@ class G(NamedTuple):
         coord: ``(current_wave, engines_running)``.
         front: ``(believed_wave, believed_running, next_request, gated, client_aborted)`` (the requests
             the client aborted, sorted).
-        ctrl: ``(phase, cycles_started, update_rounds, transfer_initialised, stray_resume_used)``;
-            ``update_rounds`` counts finish_weight_update fan-outs.
+        ctrl: ``(phase, cycles_started, update_rounds, transfer_initialised, stray_resume_used,
+            repeat_resume_used, failures_used, recovering)``; ``update_rounds`` counts successful rounds
+            (a finish_weight_update fan-out every rank answered without error); ``recovering``: a
+            round failed and no round has succeeded since.
         trainer: ``(blocked, status)``.
         done: finished requests (sorted).
         aborted: aborted requests (sorted).
@@ -185,7 +214,7 @@ class G(NamedTuple):
     coord_q: tuple[tuple[tuple[Any, ...], ...], ...]
     coord: tuple[int, bool]
     front: tuple[int, bool, int, bool, tuple[int, ...]]
-    ctrl: tuple[int, int, int, bool, bool]
+    ctrl: Ctrl
     trainer: tuple[str, int]
     done: tuple[int, ...]
     aborted: tuple[int, ...]
@@ -235,6 +264,10 @@ class Model:
         self.client_aborts = b.client_aborts
         self.init_transfer = b.init_transfer
         self.stray_resume = b.stray_resume
+        self.repeat_resume = b.repeat_resume
+        self.failures = b.failures
+        if b.failures < 0:
+            raise ValueError(f"bad bounds {b}: failures must be >= 0")
         self._cache: dict[tuple[Any, ...], tuple[Transition | None, RankVars]] = {}
         self._wcache: dict[tuple[WorkerVars, WorkerEvent], WorkerVars] = {}
         # non-vacuity witnesses, set while exploring
@@ -253,7 +286,7 @@ class Model:
             ((),),
             (0, False),
             (0, False, 0, False, ()),
-            (IDLE, 0, 0, not self.init_transfer, False),
+            (IDLE, 0, 0, not self.init_transfer, False, False, 0, False),
             ("", NOT_SENT),
             (),
             (),
@@ -310,6 +343,13 @@ class Model:
             for f, q in enumerate(rk.inq):
                 if q:
                     out.append((("recv", i, f), self._recv(s, i, f)))
+                    if (
+                        s.ctrl[6] < self.failures
+                        and q[0][0] == "U"
+                        and q[0][1] in ("start_weight_update", "finish_weight_update")
+                        and rk.vars.state in (RankState.VERIFIED, RankState.FAILED, RankState.UPDATING)
+                    ):
+                        out.append((("recv", i, f, "fail"), self._recv(s, i, f, fail=True)))
             t = self._step(s, i)
             if t is not None:
                 out.append((("step", i), t))
@@ -321,6 +361,9 @@ class Model:
             and (k0 in DP_KINDS or (k0 in TRANSFER_KINDS and s.trainer[0] == k0))
         ):
             out.append((("done", k0), self._complete(s, k0)))
+            if k0 in TRANSFER_KINDS and s.ctrl[6] < self.failures:
+                out.append((("done", k0, "fail"), self._complete(s, k0, fail=True)))
+        self._timeouts(s, out)
         # coordinator
         for f, q in enumerate(s.coord_q):
             if q:
@@ -344,14 +387,80 @@ class Model:
                         out.append((("abort", i, r), self._send_abort(s, i, r)))
         # controller and trainer
         self._controller(s, out)
+        if self.stray_resume or self.repeat_resume:
+            return [(label, self._settle(t)) for label, t in out]
         return out
+
+    def _settle(self, s: G) -> G:
+        """Reduction (with stray or repeated resumes only): a resume at the head of a rank's controller FIFO
+        that the rank takes as a no-op (see :meth:`_deliver_now`) is received at once. It is independent
+        of every other transition (it changes no rank variable, and no other transition can change which
+        row it takes: the rank leaves its state only through a later controller call, queued behind it),
+        so exploring it first loses no reachable state other than those that differ only in the
+        controller's view of that reply."""
+        w: _Work | None = None
+        for i in range(self.n):
+            while True:
+                rk = (w.ranks if w is not None else s.ranks)[i]
+                f = 0 if self.ordered else F_CTRL
+                q = rk.inq[f]
+                if rk.blocked or not q or q[0][0] != "U" or q[0][1] != "resume":
+                    break
+                if w is None:
+                    w = _Work(s)
+                w.untracked = q[0][2] == RETRY
+                w.ranks[i] = rk._replace(inq=(*rk.inq[:f], q[1:], *rk.inq[f + 1 :]))
+                if not self._deliver_now(w, i, "resume", queued=True):
+                    w.ranks[i] = rk
+                    break
+        if w is None:
+            return s
+        w.untracked = False
+        return w.freeze()
 
     # -- ranks
 
     def _has_work(self, rk: Rank) -> bool:
         return schedulable(rk.vars.pause_state, len(rk.waiting), len(rk.running))
 
-    def _recv(self, s: G, i: int, f: int) -> G:
+    def _timeouts(self, s: G, out: list[tuple[Label, G]]) -> None:
+        """A member of a weight-transfer collective that can never complete times out (weightsync: every
+        collective has a timeout that becomes an error): some rank is ``failed`` outside it (it refuses the
+        call), or the trainer timed out of it. Each member times out on its own."""
+        ranks = s.ranks
+        for k in TRANSFER_KINDS:
+            in_k = [i for i, r in enumerate(ranks) if r.blocked == k]
+            trainer_in = s.trainer[0] == k
+            if not in_k and not trainer_in:
+                continue
+            stuck = any(r.vars.state is RankState.FAILED and r.blocked != k for r in ranks) or (
+                not trainer_in and s.trainer[1] == FAILED_REPLY
+            )
+            if not stuck:
+                continue
+            for i in in_k:
+                out.append((("timeout", i, k), self._timeout(s, i, k)))
+            if trainer_in:
+                out.append((("timeout", -1, k), s._replace(trainer=("", FAILED_REPLY))))
+
+    def _timeout(self, s: G, i: int, kind: str) -> G:
+        w = _Work(s)
+        rk = w.ranks[i]._replace(blocked="")
+        w.ranks[i] = rk
+        self._nested(w, i, RankEvent.TRANSFER_FAILED, (("phase", FAIL_PHASE[kind]),))
+        return w.freeze()
+
+    def _nested(self, w: _Work, i: int, event: RankEvent, extra: tuple[tuple[str, Any], ...]) -> None:
+        """Fire an outcome event on rank ``i`` inside a successor being built, and interpret its effects."""
+        rk = w.ranks[i]
+        before = rk.vars
+        tr, after = self.fire(i, before, event, extra)
+        w.ranks[i] = rk._replace(vars=after)
+        if tr is not None:
+            for eff in tr.effects:
+                self._effect(w, i, eff, before, -1)
+
+    def _recv(self, s: G, i: int, f: int, fail: bool = False) -> G:
         rk = s.ranks[i]
         q = rk.inq[f]
         msg = q[0]
@@ -379,7 +488,7 @@ class Model:
             extra = ()
             if ev is RankEvent.RESUME:
                 rk = rk._replace(pz=0)
-        return self._rank_event(s, i, rk, ev, extra)
+        return self._rank_event(s, i, rk, ev, extra, fail=fail, untracked=msg[2] == RETRY, arg=msg[2])
 
     def _step(self, s: G, i: int) -> G | None:
         rk = s.ranks[i]
@@ -391,9 +500,22 @@ class Model:
         return None if t == s else t
 
     def _rank_event(
-        self, s: G, i: int, rk: Rank, event: RankEvent, extra: tuple[tuple[str, Any], ...], req: int = -1
+        self,
+        s: G,
+        i: int,
+        rk: Rank,
+        event: RankEvent,
+        extra: tuple[tuple[str, Any], ...],
+        req: int = -1,
+        fail: bool = False,
+        untracked: bool = False,
+        arg: int = 0,
     ) -> G:
-        """Fire ``event`` on rank ``i`` (whose slice is already ``rk``) and interpret the effects."""
+        """Fire ``event`` on rank ``i`` (whose slice is already ``rk``) and interpret the effects.
+
+        ``fail``: the first failable worker operation among the effects raises (TRANSFER_FAILED fires
+        instead of the rest); ``untracked``: the call's replies are not counted (a retried resume);
+        ``arg``: the controller message's argument (the version a finish carries)."""
         before = rk.vars
         tr, after = self.fire(i, before, event, extra)
         rk = Rank(after, rk[1], rk[2], rk[3], rk[4], rk[5], rk[6], rk[7], rk[8])
@@ -402,8 +524,17 @@ class Model:
             return G(ranks, s[1], s[2], s[3], s[4], s[5], s[6], s[7])
         w = _Work(s)
         w.ranks[i] = rk
+        w.untracked = untracked
         for eff in tr.effects:
             self._effect(w, i, eff, before, req)
+            if eff in FAILABLE_EFFECTS:
+                if fail:
+                    c = w.ctrl
+                    w.ctrl = (c[0], c[1], c[2], c[3], c[4], c[5], c[6] + 1, c[7])
+                    self._nested(w, i, RankEvent.TRANSFER_FAILED, (("phase", FAIL_PHASE[eff]),))
+                    break
+                if eff == "finish_weight_update":
+                    self._nested(w, i, RankEvent.FINISH_DONE, (("monotonic", False), ("weight_version", arg)))
         return w.freeze()
 
     def _effect(self, w: _Work, i: int, eff: str, before: RankVars, req: int) -> None:
@@ -414,7 +545,7 @@ class Model:
             ps = rk.vars.pause_state
             waiting, running = rk.waiting, rk.running
             if admits_waiting(ps) and waiting:
-                kv = rk.vars.weight_version
+                kv = int(rk.vars.weight_version)  # the model's versions are round numbers
                 running = tuple(sorted(running + tuple((r, left, kv) for r, left in waiting)))
                 waiting = ()
             if advances_running(ps) and running:
@@ -434,7 +565,11 @@ class Model:
             w.ranks[i] = rk
         elif eff in ("reply", "reply_pause", "reply_resume"):
             pz = 2 if eff == "reply_pause" and rk.pz == 1 else rk.pz
-            w.ranks[i] = rk._replace(status=REPLIED if rk.status == SENT else SPURIOUS, pz=pz)
+            status = rk.status if w.untracked else (REPLIED if rk.status == SENT else SPURIOUS)
+            w.ranks[i] = rk._replace(status=status, pz=pz)
+        elif eff in ("reply_failure", "refuse"):
+            if not w.untracked:
+                w.ranks[i] = rk._replace(status=FAILED_REPLY if rk.status == SENT else SPURIOUS)
         elif eff == "abort_requests":
             w.aborted.extend([r for r, _ in rk.waiting] + [r[0] for r in rk.running])
             w.ranks[i] = rk._replace(waiting=(), running=())
@@ -449,8 +584,8 @@ class Model:
                 pre = tuple((r, left) for r, left, _ in rk.running)
                 w.ranks[i] = rk._replace(waiting=tuple(sorted(rk.waiting + pre)), running=())
         elif eff == "emit_wave_complete":
-            if i == 0:
-                self._to_coord(w, i, ("wave_complete", before.current_wave, i))
+            if i == 0:  # the wave that ended is the one before the rank's new current_wave
+                self._to_coord(w, i, ("wave_complete", rk.vars.current_wave - 1, i))
         elif eff == "emit_start_wave":
             self._to_coord(w, i, ("start_wave", rk.vars.current_wave, i))
         elif eff == "front_end_gate":
@@ -467,10 +602,11 @@ class Model:
             rk = w.ranks[i]
             w.ranks[i] = rk._replace(outq=(*rk.outq, msg))
 
-    def _complete(self, s: G, kind: str) -> G:
-        """The joint completion of collective ``kind``: the outcome event fires on every member."""
+    def _complete(self, s: G, kind: str, fail: bool = False) -> G:
+        """The joint completion of collective ``kind``: the outcome event fires on every member; with
+        ``fail`` (a transfer collective only) it fails on every member (TRANSFER_FAILED) and the trainer."""
         ranks = s.ranks
-        ev = DONE_EVENT[kind]
+        ev = RankEvent.TRANSFER_FAILED if fail else DONE_EVENT[kind]
         common: tuple[tuple[str, Any], ...] = ()
         if kind == "dp_sync":
             su = sum(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
@@ -480,6 +616,8 @@ class Model:
             mu = max(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
             mw = max(r.vars.current_wave for r in ranks)
             common = (("max_unfinished", mu), ("max_wave", mw))
+        if fail:
+            common = (("phase", FAIL_PHASE[kind]),)
         w = _Work(s)
         for i in range(self.n):
             rk = w.ranks[i]._replace(blocked="")
@@ -492,7 +630,10 @@ class Model:
                 for eff in tr.effects:
                     self._effect(w, i, eff, before, -1)
         if kind in TRANSFER_KINDS:
-            w.trainer = ("", REPLIED if w.trainer[1] == SENT else SPURIOUS)
+            w.trainer = ("", (FAILED_REPLY if fail else REPLIED) if w.trainer[1] == SENT else SPURIOUS)
+        if fail:
+            c = w.ctrl
+            w.ctrl = (c[0], c[1], c[2], c[3], c[4], c[5], c[6] + 1, c[7])
         return w.freeze()
 
     # -- coordinator (vLLM DPCoordinator, reference section 5)
@@ -514,7 +655,10 @@ class Model:
             if mw < wave:
                 exclude = -1
             if not running:
-                w.coord = (wave, True)
+                if (
+                    self.variant.coordinator_latches
+                ):  # issue #51476; vLLM 0.32 coordinator.py:363-375 does not
+                    w.coord = (wave, True)
                 self._broadcast(w, wave, exclude)
         elif kind == "start_wave":
             sw, sender = msg[1], msg[2]
@@ -574,67 +718,140 @@ class Model:
     # -- controller and trainer
 
     def _all_replied(self, s: G, phase: int) -> bool:
-        if not all(r.status == REPLIED for r in s.ranks):
+        if not all(r.status in (REPLIED, FAILED_REPLY) for r in s.ranks):
             return False
-        return phase not in (UPDATE, INIT) or s.trainer[1] == REPLIED
+        return phase not in (UPDATE, INIT) or s.trainer[1] in (REPLIED, FAILED_REPLY)
+
+    def _phase_failed(self, s: G) -> bool:
+        """Some rank (or the trainer) answered the current phase's call with an error."""
+        return any(r.status == FAILED_REPLY for r in s.ranks) or s.trainer[1] == FAILED_REPLY
 
     def _controller(self, s: G, out: list[tuple[Label, G]]) -> None:
-        phase, started, rounds, inited, stray = s.ctrl
-        nexts: list[tuple[int, tuple[int, int, int, bool, bool]]] = []
+        """The RL controller (reference s9): pause -> [init] -> start -> update -> finish -> resume, or pause
+        -> resume. After a failed init it initialises again; after any other failure it carries the round
+        through (a failed rank refuses the later calls) and then runs a new round with the same version
+        before it resumes, so a resume never meets a failed rank."""
+        phase, started, rounds, inited, stray, repeat, fails, recovering = s.ctrl
+        nexts: list[tuple[int, Ctrl]] = []
         done = self._all_replied(s, phase)
-        pause = (PAUSE, (PAUSE, started + 1, rounds, inited, stray))
+        failed = done and phase != IDLE and self._phase_failed(s)
+        rec = recovering or failed
+
+        def to(ph: int, started_: int = started, rounds_: int = rounds, **kw: Any) -> tuple[int, Ctrl]:
+            return (
+                ph,
+                (
+                    ph,
+                    started_,
+                    rounds_,
+                    kw.get("inited", inited),
+                    kw.get("stray", stray),
+                    kw.get("repeat", repeat),
+                    fails,
+                    kw.get("recovering", rec),
+                ),
+            )
+
         if phase == IDLE or (phase == RESUME and done):
             if started < self.C:
-                nexts.append(pause)
+                nexts.append(to(PAUSE, started + 1))
                 if not inited and phase == IDLE and s.front[2] == 0:
-                    nexts.append((INIT, (INIT, started, rounds, True, stray)))  # init before serving
+                    nexts.append(to(INIT, inited=True))  # init before serving
             if self.stray_resume and not stray:
-                nexts.append((RESUME, (RESUME, started, rounds, inited, True)))  # a `finally` resume
+                nexts.append(to(RESUME, stray=True))  # a `finally` resume
         elif phase == PAUSE and done:
             if inited:
-                nexts.append((START, (START, started, rounds, inited, stray)))
+                nexts.append(to(START))
             else:
-                nexts.append((INIT, (INIT, started, rounds, True, stray)))  # lazy init, while paused
-            nexts.append((RESUME, (RESUME, started, rounds, inited, stray)))
+                nexts.append(to(INIT, inited=True))  # lazy init, while paused
+            nexts.append(to(RESUME))
         elif phase == INIT and done:
-            if started == 0:
+            if failed:
+                nexts.append(to(INIT))  # the transfer group is gone: initialise again
+            elif rec:
+                nexts.append(to(START))  # a failed rank needs a new round before it may resume
+            elif started == 0:
                 if started < self.C:
-                    nexts.append(pause)
+                    nexts.append(to(PAUSE, started + 1))
             else:
-                nexts.append((START, (START, started, rounds, inited, stray)))
-                nexts.append((RESUME, (RESUME, started, rounds, inited, stray)))
+                nexts.append(to(START))
+                nexts.append(to(RESUME))
         elif phase == START and done:
-            nexts.append((UPDATE, (UPDATE, started, rounds, inited, stray)))
+            nexts.append(to(UPDATE))
         elif phase == UPDATE and done:
-            nexts.append((FINISH, (FINISH, started, rounds + 1, inited, stray)))
+            nexts.append(to(FINISH))
         elif phase == FINISH and done:
-            nexts.append((RESUME, (RESUME, started, rounds, inited, stray)))
+            if failed:
+                nexts.append(to(START))  # a new round, same version
+            else:
+                nexts.append(to(RESUME, rounds_=rounds + 1, recovering=False))
+        # The controller's fan-out is atomic under both channel semantics: only the controller writes the
+        # controller->rank FIFOs, so sending to every rank at once and letting each rank receive at its
+        # own time reaches the same interleavings as per-rank sends (the receipts stay independent).
         for nph, ctrl2 in nexts:
             if self.variant.pause_in_front_end and nph in (PAUSE, RESUME):
                 out.append((("fe", PHASE_CALL[nph]), self._front_end_call(s, nph, ctrl2)))
-            elif self.ordered:
-                out.append((("fan", PHASE_CALL[nph], -1), self._fan_out(s, ctrl2, None, True)))
             else:
-                for i in range(self.n):
-                    out.append((("fan", PHASE_CALL[nph], i), self._fan_out(s, ctrl2, i, True)))
-                if nph in (UPDATE, INIT):
-                    out.append((("trainer",), self._fan_out(s, ctrl2, None, True, trainer=True)))
-        # continue the current phase's fan-out
+                out.append((("fan", PHASE_CALL[nph], -1), self._fan_out(s, ctrl2, None, True)))
+        # a retried resume while the first is outstanding (its replies are not counted)
         if (
-            phase != IDLE
-            and not self.ordered
-            and not (self.variant.pause_in_front_end and phase in (PAUSE, RESUME))
+            self.repeat_resume
+            and not repeat
+            and phase == RESUME
+            and not done
+            and not self.variant.pause_in_front_end
         ):
-            for i in range(self.n):
-                if s.ranks[i].status == NOT_SENT:
-                    out.append((("fan", PHASE_CALL[phase], i), self._fan_out(s, s.ctrl, i, False)))
-            if phase in (UPDATE, INIT) and s.trainer[1] == NOT_SENT:
-                out.append((("trainer",), self._fan_out(s, s.ctrl, None, False, trainer=True)))
+            ctrl3 = (phase, started, rounds, inited, stray, True, fails, recovering)
+            out.append((("retry", PHASE_CALL[RESUME]), self._retry(s, ctrl3)))
+
+    def _retry(self, s: G, ctrl: Ctrl) -> G:
+        """Re-send resume to every rank (after each rank's first), untracked."""
+        w = _Work(s)
+        w.ctrl = ctrl
+        w.untracked = True
+        f = 0 if self.ordered else F_CTRL
+        for i in range(self.n):
+            if not self._deliver_now(w, i, "resume"):
+                rk = w.ranks[i]
+                w.ranks[i] = rk._replace(
+                    inq=(*rk.inq[:f], (*rk.inq[f], ("U", "resume", RETRY)), *rk.inq[f + 1 :])
+                )
+        w.untracked = False
+        return w.freeze()
+
+    def _deliver_now(self, w: _Work, i: int, call: str, queued: bool = False) -> bool:
+        """Reduction: a resume sent to a rank that will take it as a no-op whenever it arrives is received
+        at once. It applies when the rank is not blocked, nothing is queued before the call (its
+        controller FIFO, or its only FIFO under ``ordered``), and the table has a single unguarded row for
+        RESUME in the rank's state that changes no variable and only replies. Such a rank can leave its
+        state only through a later controller call (queued behind this one), so the row that fires is the
+        same at any delivery time; delivering later differs only in the controller's view of the reply
+        (it may always wait longer) and reaches no other state. The lookup goes through :meth:`fire`, so
+        a mutant of that row is still seen (mutation equivalence)."""
+        if call != "resume":
+            return False
+        rk = w.ranks[i]
+        if rk.blocked or (not queued and (any(rk.inq) if self.ordered else rk.inq[F_CTRL])):
+            return False
+        v = rk.vars
+        rows = self.table.get((v.state, RankEvent.RESUME), ())
+        if len(rows) != 1:
+            return False
+        row = rows[0]
+        if row.guard != ALWAYS or row.target != v.state or not set(row.effects) <= _REPLIES:
+            return False
+        tr, after = self.fire(i, v, RankEvent.RESUME, ())
+        if tr is None or after != v:
+            return False
+        w.ranks[i] = rk._replace(pz=0)
+        for eff in tr.effects:
+            self._effect(w, i, eff, v, -1)
+        return True
 
     def _fan_out(
         self,
         s: G,
-        ctrl: tuple[int, int, int, bool, bool],
+        ctrl: Ctrl,
         target: int | None,
         new_phase: bool,
         trainer: bool = False,
@@ -651,16 +868,17 @@ class Model:
             w.trainer = ("", NOT_SENT)
         w.ctrl = ctrl
         targets = [] if trainer else (list(range(self.n)) if target is None else [target])
+        arg = ctrl[2] + 1 if phase == FINISH else 0  # finish carries the version: successful rounds + 1
         for i in targets:
-            rk = w.ranks[i]
-            w.ranks[i] = rk._replace(
-                inq=(*rk.inq[:f], (*rk.inq[f], ("U", call)), *rk.inq[f + 1 :]), status=SENT
-            )
+            rk = w.ranks[i]._replace(status=SENT)
+            w.ranks[i] = rk
+            if not self._deliver_now(w, i, call):
+                w.ranks[i] = rk._replace(inq=(*rk.inq[:f], (*rk.inq[f], ("U", call, arg)), *rk.inq[f + 1 :]))
         if phase in (UPDATE, INIT) and (trainer or target is None):
             w.trainer = ("weight_broadcast" if phase == UPDATE else "transfer_init", SENT)
         return w.freeze()
 
-    def _front_end_call(self, s: G, phase: int, ctrl: tuple[int, int, int, bool, bool]) -> G:
+    def _front_end_call(self, s: G, phase: int, ctrl: Ctrl) -> G:
         """front-end-pause: the API front-end applies pause/resume to every rank machine at once."""
         w = _Work(s)
         w.ctrl = ctrl
@@ -700,15 +918,34 @@ class Model:
         if not self._conserved(s):
             bad.append("request_conservation")
         phase = s.ctrl[0]
-        if phase in (RESUME, FINISH) and self._all_replied(s, phase):
-            rounds = s.ctrl[2]
-            if any(r.vars.weight_version != rounds or r.worker.weight_version != rounds for r in ranks):
+        if phase in (RESUME, FINISH) and self._all_replied(s, phase) and not self._phase_failed(s):
+            want = s.ctrl[2] + (1 if phase == FINISH else 0)
+            if any(r.vars.weight_version != want for r in ranks):
                 bad.append("version_agreement")
+        if not self._coordinator_belief_right(s):
+            bad.append("coordinator_belief")
         if self.mode is PauseMode.ABORT and any(r.pz == 2 and r.running for r in ranks):
             bad.append("mode_semantics")
         if not self.seen_all_verified and all(r.vars.state is RankState.VERIFIED for r in ranks):
             self.seen_all_verified = True
         return bad
+
+    def _coordinator_belief_right(self, s: G) -> bool:
+        """Once the engines are idle and nothing is in flight (no message, no collective, no outstanding
+        call), the coordinator's ``(current_wave, engines_running)`` equals the ranks' (vLLM 0.32
+        ``v1/engine/coordinator.py:363-375``: the belief comes only from the engines' own reports)."""
+        if s.coord[1] is False and all(r.vars.current_wave == s.coord[0] for r in s.ranks):
+            return True
+        if any(s.coord_q) or s.trainer[0]:
+            return True
+        w0 = s.ranks[0].vars.current_wave
+        for r in s.ranks:
+            v = r.vars
+            if r.blocked or any(r.inq) or r.outq or r.waiting or r.running or r.status == SENT:
+                return True
+            if v.state is not RankState.RUNNING or v.engines_running or v.current_wave != w0:
+                return True
+        return False
 
     def _conserved(self, s: G) -> bool:
         nxt = s.front[2]
@@ -782,6 +1019,10 @@ class Model:
             bad.append("mode_semantics")
         if self.clear and any(q[0] in advanced and q[2] != rb.vars.weight_version for q in rb.running):
             bad.append("no_stale_kv")
+        if advanced and (
+            rb.worker.partial or rb.worker.state is WorkerState.ACTIVE or rb.vars.state is RankState.FAILED
+        ):
+            bad.append("no_partial_serving")
         return bad
 
     def is_end(self, s: G) -> bool:
@@ -878,7 +1119,7 @@ class Model:
 class _Work:
     """Mutable scratch copy of a global state used while building one successor."""
 
-    __slots__ = ("aborted", "coord", "coord_q", "ctrl", "done", "front", "ranks", "trainer")
+    __slots__ = ("aborted", "coord", "coord_q", "ctrl", "done", "front", "ranks", "trainer", "untracked")
 
     def __init__(self, s: G) -> None:
         self.ranks = list(s.ranks)
@@ -889,6 +1130,7 @@ class _Work:
         self.trainer = s.trainer
         self.done = list(s.done)
         self.aborted = list(s.aborted)
+        self.untracked = False
 
     def freeze(self) -> G:
         done = self.done

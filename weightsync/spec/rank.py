@@ -15,11 +15,16 @@ Event arguments (``args``) used by the guards:
 - ``STEP``, ``DP_STEP_DONE``, ``DP_SYNC_DONE``: ``has_work`` (the scheduler has schedulable work
   under the rank's PauseState, see :func:`weightsync.spec.states.schedulable`);
 - ``DP_SYNC_DONE``: ``sum_unfinished``, ``sum_pending_pause`` (the SUM all-reduce result);
-- ``RESUME_BARRIER_DONE``: ``max_unfinished``, ``max_wave`` (the MAX all-reduce result).
+- ``RESUME_BARRIER_DONE``: ``max_unfinished``, ``max_wave`` (the MAX all-reduce result);
+- ``FINISH_DONE``: ``weight_version`` (the version the caller supplied to ``finish_weight_update``, vLLM's
+  string ``weight_version``, or None) and ``monotonic`` (bool: the opt-in guard that refuses a version older
+  than the rank's);
+- ``TRANSFER_FAILED``: ``phase`` (``"init"``, ``"start"``, ``"update"`` or ``"finish"``) and ``error``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -55,8 +60,13 @@ class RankVars(NamedTuple):
         pending_pause: phase 1 of the two-phase pause (PR #39366).
         ignore_start_dp_wave: phase 2 reached: START_DP_WAVE is dropped (PR #39366).
         collective: the collective this rank is blocked in ("" when none).
-        weight_version: completed weight updates (bumped by finish_weight_update).
+        weight_version: the version of the weights being served: the caller's ``weight_version`` of the
+            last successful finish_weight_update, else the number of successful rounds (never moved by a
+            failed round).
         clear_cache: the pending pause's ``clear_cache`` argument.
+        wave_started: rank 0 has reported the current wave's start to the coordinator (vLLM's
+            ``was_running`` edge, ``v1/engine/core.py:2394-2406``); set by the mirror rows only, cleared
+            when the wave ends.
     """
 
     state: RankState = RankState.RUNNING
@@ -67,8 +77,9 @@ class RankVars(NamedTuple):
     pending_pause: bool = False
     ignore_start_dp_wave: bool = False
     collective: str = ""
-    weight_version: int = 0
+    weight_version: int | str = 0
     clear_cache: bool = False
+    wave_started: bool = False
 
 
 Args = Mapping[str, Any]
@@ -101,6 +112,41 @@ def _keep_running(a: Args) -> bool:
 
 def _wave_for_me(v: RankVars, a: Args) -> bool:
     return int(a["exclude"]) != int(a["rank"]) and int(a["wave"]) >= v.current_wave
+
+
+_VERSION_STEP = re.compile(r"(\d+)$")
+
+
+def version_order(version: int | str) -> int:
+    """The order the opt-in monotonic guard compares: an int version itself; a string version its trailing
+    number (``"step-12"`` -> 12); vLLM's initial ``"default"`` -> -1.
+
+    Raises:
+        ValueError: a string version without a trailing number (the guard cannot order it).
+    """
+    if isinstance(version, int):
+        return version
+    if version == "default":
+        return -1
+    m = _VERSION_STEP.search(version)
+    if m is None:
+        raise ValueError(
+            f"weight_version {version!r} has no trailing step number; the monotonic guard orders versions "
+            "by it (e.g. 'step-12')"
+        )
+    return int(m.group(1))
+
+
+def _version_older(v: RankVars, a: Args) -> bool:
+    new = a.get("weight_version")
+    return (
+        bool(a.get("monotonic")) and new is not None and version_order(new) < version_order(v.weight_version)
+    )
+
+
+def _first_step_rank0(v: RankVars, a: Args) -> bool:
+    """vLLM 0.32 ``v1/engine/core.py:2394-2406``: rank 0 reports the not-running -> running edge."""
+    return int(a["rank"]) == 0 and not v.wave_started and not v.pending_pause
 
 
 def _drains_now(v: RankVars, a: Args) -> bool:
@@ -158,6 +204,13 @@ GUARDS: dict[str, Callable[[RankVars, Args], bool]] = {
     # resume
     "engines_running": lambda v, a: v.engines_running,
     "engines_stopped": lambda v, a: not v.engines_running,
+    "barrier_idle": lambda v, a: int(a["max_unfinished"]) == 0,
+    # rank 0's mirror start_wave (vLLM 0.32)
+    "first_step_rank0": _first_step_rank0,
+    "sync_keep_running_first_rank0": lambda v, a: _keep_running(a) and _first_step_rank0(v, a),
+    "not_first_step_rank0": lambda v, a: not _first_step_rank0(v, a),
+    # versions
+    "version_older": _version_older,
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -172,7 +225,27 @@ def _set_pause(v: RankVars, a: Args) -> RankVars:
 
 
 def _end_wave(v: RankVars, a: Args) -> RankVars:
-    return v._replace(engines_running=False, current_wave=v.current_wave + 1, step_counter=0)
+    return v._replace(
+        engines_running=False, current_wave=v.current_wave + 1, step_counter=0, wave_started=False
+    )
+
+
+def _fail_stop(v: RankVars, a: Args) -> RankVars:
+    """A failed rank stops serving: nothing schedulable, not stepping, waves ignored, no pause pending."""
+    return v._replace(
+        pause_state=PauseState.PAUSED_ALL,
+        engines_running=False,
+        pending_pause=False,
+        ignore_start_dp_wave=True,
+        collective="",
+    )
+
+
+def _set_weight_version(v: RankVars, a: Args) -> RankVars:
+    new = a.get("weight_version")
+    if new is None:
+        new = v.weight_version + 1 if isinstance(v.weight_version, int) else v.weight_version
+    return v._replace(weight_version=new)
 
 
 UPDATES: dict[str, Callable[[RankVars, Args], RankVars]] = {
@@ -193,10 +266,12 @@ UPDATES: dict[str, Callable[[RankVars, Args], RankVars]] = {
     "count_step": lambda v, a: v._replace(
         step_counter=(v.step_counter + 1) % int(a["sync_interval"]), engines_running=True
     ),
+    "mark_wave_started": lambda v, a: v._replace(wave_started=True),
     "end_wave": _end_wave,
     "running_from_barrier": lambda v, a: v._replace(engines_running=int(a["max_unfinished"]) > 0),
     "adopt_wave_after_barrier": lambda v, a: v._replace(current_wave=int(a["max_wave"]) + 1),
-    "bump_weight_version": lambda v, a: v._replace(weight_version=v.weight_version + 1),
+    "set_weight_version": _set_weight_version,
+    "fail_stop": _fail_stop,
 }
 
 #: Effect names and what the runtime (impl) or the model does for each.
@@ -217,7 +292,12 @@ EFFECTS: dict[str, str] = {
     "reply": "the utility call returns",
     "clear_cache": "reset prefix/KV caches if the pause asked clear_cache (preempts frozen requests)",
     "start_weight_update": "worker machine: start_weight_update on every worker",
-    "finish_weight_update": "worker machine: finish_weight_update on every worker",
+    "finish_weight_update": "worker machine: finish_weight_update on every worker (check every layer arrived, "
+    "finalize the reload); its outcome is FINISH_DONE or TRANSFER_FAILED",
+    "fail_round": "worker machine: abandon the round; the weights are partial until a round completes",
+    "fail_init": "worker machine: close the half-made transfer group; init again before the next start",
+    "reply_failure": "the current call returns the failure (its phase, error and the ranks missing)",
+    "refuse": "the call returns an error naming the rank's state and the legal calls; nothing changes",
     "front_end_gate": "the API front-end holds new requests (front-end-pause only)",
     "front_end_ungate": "the API front-end releases held requests (front-end-pause only)",
 }
@@ -274,11 +354,18 @@ def _serving_rows(state: RankState, honour_waves: bool, stale_add_rearms: bool, 
     return rows
 
 
+R_FAIL = "weightsync: failure is a table event; a failed round reaches `failed`"
+
+
 def _transfer_rows() -> Table:
-    """verified -> updating -> verified; init legal in running and verified."""
+    """verified -> updating -> verified, with failures as rows (weightsync); init legal in running, verified
+    and failed. ``finish_weight_update`` moves the version only on FINISH_DONE, after the workers' finish
+    returned; every failure (TRANSFER_FAILED) leaves the round in ``failed``, and a new round recovers it."""
+    start = _t(ALWAYS, _S.UPDATING, (), ("start_weight_update", "reply"), "reference s2")
     rows: Table = {
-        (_S.VERIFIED, _E.START_UPDATE): (
-            _t(ALWAYS, _S.UPDATING, (), ("start_weight_update", "reply"), "reference s2"),
+        (_S.VERIFIED, _E.START_UPDATE): (start,),
+        (_S.FAILED, _E.START_UPDATE): (
+            start._replace(rule="weightsync: a new round recovers a failed rank"),
         ),
         (_S.UPDATING, _E.UPDATE_WEIGHTS): (
             _t(ALWAYS, _S.UPDATING, ("enter_weight_broadcast",), ("enter_weight_broadcast",), "reference s2"),
@@ -289,27 +376,65 @@ def _transfer_rows() -> Table:
         (_S.UPDATING, _E.FINISH_UPDATE): (
             _t(
                 ALWAYS,
-                _S.VERIFIED,
-                ("bump_weight_version",),
-                ("finish_weight_update", "reply"),
-                "reference s2; version: weightsync",
+                _S.UPDATING,
+                (),
+                ("finish_weight_update",),
+                "reference s2; outcome as an event: weightsync",
             ),
         ),
+        (_S.UPDATING, _E.FINISH_DONE): (
+            _t(
+                "version_older",
+                _S.FAILED,
+                ("fail_stop",),
+                ("fail_round", "reply_failure"),
+                "weightsync: opt-in monotonic weight_version; engines never go backwards",
+            ),
+            _t(
+                ALWAYS,
+                _S.VERIFIED,
+                ("set_weight_version",),
+                ("reply",),
+                "reference s2; vLLM 0.32 finish_weight_update(weight_version); moves only on success",
+            ),
+        ),
+        (_S.UPDATING, _E.TRANSFER_FAILED): (
+            _t(ALWAYS, _S.FAILED, ("leave_collective", "fail_stop"), ("fail_round", "reply_failure"), R_FAIL),
+        ),
     }
-    for s in (_S.RUNNING, _S.VERIFIED):
+    for s in (_S.RUNNING, _S.VERIFIED, _S.FAILED):
         rows[(s, _E.INIT_TRANSFER)] = (
             _t(ALWAYS, s, ("enter_transfer_init",), ("enter_transfer_init",), "reference s2"),
         )
         rows[(s, _E.TRANSFER_INIT_DONE)] = (_t(ALWAYS, s, ("leave_collective",), ("reply",), "reference s2"),)
+        rows[(s, _E.TRANSFER_FAILED)] = (
+            _t(ALWAYS, _S.FAILED, ("leave_collective", "fail_stop"), ("fail_init", "reply_failure"), R_FAIL),
+        )
+    rows.update(_serving_rows(_S.FAILED, honour_waves=False, stale_add_rearms=False, may_step=False))
+    refuse = _t(ALWAYS, _S.FAILED, (), ("refuse",), "weightsync: a failed rank never serves partial weights")
+    for e in (_E.PAUSE, _E.RESUME, _E.UPDATE_WEIGHTS, _E.FINISH_UPDATE):
+        rows[(_S.FAILED, e)] = (refuse,)
     return rows
 
 
-def _step_done_rows(state: RankState, drained_target: RankState | None = None) -> Table:
-    """Non-sync forward collective completed: count the step; vLLM sets engines_running True."""
-    if drained_target is None:
+R_MIRROR = "vLLM 0.32 v1/engine/core.py:2394-2406: rank 0 mirrors the not-running -> running edge"
+
+
+def _step_done_rows(
+    state: RankState, drained_target: RankState | None = None, mirror_start_wave: bool = False
+) -> Table:
+    """Non-sync forward collective completed: count the step; vLLM sets engines_running True. With
+    ``mirror_start_wave`` rank 0 sends start_wave(current_wave) after the first step of a wave."""
+    step = ("leave_collective", "count_step")
+    if drained_target is None and mirror_start_wave:
         return {
-            (state, _E.DP_STEP_DONE): (_t(ALWAYS, state, ("leave_collective", "count_step"), (), R_WAVES),)
+            (state, _E.DP_STEP_DONE): (
+                _t("first_step_rank0", state, (*step, "mark_wave_started"), ("emit_start_wave",), R_MIRROR),
+                _t(ALWAYS, state, step, (), R_WAVES),
+            )
         }
+    if drained_target is None:
+        return {(state, _E.DP_STEP_DONE): (_t(ALWAYS, state, step, (), R_WAVES),)}
     return {
         (state, _E.DP_STEP_DONE): (
             _t("drained", drained_target, ("leave_collective", "count_step"), (), "weightsync: local drain"),
@@ -318,19 +443,40 @@ def _step_done_rows(state: RankState, drained_target: RankState | None = None) -
     }
 
 
-def _running_rows(stale_add_rearms: bool = True) -> Table:
+def _running_rows(stale_add_rearms: bool = True, mirror_start_wave: bool = False) -> Table:
     rows = _serving_rows(_S.RUNNING, honour_waves=True, stale_add_rearms=stale_add_rearms, may_step=True)
-    rows.update(_step_done_rows(_S.RUNNING))
+    rows.update(_step_done_rows(_S.RUNNING, mirror_start_wave=mirror_start_wave))
+    keep = _t("sync_keep_running", _S.RUNNING, ("leave_collective", "count_step"), (), R_WAVES)
+    mirror: tuple[Transition, ...] = ()
+    if mirror_start_wave:
+        # vLLM 0.32 checks the sync result first (engines_running), then the edge; a wave that stops at
+        # its first sync ends (wave_complete) without a start_wave.
+        mirror = (
+            _t(
+                "sync_keep_running_first_rank0",
+                _S.RUNNING,
+                ("leave_collective", "count_step", "mark_wave_started"),
+                ("emit_start_wave",),
+                R_MIRROR,
+            ),
+        )
     rows[(_S.RUNNING, _E.DP_SYNC_DONE)] = (
-        _t("sync_keep_running", _S.RUNNING, ("leave_collective", "count_step"), (), R_WAVES),
+        *mirror,
+        keep,
         _t("sync_stop", _S.RUNNING, ("leave_collective", "end_wave"), ("emit_wave_complete",), R_WAVES),
     )
     return rows
 
 
-def two_phase_table(epoch: bool) -> Table:
-    """vLLM PR #39366 as shipped (``epoch=False``) or weightsync's ``two-phase-epoch`` fix (``epoch=True``)."""
-    rows = _running_rows()
+def two_phase_table(epoch: bool, safe_resume: bool = False, mirror_start_wave: bool = False) -> Table:
+    """vLLM PR #39366 as shipped (``epoch=False``) or weightsync's ``two-phase-epoch`` fix (``epoch=True``).
+
+    ``safe_resume``: a resume is a local no-op unless the rank is verified (weightsync; vLLM's rule, "no-op
+    if engines_running", is a per-rank belief, and a stray resume with one rank busy and one idle sends
+    the idle one alone into the resume barrier). ``mirror_start_wave``: rank 0 reports the not-running ->
+    running edge to the coordinator (vLLM 0.32), which then no longer latches on FIRST_REQ.
+    """
+    rows = _running_rows(mirror_start_wave=mirror_start_wave)
     pause_updates = ("set_pause_state", "set_pending_pause", "set_engines_running")
     # Only mode=abort aborts requests (reference s4); keep freezes them and wait drains the running ones.
     rows[(_S.RUNNING, _E.PAUSE)] = (
@@ -379,24 +525,51 @@ def two_phase_table(epoch: bool) -> Table:
             R39366 + " resume barrier",
         ),
     )
-    rows[(_S.RUNNING, _E.RESUME)] = (
-        _t("engines_running", _S.RUNNING, (), ("reply_resume",), R39366 + ": no-op while running"),
-        _t(
-            "engines_stopped",
-            _S.RESUMING,
-            ("unpause", "clear_ignore_start_dp_wave", "enter_resume_barrier"),
-            ("enter_resume_barrier",),
-            R39366 + " resume barrier",
-        ),
-    )
+    if safe_resume:
+        rows[(_S.RUNNING, _E.RESUME)] = (
+            _t(
+                ALWAYS,
+                _S.RUNNING,
+                (),
+                ("reply_resume",),
+                "weightsync: a resume is a local no-op unless the rank is verified (stray, repeated or "
+                "racing resumes are safe)",
+            ),
+        )
+    else:
+        rows[(_S.RUNNING, _E.RESUME)] = (
+            _t("engines_running", _S.RUNNING, (), ("reply_resume",), R39366 + ": no-op while running"),
+            _t(
+                "engines_stopped",
+                _S.RESUMING,
+                ("unpause", "clear_ignore_start_dp_wave", "enter_resume_barrier"),
+                ("enter_resume_barrier",),
+                R39366 + " resume barrier",
+            ),
+        )
     barrier_updates: tuple[str, ...] = ("leave_collective", "running_from_barrier")
     rule = R39366 + " resume barrier"
     if epoch:
         barrier_updates += ("adopt_wave_after_barrier",)
         rule = "weightsync two-phase-epoch: the resume all-reduce also agrees on MAX(current_wave) + 1"
-    rows[(_S.RESUMING, _E.RESUME_BARRIER_DONE)] = (
-        _t(ALWAYS, _S.RUNNING, barrier_updates, ("reply_resume",), rule),
-    )
+    if mirror_start_wave:
+        # The coordinator does not latch, so it learns the re-based wave from the engines: an idle resume
+        # ends wave MAX (rank 0's wave_complete); a busy one starts wave MAX + 1 (rank 0's start_wave
+        # after its first step, since wave_started is clear).
+        rows[(_S.RESUMING, _E.RESUME_BARRIER_DONE)] = (
+            _t(
+                "barrier_idle",
+                _S.RUNNING,
+                barrier_updates,
+                ("emit_wave_complete", "reply_resume"),
+                rule + "; rank 0 reports the idle resume as wave_complete(MAX)",
+            ),
+            _t(ALWAYS, _S.RUNNING, barrier_updates, ("reply_resume",), rule),
+        )
+    else:
+        rows[(_S.RESUMING, _E.RESUME_BARRIER_DONE)] = (
+            _t(ALWAYS, _S.RUNNING, barrier_updates, ("reply_resume",), rule),
+        )
     return rows
 
 
@@ -487,6 +660,9 @@ class Variant:
         expected: what the model checker should find under per-socket channels ("verified" or
             "counterexample").
         verified_channels: channel semantics under which the variant is expected to verify.
+        coordinator_latches: the DP coordinator sets engines_running when it broadcasts START_DP_WAVE for a
+            FIRST_REQ (before vLLM's fix of issue #51476); False: only the engines' own reports
+            (start_wave, wave_complete) move it (vLLM 0.32 ``v1/engine/coordinator.py:363-375``).
     """
 
     name: str
@@ -497,6 +673,7 @@ class Variant:
     resume_barrier_carries_wave: bool = False
     expected: str = "counterexample"
     verified_channels: tuple[str, ...] = ()
+    coordinator_latches: bool = True
 
     def expected_verdict(self, channels: str) -> str:
         """ "verified" if the variant should verify under ``channels``, else "counterexample"."""
@@ -509,7 +686,11 @@ class Variant:
             key=lambda r: (r[0].value, r[1].value),
         )
         return table_digest(
-            rows, self.name, str(self.pause_in_front_end), str(self.resume_barrier_carries_wave)
+            rows,
+            self.name,
+            str(self.pause_in_front_end),
+            str(self.resume_barrier_carries_wave),
+            str(self.coordinator_latches),
         )
 
 
@@ -518,12 +699,14 @@ VARIANTS: dict[str, Variant] = {
     for v in (
         Variant(
             "two-phase-epoch",
-            "two-phase pause/resume whose resume barrier also agrees on the wave (MAX(current_wave) + 1)",
-            "weightsync: closes the resume-time race of two-phase under per-socket channels",
-            two_phase_table(epoch=True),
+            "two-phase pause/resume whose resume barrier agrees on the wave (MAX(current_wave) + 1), a "
+            "resume that is a no-op unless verified, and vLLM 0.32's non-latching coordinator",
+            "weightsync: closes the resume-time race of two-phase and the stray-resume deadlock",
+            two_phase_table(epoch=True, safe_resume=True, mirror_start_wave=True),
             resume_barrier_carries_wave=True,
             expected="verified",
             verified_channels=("per-socket", "ordered"),
+            coordinator_latches=False,
         ),
         Variant(
             "two-phase",
@@ -639,6 +822,19 @@ class RankMachine(TableMachine[RankState, RankEvent]):
             LOCAL_CALLS,
             RankState.ERROR,
         )
+
+    def _with_rank(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        full = {"rank": self.rank, "dp_size": self.dp_size, "sync_interval": self.sync_interval}
+        full.update(args)
+        return full
+
+    def select(self, event: RankEvent, args: Mapping[str, Any]) -> Transition | None:
+        """The row ``event`` would take now (``rank``, ``dp_size``, ``sync_interval`` supplied), or None."""
+        return super().select(event, self._with_rank(args))
+
+    def explain_illegal(self, event: RankEvent, args: Mapping[str, Any]) -> str:
+        """The error text of an illegal ``event`` (see :meth:`TableMachine.explain_illegal`)."""
+        return super().explain_illegal(event, self._with_rank(args))
 
     def fire(self, event: RankEvent, **args: Any) -> Fired:
         """Fire ``event``; ``rank``, ``dp_size`` and ``sync_interval`` are supplied automatically."""

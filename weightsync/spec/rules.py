@@ -73,17 +73,33 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "Weights move only when verified",
-        "start_weight_update is legal only in verified; update_weights only between start and finish (each "
-        "joins the weight-transfer broadcast with the trainer); finish_weight_update returns to verified and "
-        "bumps weight_version. While verified or updating a rank never steps and drops START_DP_WAVE.",
+        "start_weight_update is legal only in verified (or failed, see the next rule); update_weights only "
+        "between start and finish (each joins the weight-transfer broadcast with the trainer); "
+        "finish_weight_update runs the workers' finish (every layer arrived, reload finalised) and only its "
+        "success (FINISH_DONE) returns the rank to verified and sets weight_version (the caller's version, "
+        "else the number of successful rounds). While verified or updating a rank never steps and drops "
+        "START_DP_WAVE.",
         "reference s2, s6; issue #36594",
+    ),
+    Rule(
+        "Failure is a state",
+        "A weight-transfer failure (a transfer collective that timed out or was aborted, a start or finish "
+        "that raised, a version refused by the opt-in monotonic guard) fires TRANSFER_FAILED and the rank "
+        "enters failed: its weights may be partial, so it never steps, queues new requests, drops "
+        "START_DP_WAVE and refuses pause, resume, update and finish with an error; weight_version does not "
+        "move. A new round (start -> update -> finish) recovers it without a restart; a failed init is "
+        "retried by init. A transfer collective that a failed rank will never join times out on each member.",
+        "weightsync; AReaL #1160; slime #1420",
     ),
     Rule(
         "Resume is a barrier",
         "resume in verified clears the pause and joins a MAX all-reduce of has-unfinished whose result "
-        "becomes engines_running on every rank. resume while a pause is in flight is illegal; resume while "
-        "running is a no-op.",
-        "vLLM PR #39366",
+        "becomes engines_running on every rank. resume while a pause is in flight is illegal. In "
+        "two-phase-epoch a resume that reaches a running rank is a local no-op (stray, repeated and racing "
+        "resumes are safe: proofs row stray-repeat-resume); in vLLM's two-phase it is a no-op only if "
+        "engines_running, else the idle rank enters the barrier alone while a busy peer steps (a one-sided "
+        "collective: proofs row two-phase stray-resume).",
+        "vLLM PR #39366; weightsync",
     ),
     Rule(
         "Resume agrees on the wave (two-phase-epoch)",
@@ -92,7 +108,10 @@ RULES: tuple[Rule, ...] = (
         "rank alike, and a stale ADD on an idle rank takes the start_wave path, so the coordinator wakes "
         "every peer. This closes the resume-time race of two-phase under per-socket channels, where an "
         "in-flight wake-up is dropped by one rank and taken by another, and the coordinator latch of issue "
-        "#51476.",
+        "#51476. The coordinator does not latch on FIRST_REQ (vLLM 0.32): its engines_running moves only on "
+        "the engines' reports: rank 0's start_wave after the first step of a wave, its wave_complete when a "
+        "wave ends, and, after an idle resume barrier, wave_complete(MAX), so an idle coordinator's belief "
+        "equals the ranks' (property coordinator_belief).",
         "weightsync",
     ),
     Rule(

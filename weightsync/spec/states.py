@@ -20,6 +20,11 @@ class RankState(StrEnum):
       same step (phase 2); the pause call has returned. Weight-transfer calls are legal only here.
     - ``updating``: between ``start_weight_update`` and ``finish_weight_update``.
     - ``resuming``: ``resume`` accepted; the rank is in the resume barrier.
+    - ``failed``: a weight-transfer round failed on this rank (a transfer collective timed out or was
+      aborted, ``start_weight_update`` or ``finish_weight_update`` raised, a version was refused). Its
+      weights may be partial: it never steps, queues new requests, drops START_DP_WAVE and refuses
+      pause, resume, update and finish with an error reply; a new round (``start_weight_update`` ->
+      ``update_weights`` -> ``finish_weight_update``) recovers it without a restart (weightsync).
     - ``error``: sticky after a protocol error.
     """
 
@@ -29,6 +34,7 @@ class RankState(StrEnum):
     VERIFIED = "verified"
     UPDATING = "updating"
     RESUMING = "resuming"
+    FAILED = "failed"
     ERROR = "error"
 
 
@@ -78,6 +84,9 @@ class RankEvent(StrEnum):
     RESUME_BARRIER_DONE = "resume_barrier_done"
     WEIGHT_BROADCAST_DONE = "weight_broadcast_done"
     TRANSFER_INIT_DONE = "transfer_init_done"
+    # outcomes of the worker's weight-transfer operations (weightsync: failures are table events)
+    FINISH_DONE = "finish_done"  # the workers' finish_weight_update returned (every layer complete)
+    TRANSFER_FAILED = "transfer_failed"  # init, start, update or finish raised or timed out on this rank
 
 
 LOCAL_CALLS: frozenset[RankEvent] = frozenset(

@@ -176,7 +176,9 @@ class TableMachine(Generic[S, E]):
         self.vars = v
         return Fired(before.state, event, tr, before, v)
 
-    def _fail(self, event: E, args: Mapping[str, Any]) -> None:
+    def explain_illegal(self, event: E, args: Mapping[str, Any]) -> str:
+        """Why ``event`` is illegal now: the state, the event with its arguments, the guards that failed and
+        the legal events (the text of the error :meth:`fire` would raise). Changes nothing."""
         state = self.state
         rows = self._table.get((state, event), ())
         legal = ", ".join(str(e.value) for e in self.legal_events()) or "none"
@@ -185,10 +187,13 @@ class TableMachine(Generic[S, E]):
         else:
             why = "no transition for this event in this state"
         shown = ", ".join(f"{k}={v!r}" for k, v in sorted(args.items()))
-        msg = (
+        return (
             f"{self.name}: event {getattr(event, 'value', event)}({shown}) is illegal in state "
             f"{getattr(state, 'value', state)}: {why}; legal events here: {legal}"
         )
+
+    def _fail(self, event: E, args: Mapping[str, Any]) -> None:
+        msg = self.explain_illegal(event, args)
         self.vars = self.vars._replace(state=self._error_state)
         if event in self._local_events:
             raise LocalProtocolError(msg)

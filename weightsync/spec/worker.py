@@ -38,6 +38,8 @@ class WorkerEvent(StrEnum):
     START = "start_weight_update"
     UPDATE = "update_weights"
     FINISH = "finish_weight_update"
+    FAIL = "fail_round"  # the round failed (update or finish raised, or the rank refused the version)
+    FAIL_INIT = "fail_init"  # init_weight_transfer_engine raised or timed out
     SHUTDOWN = "shutdown"
 
 
@@ -50,6 +52,8 @@ class WorkerVars(NamedTuple):
         is_checkpoint_format: format of the active round (True: HF names via ``load_weights``).
         weight_version: number of completed rounds (bumped by finish).
         updates_in_round: number of ``update_weights`` calls in the current round.
+        partial: the weights were (possibly) changed by a round that failed and no round has completed
+            since: they must not be served (weightsync).
     """
 
     state: WorkerState
@@ -57,6 +61,7 @@ class WorkerVars(NamedTuple):
     is_checkpoint_format: bool = True
     weight_version: int = 0
     updates_in_round: int = 0
+    partial: bool = False
 
 
 def _initialized(v: WorkerVars, a: Mapping[str, Any]) -> bool:
@@ -72,8 +77,10 @@ WORKER_UPDATES = {
     ),
     "count_update": lambda v, a: v._replace(updates_in_round=v.updates_in_round + 1),
     "end_round": lambda v, a: v._replace(
-        weight_version=v.weight_version + 1, is_checkpoint_format=True, updates_in_round=0
+        weight_version=v.weight_version + 1, is_checkpoint_format=True, updates_in_round=0, partial=False
     ),
+    "abandon_round": lambda v, a: v._replace(is_checkpoint_format=True, updates_in_round=0, partial=True),
+    "drop_init": lambda v, a: v._replace(initialized=False),
 }
 
 _W = WorkerState
@@ -114,6 +121,17 @@ WORKER_TABLE: dict[tuple[WorkerState, WorkerEvent], tuple[Transition, ...]] = {
             "reference s2; version counter: weightsync (RFC #31848)",
         ),
     ),
+    # Failures (weightsync): a failed round leaves the worker ready for a new round, its weights marked
+    # partial until a round completes; a failed init leaves it uninitialised (init again before start).
+    (_W.ACTIVE, _E.FAIL): (
+        _t(ALWAYS, _W.READY, ("abandon_round",), ("abort_round",), "weightsync: failure is a table event"),
+    ),
+    (_W.READY, _E.FAIL): (
+        _t(ALWAYS, _W.READY, ("abandon_round",), (), "weightsync: finish refused after the workers' finish"),
+    ),
+    (_W.READY, _E.FAIL_INIT): (
+        _t(ALWAYS, _W.READY, ("drop_init",), ("close_transfer_group",), "weightsync: init failed"),
+    ),
     (_W.NO_ENGINE, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), (), "weightsync"),),
     (_W.READY, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "reference s2"),),
     (_W.ACTIVE, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "reference s2"),),
@@ -130,6 +148,8 @@ WORKER_EVENT_OF_EFFECT: dict[str, WorkerEvent] = {
     "enter_weight_broadcast": WorkerEvent.UPDATE,
     "finish_weight_update": WorkerEvent.FINISH,
     "enter_transfer_init": WorkerEvent.INIT,
+    "fail_round": WorkerEvent.FAIL,
+    "fail_init": WorkerEvent.FAIL_INIT,
 }
 
 

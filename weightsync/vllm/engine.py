@@ -25,7 +25,8 @@ Rules:
 3. **Guarantees kept.** Every update starts with weightsync's wire agreement; a request this worker
    cannot accept (malformed, a name already received this round, a floating dtype other than the
    model's) is vetoed there, so the trainer and every peer fail at once instead of hanging. Every wait
-   has ``timeout_s``. A failure in any bucket aborts that bucket on every rank.
+   has a deadline: ``timeout_s``, or without it 300 s for the rendezvous and a round's sized to its bytes
+   (``RendezvousInitInfo.round_deadline``). A failure in any bucket aborts that bucket on every rank.
 4. **Checkpoint format through vLLM's layerwise reload**, as the built-in ``nccl`` engine does
    (``nccl_engine.py:159-173``): ``initialize_layerwise_reload`` at start, ``model.load_weights`` per
    bucket, ``finalize_layerwise_reload`` at finish. Tensors are copied before ``load_weights``: the
@@ -54,7 +55,6 @@ from vllm.distributed.weight_transfer.base import (
 from weightsync.impl.transfer.base import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
-    DEFAULT_TIMEOUT_S,
     DTYPES,
     ParallelInfo,
     RendezvousInitInfo,
@@ -70,7 +70,7 @@ from weightsync.vllm.reload import abandon_layerwise_reload, incomplete_paramete
 #: weightsync's optional ``init_info`` fields, with their defaults (omitted from produced dicts when at
 #: the default, so those dicts also parse in vLLM's ``NCCLWeightTransferInitInfo``).
 INIT_EXTRAS: dict[str, Any] = {
-    "timeout_s": DEFAULT_TIMEOUT_S,
+    "timeout_s": None,
     "verify": False,
     "layout": "vllm",
     "group_backend": "auto",
@@ -88,7 +88,8 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
         nccl_unique_id_b64: vLLM's torch-free rendezvous; refused (weightsync needs the TCPStore).
         packed, packed_buffer_size_bytes, packed_num_buffers: the wire parameters, as vLLM's (worker
             defaults: unpacked, 1 GiB, 2).
-        timeout_s: deadline of every wait (weightsync; default 300 s).
+        timeout_s: deadline of every wait (weightsync). None (the default): the rendezvous waits 300 s and
+            each round's waits are sized to its bytes (``RendezvousInitInfo.round_deadline``).
         verify: CRC32 per bucket, compared on every rank (weightsync; default off).
         layout: ``"vllm"`` or ``"aligned"`` (weightsync; rule 2); None takes the backend's default.
         group_backend: ``"auto"`` (NCCL for a CUDA device, else gloo), ``"gloo"`` or ``"nccl"``.
@@ -105,7 +106,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     packed: bool = False
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float | None = None
     verify: bool = False
     layout: str | None = None
     group_backend: str = "auto"
@@ -131,16 +132,16 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
         Raises:
             ValueError: as :meth:`RendezvousInitInfo.parse`.
         """
-        return RendezvousInitInfo.parse(
-            {
-                "master_address": self.master_address,
-                "master_port": self.master_port,
-                "rank_offset": self.rank_offset,
-                "world_size": self.world_size,
-                "timeout_s": self.timeout_s,
-                "backend": backend or self.group_backend,
-            }
-        )
+        d: dict[str, Any] = {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "rank_offset": self.rank_offset,
+            "world_size": self.world_size,
+            "backend": backend or self.group_backend,
+        }
+        if self.timeout_s is not None:  # else weightsync's work-sized deadlines
+            d["timeout_s"] = self.timeout_s
+        return RendezvousInitInfo.parse(d)
 
     def send_args(self, default_layout: str) -> SendArgs:
         """The wire parameters as weightsync's :class:`SendArgs`.

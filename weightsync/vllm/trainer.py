@@ -17,8 +17,9 @@ Rules:
 2. **One round per** ``send_weights()``: ``client.start_weight_update()``, then ``client.update_weights``
    concurrently with the data plane, then ``client.finish_weight_update(weight_version)``. An error on
    either side surfaces at once (the engine's RPC error, or the transport's naming ranks), never a hang:
-   the transport bounds every wait by ``timeout_s``, and the RPC gets ``timeout_s`` after the data plane
-   finished.
+   the transport bounds every wait by the round's deadline (``timeout_s``, or without it one sized to the
+   round's bytes: ``RendezvousInitInfo.round_deadline``), and the RPC gets that deadline again after the
+   data plane finished.
 3. **Sources, never materialised.** A vLLM ``WeightSource`` (``ModuleSource``, or an ``nn.Module``, which
    is wrapped in one) declares its metadata up front: one ``update_weights`` carries it and the tensors
    are pulled from the source's iteration bucket by bucket while packing (``rounds`` rule 4); a tensor
@@ -33,6 +34,7 @@ Rules:
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,7 +50,6 @@ from vllm.distributed.weight_transfer.base import (
 from weightsync.impl.transfer.base import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
-    DEFAULT_TIMEOUT_S,
     RendezvousInitInfo,
     SendArgs,
 )
@@ -86,7 +87,7 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float | None = None
     verify: bool = False
     layout: str | None = None
     group_backend: str = "auto"
@@ -162,11 +163,13 @@ def _chunks(
         yield cur
 
 
-def concurrently(rpc: Callable[[], object], local: Callable[[], T], timeout_s: float, phase: str) -> T:
+def concurrently(
+    rpc: Callable[[], object], local: Callable[[], T], timeout_s: float, phase: str, basis: str = ""
+) -> T:
     """Run the engine-side RPC and the trainer's side of the data plane together (rule 2).
 
     Returns ``local``'s result once both succeeded. ``local`` bounds its own waits; after it finished, the
-    RPC gets ``timeout_s``. If the RPC fails first, ``local`` gets a few seconds to fail with its own
+    RPC gets ``timeout_s`` (``basis``: how it was sized, quoted in the timeout error). If the RPC fails first, ``local`` gets a few seconds to fail with its own
     (more precise, rank-naming) error, else the RPC's error is raised. Threads still blocked are left to
     their own deadlines (the endpoint is unusable afterwards).
 
@@ -203,7 +206,7 @@ def concurrently(rpc: Callable[[], object], local: Callable[[], T], timeout_s: f
                 f"{phase}/rpc",
                 [],
                 time.monotonic() - t0,
-                "the engines' RPC did not return after the data plane",
+                "the engines' RPC did not return after the data plane" + (f" ({basis})" if basis else ""),
             ) from None
         return f_loc.result()
     finally:
@@ -228,6 +231,7 @@ class _WeightsyncTrainer(TrainerWeightTransferEngine):
         self.init_info = init_info
         payload = init_info.worker_payload()
         self.args: SendArgs = WeightsyncInitInfo(**payload).send_args(self.default_layout)
+        self.rendezvous: RendezvousInitInfo = init_info.rendezvous()
         self.endpoint: BroadcastTrainer | IPCTrainer | None = None
         self.broken: str | None = None
         self.rounds = 0
@@ -251,11 +255,13 @@ class _WeightsyncTrainer(TrainerWeightTransferEngine):
         if not engine.is_sender:
             return engine
         payload = init_info.worker_payload()
+        rinfo = engine.rendezvous
         engine.endpoint = concurrently(
             lambda: client.init_weight_transfer_engine(payload),
             engine._open,
-            init_info.timeout_s,
+            rinfo.rendezvous_timeout_s,
             "init_weight_transfer_engine",
+            rinfo.rendezvous_timeout_basis,
         )
         return engine
 
@@ -327,11 +333,14 @@ class _WeightsyncTrainer(TrainerWeightTransferEngine):
     ) -> None:
         update_info = update_info_of(declared)
         sendable: Sequence[tuple[str, torch.dtype, Sequence[int]]] = declared
+        nbytes = sum(math.prod(s) * d.itemsize for _, d, s in declared)
+        deadline, basis = self.rendezvous.round_deadline(nbytes)  # the transport's own (rounds rule 0)
         concurrently(
             lambda: self.client.update_weights(update_info),
             lambda: endpoint.send_stream(sendable, stream, self.args),
-            self.init_info.timeout_s,
+            deadline,
             "update_weights",
+            basis,
         )
 
     def _require_endpoint(self) -> BroadcastTrainer | IPCTrainer:

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import queue
 import socket
 import threading
@@ -52,6 +53,7 @@ from weightsync.impl.engine.messages import (
     TransitionRecord,
     UtilityCall,
     UtilityReply,
+    request_error,
 )
 from weightsync.impl.models.sampling import SamplingParams
 from weightsync.spec.errors import (
@@ -61,6 +63,7 @@ from weightsync.spec.errors import (
     RemoteProtocolError,
     TransferTimeoutError,
     WeightSyncError,
+    WireMismatchError,
 )
 from weightsync.spec.rank import get_variant
 from weightsync.spec.states import PauseMode
@@ -89,7 +92,11 @@ class RequestStream:
         tokens: generated token ids so far.
         logprobs: their float32 log-probabilities.
         versions: the engine weight version that produced each token.
-        finish_reason: None while running, then "length", "stop" or "abort".
+        finish_reason: None while running, then "length", "stop" or "abort"; "error" when the engine
+            rejected the request (only for a request that bypassed :meth:`DPEngineClient.add_request`'s
+            validation).
+        error: with ``finish_reason="error"``, the engine's reason (``"ValueError: ... (rejected by engine
+            rank R)"``); else None.
     """
 
     req_id: str
@@ -97,8 +104,9 @@ class RequestStream:
     prompt: tuple[int, ...]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    versions: list[int | str] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None
     done: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def wait(self, timeout: float = 60.0) -> RequestStream:
@@ -145,6 +153,8 @@ def _remote_error(rank: int, method: str, reply: UtilityReply, failure: EngineFa
         return IncompleteUpdateError([msg])
     if et == "PeerFailedError":
         return PeerFailedError([rank], method, str(reply.error))
+    if et == "WireMismatchError":
+        return WireMismatchError(msg)
     return EngineCallError(rank, method, et, str(reply.error))
 
 
@@ -225,7 +235,16 @@ class DPEngineClient:
         coord_in = self._router_coord if self.routed else [q.to_coord for q in self.queues]
         coord = self._ctx.Process(
             target=run_coordinator,
-            args=(self._fe2coord, coord_in, wave_out, self._stats, self._stop, 0.001, self.routed),
+            args=(
+                self._fe2coord,
+                coord_in,
+                wave_out,
+                self._stats,
+                self._stop,
+                0.001,
+                self.routed,
+                get_variant(self.cfg.variant).coordinator_latches,
+            ),
             daemon=True,
             name="weightsync-dp-coordinator",
         )
@@ -357,6 +376,7 @@ class DPEngineClient:
                     s.versions.extend([d.weight_version] * len(d.tokens))
                     if d.finish_reason is not None:
                         s.finish_reason = d.finish_reason
+                        s.error = d.error
                         s.done.set()
         elif isinstance(msg, UtilityReply):
             with self._lock:
@@ -488,17 +508,39 @@ class DPEngineClient:
         Returns the request's :class:`RequestStream`.
 
         Raises:
-            ValueError: empty prompt, or a rank outside ``[0, dp_size)``.
+            ValueError: before anything is sent, naming the value and the rule: a request breaking
+                :func:`~weightsync.impl.engine.messages.request_error` for the cluster's model (an empty
+                prompt, a token id outside ``[0, vocab_size)`` -- e.g. ``add_request: prompt token id 9999
+                at position 3 is outside the vocabulary [0, 64)`` --, a non-int token, a prompt too long
+                for ``max_position_embeddings``...), ``params`` not a :class:`SamplingParams`, a
+                ``req_id`` already in flight, or a rank outside ``[0, dp_size)``.
         """
-        if not prompt:
-            raise ValueError("add_request: prompt must be non-empty")
-        r = next(self._rr) % self.dp_size if rank is None else rank
-        if not 0 <= r < self.dp_size:
-            raise ValueError(f"add_request: rank {r} outside [0, {self.dp_size})")
+        assert self.cfg.model is not None
+        if isinstance(prompt, str | bytes) or not hasattr(prompt, "__iter__"):
+            raise ValueError(
+                f"add_request: prompt must be a sequence of int token ids, got {type(prompt).__name__}"
+            )
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ValueError(f"add_request: params must be a SamplingParams, got {type(params).__name__}")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise ValueError(f"add_request: rank must be an int in [0, {self.dp_size}), got {rank!r}")
+        if rank is not None and not 0 <= rank < self.dp_size:
+            raise ValueError(f"add_request: rank {rank} outside [0, {self.dp_size})")
         rid = req_id if req_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, tuple(int(t) for t in prompt), params or SamplingParams())
-        stream = RequestStream(rid, r, req.prompt)
+        raw = Request(rid, tuple(prompt), params or SamplingParams())
+        why = request_error(raw, self.cfg.model.vocab_size, self.cfg.model.max_position_embeddings)
+        if why is not None:
+            raise ValueError(f"add_request: {why}")
+        req = replace(raw, prompt=tuple(operator.index(t) for t in raw.prompt))
         with self._lock:
+            prev = self.streams.get(rid)
+            if prev is not None and not prev.done.is_set():
+                raise ValueError(
+                    f"add_request: req_id {rid!r} is already in flight on rank {prev.rank}; request ids must be "
+                    "unique among unfinished requests"
+                )
+            r = next(self._rr) % self.dp_size if rank is None else rank
+            stream = RequestStream(rid, r, req.prompt)
             self.streams[rid] = stream
             add = AddMsg(req, self.current_wave)
             if self._gate is not None:
@@ -603,13 +645,21 @@ class DPEngineClient:
         """Every rank receives the weights described by ``update_info`` (concurrently with the trainer)."""
         self.fan_out("update_weights", timeout, update_info=update_info)
 
-    def finish_weight_update(self, timeout: float | None = None) -> None:
-        """Close the round on every rank (bumps each rank's weight_version)."""
-        self.fan_out("finish_weight_update", timeout)
+    def finish_weight_update(
+        self,
+        timeout: float | None = None,
+        *,
+        weight_version: int | str | None = None,
+        monotonic: bool = False,
+    ) -> None:
+        """Close the round on every rank. ``weight_version`` (vLLM 0.32's string version, or None: the
+        number of successful rounds) becomes each rank's version only if its finish succeeded;
+        ``monotonic`` refuses a version older than the served one (the rank then fails the round)."""
+        self.fan_out("finish_weight_update", timeout, weight_version=weight_version, monotonic=monotonic)
 
-    def get_weight_version(self) -> list[int]:
-        """Each rank's weight version (completed updates), in rank order."""
-        return [int(v) for v in self.fan_out("get_weight_version", 10.0)]
+    def get_weight_version(self) -> list[int | str]:
+        """Each rank's weight version, in rank order."""
+        return list(self.fan_out("get_weight_version", 10.0))
 
     def trace_to(self, path: str | None) -> None:
         """Every rank appends one JSONL line per transition to ``path`` itself (O_APPEND, written before the

@@ -34,7 +34,13 @@ class EngineClientAPI(Protocol):
         self, is_checkpoint_format: bool = True, timeout: float | None = None
     ) -> None: ...
     def update_weights(self, update_info: dict[str, Any], timeout: float | None = None) -> None: ...
-    def finish_weight_update(self, timeout: float | None = None) -> None: ...
+    def finish_weight_update(
+        self,
+        timeout: float | None = None,
+        *,
+        weight_version: int | str | None = None,
+        monotonic: bool = False,
+    ) -> None: ...
 
 
 class UpdateFailedError(WeightSyncError):
@@ -73,6 +79,7 @@ def update_round(
     clear_cache: bool = True,
     is_checkpoint_format: bool = True,
     timeout: float | None = None,
+    weight_version: int | str | None = None,
 ) -> RoundTimes:
     """Run one round: pause, start, update (concurrently with ``send()``, the trainer side), finish, resume.
 
@@ -84,6 +91,9 @@ def update_round(
         mode, clear_cache: the pause arguments (reference section 4).
         is_checkpoint_format: ``start_weight_update`` argument.
         timeout: per-call timeout, seconds (None: the client's default).
+        weight_version: the version ``finish_weight_update`` sets (vLLM 0.32's string ``weight_version``;
+            None: each rank counts its successful rounds). Pass it whenever a round may be retried after a
+            failure, so every rank ends on the same version.
 
     Returns:
         the seconds spent per phase.
@@ -125,7 +135,7 @@ def update_round(
         times.update_s = time.perf_counter() - t
         t = time.perf_counter()
         try:
-            engine.finish_weight_update(timeout)
+            engine.finish_weight_update(timeout, weight_version=weight_version)
         except BaseException as exc:
             raise UpdateFailedError("finish_weight_update", exc) from exc
         times.finish_s = time.perf_counter() - t

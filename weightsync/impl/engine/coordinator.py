@@ -24,10 +24,13 @@ from weightsync.impl.engine.messages import FirstReq, StartDPWave, StartWave, St
 
 @dataclass
 class CoordinatorState:
-    """The coordinator's variables (vLLM names)."""
+    """The coordinator's variables (vLLM names). ``latches``: the variant's
+    :attr:`~weightsync.spec.rank.Variant.coordinator_latches` (FIRST_REQ sets engines_running; vLLM 0.32
+    ``v1/engine/coordinator.py:363-375`` does not: only the engines' reports move it)."""
 
     current_wave: int = 0
     engines_running: bool = False
+    latches: bool = True
 
 
 def handle(state: CoordinatorState, msg: Any) -> list[StartDPWave]:
@@ -35,7 +38,7 @@ def handle(state: CoordinatorState, msg: Any) -> list[StartDPWave]:
     if isinstance(msg, FirstReq):
         if not state.engines_running:
             exclude = -1 if msg.wave < state.current_wave else msg.exclude
-            state.engines_running = True
+            state.engines_running = state.latches
             return [StartDPWave(state.current_wave, exclude)]
         return []
     if isinstance(msg, WaveComplete):
@@ -60,6 +63,7 @@ def run_coordinator(
     stop: Any,
     poll_s: float = 0.001,
     ack: bool = False,
+    latches: bool = True,
 ) -> None:
     """Process entry point: poll FIRST_REQ (front-end) and wave_complete/start_wave (engines) until ``stop``.
 
@@ -72,8 +76,9 @@ def run_coordinator(
         poll_s: sleep between idle polls, seconds.
         ack: publish stats after every message handled, changed or not (``weightsync repro`` uses them as
             acknowledgements; START_DP_WAVE broadcasts are queued before the stats).
+        latches: see :class:`CoordinatorState`.
     """
-    st = CoordinatorState()
+    st = CoordinatorState(latches=latches)
     stats_out.put(Stats(st.current_wave, st.engines_running))
     k = 0
     while not stop.is_set():

@@ -46,6 +46,7 @@ from weightsync.impl.engine.messages import (
     WaveComplete,
 )
 from weightsync.impl.models.config import LMConfig
+from weightsync.spec.errors import LocalProtocolError, PeerFailedError
 from weightsync.spec.rank import EFFECTS, RankMachine, apply
 from weightsync.spec.states import PauseMode, RankEvent
 from weightsync.spec.table import Fired
@@ -82,9 +83,11 @@ class EngineConfig:
         variant: protocol variant (a :data:`~weightsync.spec.rank.VARIANTS` name).
         sync_interval: K, the DP sync all-reduce cadence in steps (32 in vLLM, PR #21617).
         init_seed: seed of the engines' initial random weights (None: the model's zero init).
-        collective_timeout_s: deadline of every DP collective, rendezvous and transfer, seconds.
-        transfer: weight-transfer worker factory (``"simple"`` or ``"package.module:fn"``, see
-            :func:`weightsync.impl.engine.weights.make_worker`).
+        collective_timeout_s: deadline of every DP collective and of the DP rendezvous, seconds (the weight
+            transfer's deadline is its ``init_info['timeout_s']``).
+        transfer: weight-transfer worker factory ``"package.module:fn"`` (see
+            :func:`weightsync.impl.engine.weights.make_worker`); default: the broadcast transport's
+            ``weightsync.impl.transfer.worker:broadcast_worker``.
         max_batch: most requests running per rank.
         idle_sleep_s: how long an idle loop iteration sleeps, seconds.
         step_sleep_s: extra sleep after every executed step (dummy or real), seconds (slows the loop for
@@ -100,7 +103,7 @@ class EngineConfig:
     sync_interval: int = 32
     init_seed: int | None = 0
     collective_timeout_s: float = 30.0
-    transfer: str = "simple"
+    transfer: str = "weightsync.impl.transfer.worker:broadcast_worker"
     max_batch: int = 64
     idle_sleep_s: float = 0.002
     step_sleep_s: float = 0.0
@@ -168,6 +171,11 @@ def trace_line(rec: TransitionRecord) -> dict[str, Any]:
     }
 
 
+class _RoundFailed(Exception):
+    """Internal: a worker operation failed and TRANSFER_FAILED already fired (stops the outer transition's
+    remaining effects)."""
+
+
 class EngineCore:
     """One DP engine rank (runs in its own process; see :func:`run_engine`).
 
@@ -195,8 +203,9 @@ class EngineCore:
         if cfg.init_seed is not None:
             self.model.load_weights(random_weights(self.model, cfg.init_seed))
         self.sched = Scheduler(self.model, rank, cfg.max_batch)
-        self.worker = make_worker(cfg.transfer, self.model, rank, cfg.collective_timeout_s)
-        self.weight_version = 0
+        self.worker = make_worker(cfg.transfer, self.model, rank)
+        self.weight_version: int | str = 0
+        self._round_error: BaseException | None = None  # the last weight-transfer failure (rank `failed`)
         self.dp = DPGroup(rank, cfg.dp_size, cfg.host, cfg.dp_port, cfg.collective_timeout_s)
         self.coll_seq = 0  # DP collectives entered so far (equal on every rank while in lockstep)
         self.rank_seq = 0
@@ -228,6 +237,10 @@ class EngineCore:
             "finish_weight_update": self._finish_weight_update,
             "front_end_gate": self._noop,
             "front_end_ungate": self._noop,
+            "fail_round": self._fail_round,
+            "fail_init": self._fail_init,
+            "reply_failure": self._reply_failure,
+            "refuse": self._refuse,
         }
         missing = set(EFFECTS) - set(self.effects)
         if missing:  # the table grew an effect this engine cannot run
@@ -235,6 +248,9 @@ class EngineCore:
         self.queries: dict[str, Callable[..., Any]] = {
             "get_weight_version": lambda: self.weight_version,
             "get_state": lambda: vars_dict(self.machine.vars),
+            "round_error": lambda: (
+                f"{type(self._round_error).__name__}: {self._round_error}" if self._round_error else None
+            ),
             "snapshot": lambda: {"vars": vars_dict(self.machine.vars), "rank_seq": self.rank_seq},
             "get_pid": os.getpid,
             "set_trace": self._set_trace,
@@ -277,7 +293,20 @@ class EngineCore:
         self.q.out.put(rec)
         for name in tr.effects:
             self.effects[name](fired)
+        self.weight_version = self.machine.vars.weight_version
+        self.sched.weight_version = self.weight_version
         return fired
+
+    def _transfer_op(self, phase: str, op: Callable[[], None]) -> None:
+        """Run a worker operation of a weight-transfer round. If it raises (a timeout, a wire mismatch, an
+        incomplete finish, ...), TRANSFER_FAILED fires (the table moves the rank to ``failed`` and replies
+        the error) and :class:`_RoundFailed` stops the remaining effects of the calling transition."""
+        try:
+            op()
+        except Exception as exc:
+            self._round_error = exc  # the DP board keeps the phase it failed in (repro reports it)
+            self.fire(RankEvent.TRANSFER_FAILED, phase=phase, error=f"{type(exc).__name__}: {exc}")
+            raise _RoundFailed(exc) from exc
 
     # ------------------------------------------------------------------ effects
     def _noop(self, fired: Fired) -> None:
@@ -334,23 +363,68 @@ class EngineCore:
 
     def _enter_weight_broadcast(self, fired: Fired) -> None:
         self.dp.post("weight_broadcast")
-        self.worker.update_weights(dict(self._current_kwargs()["update_info"]))
+        info = dict(self._current_kwargs()["update_info"])
+        self._transfer_op("update", lambda: self.worker.update_weights(info))
         self.dp.post("idle")
         self.fire(RankEvent.WEIGHT_BROADCAST_DONE)
 
     def _enter_transfer_init(self, fired: Fired) -> None:
         self.dp.post("transfer_init")
-        self.worker.init_weight_transfer_engine(dict(self._current_kwargs()["init_info"]))
+        info = dict(self._current_kwargs()["init_info"])
+        self._transfer_op("init", lambda: self.worker.init_weight_transfer_engine(info))
         self.dp.post("idle")
         self.fire(RankEvent.TRANSFER_INIT_DONE)
 
     def _start_weight_update(self, fired: Fired) -> None:
-        self.worker.start_weight_update(bool(self._current_kwargs().get("is_checkpoint_format", True)))
+        fmt = bool(self._current_kwargs().get("is_checkpoint_format", True))
+        self._transfer_op("start", lambda: self.worker.start_weight_update(fmt))
 
     def _finish_weight_update(self, fired: Fired) -> None:
-        self.worker.finish_weight_update()
-        self.weight_version = int(fired.after.weight_version)
-        self.sched.weight_version = self.weight_version
+        kw = self._current_kwargs()
+        self._transfer_op("finish", self.worker.finish_weight_update)
+        self.fire(
+            RankEvent.FINISH_DONE,
+            weight_version=kw.get("weight_version"),
+            monotonic=bool(kw.get("monotonic", False)),
+        )
+
+    def _fail_round(self, fired: Fired) -> None:
+        if fired.event is RankEvent.FINISH_DONE:  # the table refused the version after the workers' finish
+            self._round_error = LocalProtocolError(
+                f"rank {self.rank}: weight_version {self._current_kwargs().get('weight_version')!r} is older "
+                f"than the served {fired.before.weight_version!r} (monotonic guard: engines never go "
+                "backwards); the rank is failed until a new round completes"
+            )
+        self.worker.fail_round()
+
+    def _fail_init(self, fired: Fired) -> None:
+        self.worker.fail_init()
+
+    def _reply_error(self, call: UtilityCall | None, exc: BaseException) -> None:
+        if call is None:
+            return
+        self._pending_calls.pop(call.call_id, None)
+        if call in self._pending_pause:
+            self._pending_pause.remove(call)
+        self.q.out.put(
+            UtilityReply(self.rank, call.call_id, None, f"{type(exc).__name__}: {exc}", type(exc).__name__)
+        )
+
+    def _reply_failure(self, fired: Fired) -> None:
+        err = self._round_error or PeerFailedError([self.rank], str(fired.after.state), "round failed")
+        self._reply_error(self._ctx_call, err)
+
+    def _refuse(self, fired: Fired) -> None:
+        call = self._ctx_call
+        why = f"{type(self._round_error).__name__}: {self._round_error}" if self._round_error else "unknown"
+        self._reply_error(
+            call,
+            LocalProtocolError(
+                f"rank {self.rank}: {call.method if call else fired.event.value} refused in state failed "
+                f"(a weight-transfer round failed: {why}); the weights may be partial and are not served; "
+                "recover with a new round: start_weight_update -> update_weights -> finish_weight_update"
+            ),
+        )
 
     def _clear_cache(self, fired: Fired) -> None:
         if fired.after.clear_cache:
@@ -437,8 +511,16 @@ class EngineCore:
                 "clear_cache": bool(call.kwargs.get("clear_cache", True)),
                 "running": len(self.sched.running),
             }
+        if self.machine.select(event, args) is None:
+            # An illegal call is refused before it reaches the table: the caller gets the table's
+            # LocalProtocolError and the rank stays unharmed (the machine does not enter `error`).
+            self._reply_error(call, LocalProtocolError(self.machine.explain_illegal(event, args)))
+            self._ctx_call = None
+            return
         try:
             self.fire(event, **args)
+        except _RoundFailed:
+            pass  # the table moved the rank to `failed` and replied the error (TRANSFER_FAILED's row)
         except Exception as exc:
             # An illegal call leaves the machine in its sticky error state; a failed effect (timeout,
             # mismatch, incomplete update) leaves the rank out of lockstep. Either way the rank stops

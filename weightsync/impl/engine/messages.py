@@ -7,6 +7,8 @@ All messages are small picklable dataclasses (no tensors), so they travel on ``m
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,75 @@ class Request:
     req_id: str
     prompt: tuple[int, ...]
     params: SamplingParams
+
+
+def _token_error(t: object, what: str, i: int, vocab_size: int) -> str | None:
+    if isinstance(t, bool):
+        return f"{what} {t!r} at position {i} is not an int token id"
+    try:
+        v = operator.index(t)  # type: ignore[arg-type]
+    except TypeError:
+        return f"{what} {t!r} at position {i} is not an int token id (got {type(t).__name__})"
+    if not 0 <= v < vocab_size:
+        return f"{what} {v} at position {i} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def request_error(request: object, vocab_size: int, max_positions: int) -> str | None:
+    """The first rule ``request`` breaks for a model of ``vocab_size`` token ids and ``max_positions``
+    positions, as a message naming the offending value and the rule; None when it is valid.
+
+    Rules (checked by the front-end before sending, and again by every engine's scheduler, so a request that
+    bypassed the front-end still cannot crash a rank):
+
+    - ``request`` is a :class:`Request` with a non-empty ``str`` ``req_id``;
+    - ``prompt`` is a non-empty sequence of int token ids, each in ``[0, vocab_size)``;
+    - ``params`` is a :class:`SamplingParams` with a finite ``temperature >= 0``, an int
+      ``max_new_tokens >= 1``, an int ``seed`` and int ``stop_token_ids`` in ``[0, vocab_size)``;
+    - ``len(prompt) + max_new_tokens - 1 <= max_positions``: every position the request can feed to the
+      model fits its KV cache (the last sampled token is never fed back).
+    """
+    if not isinstance(request, Request):
+        return f"expected a Request, got {type(request).__name__}"
+    if not isinstance(request.req_id, str) or not request.req_id:
+        return f"req_id must be a non-empty str, got {request.req_id!r}"
+    prompt = request.prompt
+    if isinstance(prompt, str | bytes) or not hasattr(prompt, "__len__") or not hasattr(prompt, "__iter__"):
+        return f"prompt must be a sequence of int token ids, got {type(prompt).__name__}"
+    if len(prompt) == 0:
+        return "prompt must be non-empty (got 0 token ids); every request needs at least one prompt token"
+    for i, t in enumerate(prompt):
+        err = _token_error(t, "prompt token id", i, vocab_size)
+        if err is not None:
+            return err
+    p = request.params
+    if not isinstance(p, SamplingParams):
+        return f"params must be a SamplingParams, got {type(p).__name__}"
+    if (
+        isinstance(p.temperature, bool)
+        or not isinstance(p.temperature, int | float)
+        or not math.isfinite(p.temperature)
+        or p.temperature < 0
+    ):
+        return f"temperature must be a finite number >= 0, got {p.temperature!r}"
+    if isinstance(p.max_new_tokens, bool) or not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
+        return f"max_new_tokens must be an int >= 1, got {p.max_new_tokens!r}"
+    if isinstance(p.seed, bool) or not isinstance(p.seed, int):
+        return f"seed must be an int, got {p.seed!r}"
+    if not isinstance(p.stop_token_ids, tuple | list):
+        return f"stop_token_ids must be a tuple of int token ids, got {type(p.stop_token_ids).__name__}"
+    for i, t in enumerate(p.stop_token_ids):
+        err = _token_error(t, "stop token id", i, vocab_size)
+        if err is not None:
+            return err
+    need = len(prompt) + p.max_new_tokens - 1
+    if need > max_positions:
+        return (
+            f"prompt of {len(prompt)} tokens with max_new_tokens {p.max_new_tokens} needs {need} positions, "
+            f"more than the model's max_position_embeddings {max_positions} "
+            "(rule: len(prompt) + max_new_tokens - 1 <= max_position_embeddings)"
+        )
+    return None
 
 
 # ----------------------------------------------------------------------------- front-end -> engine
@@ -123,8 +194,10 @@ class TokenDelta:
         req_id: the request.
         tokens: token ids appended by this step (may be empty when only ``finish_reason`` is new).
         logprobs: float32 log-probability of each token under its sampling distribution.
-        finish_reason: None while running; ``"length"``, ``"stop"`` or ``"abort"`` at the end.
+        finish_reason: None while running; ``"length"``, ``"stop"`` or ``"abort"`` at the end; ``"error"``
+            when the engine rejected the request (see :func:`request_error`; no token was generated).
         weight_version: the engine's weight version when the tokens were produced.
+        error: with ``finish_reason="error"``, why the request was rejected; else None.
     """
 
     rank: int
@@ -132,7 +205,8 @@ class TokenDelta:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str | None
-    weight_version: int
+    weight_version: int | str
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -558,8 +558,9 @@ def run_schedule(
         source: ``"model"`` or ``"hand-written"`` (reported; default: hand-written iff ``steps`` is None).
         counterexample: the model's numbered steps (reported).
     """
-    from weightsync.impl.engine.weights import SimpleBroadcastTrainer, random_weights
+    from weightsync.impl.engine.weights import random_weights, update_info_for
     from weightsync.impl.models.causal_lm import CausalLM
+    from weightsync.impl.transfer.broadcast import BroadcastTrainer
 
     t0 = time.monotonic()
     src = source or ("hand-written" if steps is None else "model")
@@ -569,21 +570,28 @@ def run_schedule(
         dp_size=2, model=mcfg, variant=variant, sync_interval=2, collective_timeout_s=timeout_s
     )
     client = DPEngineClient(replace(cfg, dp_port=free_port()), hold=True)
-    trainer_box: list[SimpleBroadcastTrainer] = []
+    trainer_box: list[BroadcastTrainer] = []
     try:
         client.start()
         # set up the transfer group with messages flowing freely
         client.set_hold(False)
-        info = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 3}
-        th = threading.Thread(
-            target=lambda: trainer_box.append(SimpleBroadcastTrainer(info, timeout_s=timeout_s + 10))
-        )
+        info: dict[str, Any] = {
+            "master_address": "127.0.0.1",
+            "master_port": free_port(),
+            "rank_offset": 1,
+            "world_size": 3,
+            "timeout_s": timeout_s,
+            "backend": "gloo",  # the engines' weights live on the CPU
+        }
+        # the trainer (rank 0, hosting the store) outlives the engines' deadline, as a real one would
+        tinfo = dict(info, timeout_s=timeout_s + 10)
+        th = threading.Thread(target=lambda: trainer_box.append(BroadcastTrainer(tinfo)))
         th.start()
         client.init_weight_transfer_engine(info, timeout=timeout_s + 10)
         th.join(timeout_s + 10)
         trainer = trainer_box[0]
         ws = random_weights(CausalLM(mcfg), 1)
-        uinfo = SimpleBroadcastTrainer.update_info(ws)
+        uinfo = update_info_for(ws)
         with client._lock:  # the schedule starts from quiet engines and a front-end in sync
             client.set_hold(True)
         if src == "hand-written":  # the older schedules: free steps, coordinator traffic not held

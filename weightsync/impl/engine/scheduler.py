@@ -13,6 +13,11 @@ Rules (reference section 4):
   running requests, PRs #34382/#42117). Without it, a frozen request keeps its old-weight KV ("stale KV").
 - Sampling is per request (:class:`~weightsync.impl.models.sampling.RequestSampler`), so tokens depend only
   on the request's seed and logits.
+- A request that breaks a rule of :func:`~weightsync.impl.engine.messages.request_error` (a token id outside
+  the vocabulary, an empty prompt, ``max_new_tokens < 1``, too long for the KV cache...) is queued like any
+  other, so it is counted and finishes exactly once, but when it is admitted it ends at once with
+  ``finish_reason="error"`` and the reason, without a forward pass: one bad request never raises in the
+  busy loop, so the rank (and its DP peers, which would wait for it in the next collective) keep serving.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.impl.engine.messages import Request, TokenDelta
+from weightsync.impl.engine.messages import Request, TokenDelta, request_error
 from weightsync.impl.models.causal_lm import CausalLM, KVCache
-from weightsync.impl.models.sampling import RequestSampler
+from weightsync.impl.models.sampling import RequestSampler, SamplingParams
 from weightsync.spec.states import (
     PauseState,
     admits_waiting,
@@ -37,10 +42,15 @@ from weightsync.spec.states import (
 @dataclass
 class _Live:
     request: Request
-    sampler: RequestSampler
+    sampler: RequestSampler | None  # None exactly when ``error`` is set
     cache: KVCache | None = None
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    error: str | None = None  # why the request is rejected (it ends with finish_reason "error")
+
+    def sampling(self) -> RequestSampler:
+        assert self.sampler is not None, "a rejected request is never stepped"
+        return self.sampler
 
     def all_tokens(self) -> list[int]:
         return list(self.request.prompt) + self.output
@@ -62,17 +72,37 @@ class Scheduler:
         self.pause_state = PauseState.UNPAUSED
         self.waiting: deque[_Live] = deque()
         self.running: dict[str, _Live] = {}
-        self.weight_version = 0
+        self.weight_version: int | str = 0
         self.steps = 0  # real (non-dummy) steps executed
 
     # ------------------------------------------------------------------ queues
     def add(self, request: Request) -> None:
-        """Queue ``request`` (always accepted, even while paused)."""
+        """Queue ``request`` (always accepted, even while paused; never raises).
+
+        A request breaking a rule of :func:`~weightsync.impl.engine.messages.request_error`, or whose
+        ``req_id`` is already waiting or running on this rank, is queued as rejected: when admitted it ends
+        with ``finish_reason="error"`` and ``error`` = ``"ValueError: <rule> (rejected by engine rank R)"``.
+        """
+        cfg = self.model.config
+        why = request_error(request, cfg.vocab_size, cfg.max_position_embeddings)
+        if why is None and (
+            request.req_id in self.running or any(w.request.req_id == request.req_id for w in self.waiting)
+        ):
+            why = f"req_id {request.req_id!r} is already in flight on this rank; request ids must be unique"
+        if why is not None:
+            err = f"ValueError: {why} (rejected by engine rank {self.rank})"
+            if not isinstance(request, Request):  # not even a request: keep a placeholder to end it
+                rid = getattr(request, "req_id", "")
+                request = Request(rid if isinstance(rid, str) else repr(rid), (), SamplingParams())
+            self.waiting.append(_Live(request, None, error=err))
+            return
         self.waiting.append(_Live(request, RequestSampler(request.params)))
 
-    def _delta(self, live: _Live, toks: list[int], lps: list[float], reason: str | None) -> TokenDelta:
+    def _delta(
+        self, live: _Live, toks: list[int], lps: list[float], reason: str | None, error: str | None = None
+    ) -> TokenDelta:
         return TokenDelta(
-            self.rank, live.request.req_id, tuple(toks), tuple(lps), reason, self.weight_version
+            self.rank, live.request.req_id, tuple(toks), tuple(lps), reason, self.weight_version, error
         )
 
     def abort(self, req_id: str) -> list[TokenDelta]:
@@ -110,13 +140,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[TokenDelta]:
-        """Run one step; returns the token deltas (empty for a dummy step, e.g. under PAUSED_ALL)."""
+        """Run one step; returns the token deltas (empty for a dummy step, e.g. under PAUSED_ALL).
+
+        Rejected requests reaching admission end here with ``finish_reason="error"`` (no forward pass).
+        """
+        out: list[TokenDelta] = []
         if admits_waiting(self.pause_state):
             while self.waiting and len(self.running) < self.max_batch:
                 live = self.waiting.popleft()
+                if live.error is not None:
+                    out.append(self._delta(live, [], [], "error", live.error))
+                    continue
                 self.running[live.request.req_id] = live
         if not advances_running(self.pause_state) or not self.running:
-            return []
+            return out
         self.steps += 1
         lives = list(self.running.values())
         sampled: dict[str, tuple[int, float]] = {}
@@ -125,11 +162,11 @@ class Scheduler:
             if live.cache is None:
                 live.cache = self.model.new_cache()
             pending = live.all_tokens()[live.cache.length :]
-            if len(pending) == 1:
+            if len(pending) == 1 and live.cache.length > 0:  # a 1-token prompt still prefills first
                 decode.append(live)
             else:
                 logits = self.model.prefill(pending, live.cache)
-                sampled[live.request.req_id] = live.sampler.sample(logits)
+                sampled[live.request.req_id] = live.sampling().sample(logits)
         if decode:
             batch = []
             for live in decode:
@@ -137,14 +174,13 @@ class Scheduler:
                 batch.append((live.all_tokens()[-1], live.cache))
             logits_b = self.model.decode(batch)
             for b, live in enumerate(decode):
-                sampled[live.request.req_id] = live.sampler.sample(logits_b[b])
-        out: list[TokenDelta] = []
+                sampled[live.request.req_id] = live.sampling().sample(logits_b[b])
         for live in lives:
             tok, lp = sampled[live.request.req_id]
             live.output.append(tok)
             live.logprobs.append(lp)
             reason: str | None = None
-            if live.sampler.is_stop(tok):
+            if live.sampling().is_stop(tok):
                 reason = "stop"
             elif len(live.output) >= live.request.params.max_new_tokens:
                 reason = "length"
@@ -162,8 +198,6 @@ def reference_generate(
     Used to check that post-resume tokens with ``clear_cache=True`` equal a run of the new weights from
     the same prefix. Returns (tokens, logprobs).
     """
-    from weightsync.impl.models.sampling import SamplingParams
-
     sampler = RequestSampler(
         SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     )

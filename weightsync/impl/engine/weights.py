@@ -1,36 +1,30 @@
-"""The engine's weight-transfer worker hook, and a minimal built-in gloo broadcast backend.
+"""The engine's weight-transfer worker hook: the worker API, the factory lookup, and test weights.
 
 The engine drives any object with the worker API of reference section 2 (:class:`WeightWorker`). It is
 created in the engine process by a factory named in :attr:`EngineConfig.transfer
-<weightsync.impl.engine.core.EngineConfig.transfer>`: ``"simple"`` (this file) or ``"package.module:fn"``
-with ``fn(model, dp_index) -> WeightWorker`` (e.g. an adapter to :mod:`weightsync.impl.transfer`).
-
-The ``simple`` backend is a small stand-in used by the engine tests: a stateless gloo group (trainer rank 0
-hosts the TCPStore; worker rank = ``rank_offset + dp_index``; ``world_size = 1 + dp_size``), one broadcast
-per tensor in the update info's order, loaded through ``model.load_weights`` (checkpoint format). Its call
-order is checked by the spec's :class:`~weightsync.spec.worker.WorkerMachine` (LocalProtocolError before
-any side effect); ``finish_weight_update`` raises IncompleteUpdateError when a checkpoint name is missing.
+<weightsync.impl.engine.core.EngineConfig.transfer>` as ``"package.module:fn"`` with
+``fn(model, dp_index) -> WeightWorker``. The real transports of :mod:`weightsync.impl.transfer` provide
+:data:`BROADCAST_WORKER` (the default: packed broadcast, gloo on CPU) and :data:`IPC_WORKER`
+(shared memory); the demo wraps them (``weightsync.impl.demo:demo_broadcast_worker``). The transfer's
+deadlines come from ``init_info['timeout_s']`` (the transports' default is 300 s), not from the engine
+config.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import importlib
-import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as _dist_mod
 
 from weightsync.impl.models.causal_lm import CausalLM
-from weightsync.spec.errors import IncompleteUpdateError, TransferTimeoutError
-from weightsync.spec.worker import WorkerEvent, WorkerMachine
+from weightsync.impl.transfer.base import SendArgs, meta_of
 
-dist: Any = _dist_mod  # the c10d classes (TCPStore, ProcessGroupGloo) are not in torch's public stubs
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Engine transfer factory of the broadcast transport (backend ``nccl``; gloo for CPU tensors).
+BROADCAST_WORKER = "weightsync.impl.transfer.worker:broadcast_worker"
+#: Engine transfer factory of the IPC transport (CPU shared memory or CUDA IPC).
+IPC_WORKER = "weightsync.impl.transfer.worker:ipc_worker"
 
 
 class WeightWorker(Protocol):
@@ -40,158 +34,34 @@ class WeightWorker(Protocol):
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None: ...
     def update_weights(self, update_info: dict[str, Any]) -> None: ...
     def finish_weight_update(self) -> None: ...
+    def fail_round(self) -> None: ...
+    def fail_init(self) -> None: ...
 
 
-def _rendezvous(host: str, port: int, rank: int, world: int, timeout_s: float, phase: str) -> tuple[Any, Any]:
-    td = datetime.timedelta(seconds=timeout_s)
-    t0 = time.monotonic()
-    try:
-        store = dist.TCPStore(host, port, world, rank == 0, timeout=td, wait_for_workers=True)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("wt", store), rank, world, td)
-    except Exception as exc:
-        raise TransferTimeoutError(phase, [], time.monotonic() - t0, f"{type(exc).__name__}: {exc}") from exc
-    return store, pg
-
-
-class SimpleBroadcastWorker:
-    """Built-in ``simple`` backend (engine side). See the module docstring.
-
-    Args:
-        model: the engine's model (weights loaded in place).
-        dp_index: this engine's DP index.
-        timeout_s: deadline of the rendezvous and of each broadcast, seconds.
-    """
-
-    def __init__(self, model: CausalLM, dp_index: int, timeout_s: float = 30.0) -> None:
-        self.model = model
-        self.dp_index = dp_index
-        self.timeout_s = timeout_s
-        self.machine = WorkerMachine(f"worker {dp_index}")
-        self.pg: Any = None
-        self._store: Any = None
-        self._received: set[str] = set()
-
-    @property
-    def weight_version(self) -> int:
-        """Completed update rounds."""
-        return int(self.machine.vars.weight_version)
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Join the transfer group (``master_address``, ``master_port``, ``rank_offset``, ``world_size``).
-
-        Raises:
-            TransferTimeoutError: the trainer or a peer did not join within ``timeout_s``.
-        """
-        self.machine.fire(WorkerEvent.INIT)
-        rank = int(init_info.get("rank_offset", 1)) + self.dp_index
-        self._store, self.pg = _rendezvous(
-            str(init_info["master_address"]),
-            int(init_info["master_port"]),
-            rank,
-            int(init_info["world_size"]),
-            float(init_info.get("timeout_s", self.timeout_s)),
-            "init_weight_transfer_engine",
-        )
-
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        """Open a round (LocalProtocolError when not initialized or already active)."""
-        self.machine.fire(WorkerEvent.START, is_checkpoint_format=is_checkpoint_format)
-        self._received = set()
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive ``names``/``dtype_names``/``shapes`` by broadcast from rank 0 and load them.
-
-        Raises:
-            ValueError: the three lists have different lengths.
-            TransferTimeoutError: a broadcast did not complete within ``timeout_s``.
-        """
-        names, dts, shapes = update_info["names"], update_info["dtype_names"], update_info["shapes"]
-        if not len(names) == len(dts) == len(shapes):
-            raise ValueError("update_weights: names, dtype_names and shapes must have equal lengths")
-        self.machine.fire(WorkerEvent.UPDATE)
-        assert self.pg is not None
-        for name, dt, shape in zip(names, dts, shapes, strict=True):
-            t = torch.empty(tuple(shape), dtype=_DTYPES[str(dt)])
-            t0 = time.monotonic()
-            try:
-                self.pg.broadcast(t, 0).wait()
-            except Exception as exc:
-                raise TransferTimeoutError(
-                    "update_weights/broadcast", [], time.monotonic() - t0, f"{name}: {exc}"
-                ) from exc
-            self.model.load_weights([(name, t)])
-            self._received.add(name)
-
-    def finish_weight_update(self) -> None:
-        """Close the round: IncompleteUpdateError if a checkpoint weight did not arrive."""
-        missing = self.model.checkpoint_weight_names() - self._received
-        self.machine.fire(WorkerEvent.FINISH)
-        if missing:
-            raise IncompleteUpdateError(sorted(missing))
-        self.model.process_weights_after_loading()
-
-
-class SimpleBroadcastTrainer:
-    """Trainer side of the ``simple`` backend: rank 0 of the transfer group.
-
-    ``SimpleBroadcastTrainer(init_info)`` blocks until every worker joined (run it concurrently with the
-    engines' ``init_weight_transfer_engine``). :meth:`send` broadcasts the tensors in order.
+def make_worker(spec: str, model: CausalLM, dp_index: int) -> WeightWorker:
+    """Create the worker named by ``spec`` (``"package.module:fn"``, called as ``fn(model, dp_index)``).
 
     Raises:
-        TransferTimeoutError: rendezvous or a broadcast missed its deadline.
+        ValueError: ``spec`` has no ``:factory`` part (naming it and the expected form).
+        ImportError / AttributeError: the module or the callable does not exist.
     """
-
-    def __init__(self, init_info: dict[str, Any], timeout_s: float = 30.0) -> None:
-        self._store, self.pg = _rendezvous(
-            str(init_info["master_address"]),
-            int(init_info["master_port"]),
-            0,
-            int(init_info["world_size"]),
-            float(init_info.get("timeout_s", timeout_s)),
-            "trainer_init",
-        )
-
-    @staticmethod
-    def update_info(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-        """The update info (names, dtype_names, shapes) describing ``weights`` in order."""
-        ws = list(weights)
-        inv = {v: k for k, v in _DTYPES.items()}
-        return {
-            "names": [n for n, _ in ws],
-            "dtype_names": [inv[t.dtype] for _, t in ws],
-            "shapes": [list(t.shape) for _, t in ws],
-        }
-
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Broadcast every tensor from rank 0, in order (the engines' ``update_weights`` receive them)."""
-        for name, t in weights:
-            t0 = time.monotonic()
-            try:
-                self.pg.broadcast(t.detach().contiguous().cpu(), 0).wait()
-            except Exception as exc:
-                raise TransferTimeoutError(
-                    "trainer_send_weights", [], time.monotonic() - t0, f"{name}: {exc}"
-                ) from exc
-
-    def close(self) -> None:
-        """Drop the group."""
-        with contextlib.suppress(Exception):
-            self.pg.shutdown()
-
-
-def make_worker(spec: str, model: CausalLM, dp_index: int, timeout_s: float) -> WeightWorker:
-    """Create the worker named by ``spec`` (``"simple"`` or ``"package.module:fn"``).
-
-    Raises:
-        ValueError: malformed spec or unknown callable.
-    """
-    if spec == "simple":
-        return SimpleBroadcastWorker(model, dp_index, timeout_s)
     mod_name, _, fn_name = spec.partition(":")
-    if not fn_name:
-        raise ValueError(f"transfer {spec!r}: expected 'simple' or 'package.module:factory'")
+    if not mod_name or not fn_name:
+        raise ValueError(f"transfer {spec!r}: expected 'package.module:factory' (e.g. {BROADCAST_WORKER!r})")
     fn: Callable[..., WeightWorker] = getattr(importlib.import_module(mod_name), fn_name)
     return fn(model, dp_index)
+
+
+def update_info_for(
+    weights: Iterable[tuple[str, torch.Tensor]], args: SendArgs | None = None
+) -> dict[str, Any]:
+    """The ``update_info`` dict describing ``weights`` in order, with ``args``' packing (default: one
+    broadcast per tensor), as the trainer's ``send(weights, args)`` will send them.
+
+    Raises:
+        ValueError: a tensor's dtype cannot be transferred.
+    """
+    return (args or SendArgs()).update_info([meta_of(n, t) for n, t in weights]).to_dict()
 
 
 def random_weights(model: CausalLM, seed: int, std: float = 0.5) -> list[tuple[str, torch.Tensor]]:

@@ -5,7 +5,7 @@ transfer layer's ``LoadableModel`` protocol), :class:`KVCache` (one per request)
 (:class:`SamplingParams`, :class:`RequestSampler`).
 """
 
-from weightsync.impl.models.causal_lm import CausalLM, KVCache
+from weightsync.impl.models.causal_lm import CausalLM, KVCache, TiedWeightMismatchError
 from weightsync.impl.models.config import SUPPORTED_ARCHITECTURES, LMConfig
 from weightsync.impl.models.sampling import RequestSampler, SamplingParams, sample_batch
 
@@ -16,5 +16,6 @@ __all__ = [
     "LMConfig",
     "RequestSampler",
     "SamplingParams",
+    "TiedWeightMismatchError",
     "sample_batch",
 ]

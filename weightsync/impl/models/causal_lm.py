@@ -32,8 +32,55 @@ import torch.nn.functional as F
 from torch import nn
 
 from weightsync.impl.models.config import LMConfig
+from weightsync.spec.errors import WireMismatchError
 
-__all__ = ["CausalLM", "KVCache", "RMSNorm"]
+__all__ = ["TIED_LM_HEAD", "TIED_SOURCE", "CausalLM", "KVCache", "RMSNorm", "TiedWeightMismatchError"]
+
+#: The checkpoint name a tied model accepts as an alias of :data:`TIED_SOURCE` (Hugging Face's
+#: ``state_dict()`` of a tied model lists both).
+TIED_LM_HEAD = "lm_head.weight"
+#: The checkpoint (and kernel) name of the one tensor a tied model keeps for embedding and LM head.
+TIED_SOURCE = "model.embed_tokens.weight"
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class TiedWeightMismatchError(WireMismatchError, ValueError):
+    """A tied-embedding model received an ``lm_head.weight`` that is not bit-equal to its embedding.
+
+    Raised by :meth:`CausalLM.load_weights` before it copies anything of the call. It is a
+    :class:`~weightsync.spec.errors.WireMismatchError` (trainer and engine disagree on what the weights
+    are), detected when the payload has arrived rather than at the wire agreement, and a ``ValueError``
+    like the other input errors of ``load_weights``.
+
+    Attributes:
+        max_abs_diff: ``max |lm_head.weight - model.embed_tokens.weight|`` computed in float64 (NaN when a
+            NaN is involved).
+        differing: number of elements whose bits differ.
+        reference: ``"received in the same call"`` or ``"already loaded"``: what ``lm_head.weight`` was
+            compared with.
+    """
+
+    def __init__(self, max_abs_diff: float, differing: int, numel: int, reference: str) -> None:
+        self.max_abs_diff = max_abs_diff
+        self.differing = differing
+        self.reference = reference
+        super().__init__(
+            f"load_weights: {TIED_LM_HEAD} refused: tied embeddings: {TIED_LM_HEAD} must equal "
+            f"{TIED_SOURCE} (tie_word_embeddings=True; the model keeps one tensor for both), but "
+            f"{differing} of {numel} element(s) differ bitwise, max abs difference {max_abs_diff:.6g} "
+            f"(compared with the {TIED_SOURCE} {reference}); nothing of this load_weights call was loaded"
+        )
+
+
+def _tie_difference(lm_head: torch.Tensor, embed: torch.Tensor) -> tuple[int, float]:
+    """(bitwise-differing elements, max abs difference in float64) of two same-shape, same-dtype tensors."""
+    a = lm_head.detach().reshape(-1)
+    b = embed.detach().reshape(-1).to(a.device)
+    iv = _INT_VIEW[a.element_size()]
+    differing = int((a.contiguous().view(iv) != b.contiguous().view(iv)).sum())
+    if differing == 0:
+        return 0, 0.0
+    return differing, float((a.double() - b.double()).abs().max())
 
 
 class RMSNorm(nn.Module):
@@ -407,9 +454,20 @@ class CausalLM(nn.Module):
     def checkpoint_weight_names(self) -> set[str]:
         """Every Hugging Face checkpoint name :meth:`load_weights` expects exactly once per update round.
 
-        With tied embeddings ``lm_head.weight`` is *not* expected (it is accepted and skipped if sent).
+        With tied embeddings ``lm_head.weight`` is *not* expected; it may still be sent, and is then checked
+        against the embedding (see :meth:`tied_checkpoint_weights`).
         """
         return set(self._targets)
+
+    def tied_checkpoint_weights(self) -> dict[str, str]:
+        """Checkpoint names accepted as aliases of another one: ``{alias: source}``.
+
+        With ``tie_word_embeddings`` this is ``{"lm_head.weight": "model.embed_tokens.weight"}`` (Hugging
+        Face's ``state_dict()`` lists both names for the one tensor): :meth:`load_weights` accepts the
+        alias only when it is bit-equal to the source and never copies it. Empty when untied. The transfer
+        worker uses this to accept the alias and to bring it and its source into one ``load_weights`` call.
+        """
+        return {TIED_LM_HEAD: TIED_SOURCE} if self.config.tie_word_embeddings else {}
 
     def kernel_name_for(self, checkpoint_name: str) -> str:
         """The kernel-format parameter a checkpoint name is loaded into (e.g. ``...q_proj.weight`` ->
@@ -417,8 +475,6 @@ class CausalLM(nn.Module):
         return self._targets[checkpoint_name][0]
 
     def _is_skipped(self, name: str) -> bool:
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return True
         m = _LAYER_RE.match(name)
         return (
             m is not None
@@ -433,8 +489,14 @@ class CausalLM(nn.Module):
         agreement already fixed dtypes). ``q_proj``/``k_proj``/``v_proj`` go to row ranges ``[0, q)``,
         ``[q, q+kv)``, ``[q+kv, q+2kv)`` of ``qkv_proj``; ``gate_proj``/``up_proj`` to ``[0, I)``/``[I, 2I)`` of
         ``gate_up_proj`` (vLLM's ``stacked_params_mapping``). The ``Parameter`` objects and their storage are
-        never replaced. Skipped without error (and not returned): ``lm_head.weight`` when embeddings are tied
-        (vLLM skips it too) and legacy ``self_attn.rotary_emb.inv_freq`` buffers.
+        never replaced. Legacy ``self_attn.rotary_emb.inv_freq`` buffers are skipped without error.
+
+        Tied embeddings (``tie_word_embeddings=True``): ``lm_head.weight`` is accepted, never copied and not
+        returned, only when it is bit-equal (same shape, dtype and bytes) to ``model.embed_tokens.weight`` as
+        given in the same call (the last one if listed twice), or, when the call has none, to the embedding
+        already loaded in the model. Untied models load ``lm_head.weight`` like any other weight.
+
+        Every item is checked before anything is copied: when this raises, no parameter changed.
 
         Args:
             weights: ``(checkpoint_name, tensor)`` pairs, any device, contiguous or not.
@@ -445,26 +507,49 @@ class CausalLM(nn.Module):
         Raises:
             KeyError: a name that is not a checkpoint name of this architecture (message names it).
             ValueError: shape or dtype differs from the destination (message names the name, expected, got).
+            TiedWeightMismatchError: (a ``ValueError``) tied embeddings and ``lm_head.weight`` differs from
+                ``model.embed_tokens.weight``; the message gives the rule, the number of differing elements
+                and the max abs difference.
         """
+        tied = self.config.tie_word_embeddings
+        plan: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        heads: list[torch.Tensor] = []
+        embed: torch.Tensor | None = None
+        for name, tensor in weights:
+            target = self._targets.get(name)
+            if target is None and tied and name == TIED_LM_HEAD:
+                target = self._targets[TIED_SOURCE]
+            if target is None:
+                if self._is_skipped(name):
+                    continue
+                raise KeyError(
+                    f"load_weights: unknown checkpoint weight {name!r} for {self.config.architecture} "
+                    f"with {self.config.num_hidden_layers} layers"
+                )
+            _, param, s, e = target
+            dst = param.data if (s == 0 and e == param.shape[0]) else param.data[s:e]
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"load_weights: {name}: expected shape {tuple(dst.shape)}, got {tuple(tensor.shape)}"
+                )
+            if tensor.dtype != dst.dtype:
+                raise ValueError(f"load_weights: {name}: expected dtype {dst.dtype}, got {tensor.dtype}")
+            if tied and name == TIED_LM_HEAD:
+                heads.append(tensor)
+                continue
+            if name == TIED_SOURCE:
+                embed = tensor
+            plan.append((name, dst, tensor))
+        if heads:
+            reference = "received in the same call" if embed is not None else "already loaded"
+            ref = embed if embed is not None else self.model.embed_tokens.weight.data
+            for head in heads:
+                differing, max_diff = _tie_difference(head, ref)
+                if differing:
+                    raise TiedWeightMismatchError(max_diff, differing, head.numel(), reference)
         loaded: set[str] = set()
         with torch.no_grad():
-            for name, tensor in weights:
-                target = self._targets.get(name)
-                if target is None:
-                    if self._is_skipped(name):
-                        continue
-                    raise KeyError(
-                        f"load_weights: unknown checkpoint weight {name!r} for {self.config.architecture} "
-                        f"with {self.config.num_hidden_layers} layers"
-                    )
-                _, param, s, e = target
-                dst = param.data if (s == 0 and e == param.shape[0]) else param.data[s:e]
-                if tuple(tensor.shape) != tuple(dst.shape):
-                    raise ValueError(
-                        f"load_weights: {name}: expected shape {tuple(dst.shape)}, got {tuple(tensor.shape)}"
-                    )
-                if tensor.dtype != dst.dtype:
-                    raise ValueError(f"load_weights: {name}: expected dtype {dst.dtype}, got {tensor.dtype}")
+            for name, dst, tensor in plan:
                 dst.copy_(tensor)
                 loaded.add(name)
         return loaded

@@ -24,8 +24,15 @@ from weightsync.spec.errors import WeightSyncError
 #: vLLM's defaults for the packed format (reference section 3): 1 GiB buffers, two of them.
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
-#: Default deadline of every rendezvous and collective, in seconds (vLLM's TCPStore uses 300 s).
+#: Default deadline of the rendezvous when ``init_info`` has no ``timeout_s``, in seconds (vLLM's TCPStore
+#: uses 300 s: engines may take minutes to start).
 DEFAULT_TIMEOUT_S = 300.0
+#: Without ``timeout_s``, every wait of one update round is sized to the round: this floor, seconds (it
+#: covers the trainer and the engines reaching the round at different times) ...
+DEFAULT_ROUND_FLOOR_S = 60.0
+#: ... plus the round's payload bytes at this conservative bandwidth, bytes per second (50 MB/s: below a
+#: 1 Gbit/s link; gloo on loopback, NCCL and shared memory are 10-1000x faster).
+DEFAULT_ROUND_BANDWIDTH_BPS = 50e6
 
 #: Wire names of the dtypes weightsync can move (vLLM's ``dtype_names`` use the torch attribute names).
 DTYPES: dict[str, torch.dtype] = {
@@ -44,6 +51,7 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
     if hasattr(torch, _name):
         DTYPES[_name] = getattr(torch, _name)
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+_FINITE_NATIVE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class PortInUseError(WeightSyncError, OSError):
@@ -52,6 +60,45 @@ class PortInUseError(WeightSyncError, OSError):
 
 class ChecksumMismatchError(WeightSyncError):
     """With ``verify=True``, a bucket's checksum on some rank differs from the trainer's (corruption)."""
+
+
+class NonFiniteWeightError(WeightSyncError, ValueError):
+    """With ``update_info['check_finite']=True``, received floating-point weights hold NaN or +/-Inf.
+
+    Raised by the engine worker on the received bytes, before ``load_weights`` copies any weight of the
+    batch (see :class:`~weightsync.impl.transfer.worker.WeightTransferWorker`, rule 7).
+
+    Attributes:
+        counts: weight name -> number of non-finite elements, in arrival order.
+    """
+
+    def __init__(self, counts: Mapping[str, int], numels: Mapping[str, int]) -> None:
+        self.counts: dict[str, int] = dict(counts)
+        shown = "; ".join(
+            f"{n!r} has {c} non-finite element(s) of {numels[n]}" for n, c in list(self.counts.items())[:10]
+        )
+        more = f"; and {len(self.counts) - 10} more weight(s)" if len(self.counts) > 10 else ""
+        super().__init__(
+            f"update_weights: check_finite=True: every floating-point weight must be finite (no NaN, +Inf or "
+            f"-Inf) before it is loaded, but {len(self.counts)} weight(s) are not: {shown}{more}; nothing of "
+            "this batch was loaded, and this round cannot finish"
+        )
+
+
+def non_finite_counts(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """Number of NaN / +Inf / -Inf elements per floating-point tensor of ``weights`` (only nonzero counts).
+
+    Integer and bool tensors are always finite. float8 tensors are widened to float32 for the test.
+    """
+    out: dict[str, int] = {}
+    for name, t in weights:
+        if not t.dtype.is_floating_point or t.numel() == 0:
+            continue
+        x = t if t.dtype in _FINITE_NATIVE else t.float()
+        bad = t.numel() - int(torch.isfinite(x).sum())
+        if bad:
+            out[name] = bad
+    return out
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -167,8 +214,11 @@ class RendezvousInitInfo:
         master_address: host of the trainer's TCPStore (the trainer is rank 0 and hosts it).
         master_port: its TCP port, 1..65535.
         rank_offset: transfer rank of this engine's first worker (>= 1; rank 0 is the trainer).
-        world_size: trainer + every engine worker of every replica (>= 2; ``1 + tp*pp*dp`` for one replica).
-        timeout_s: deadline of every rendezvous and collective, seconds (weightsync extension; default 300).
+        world_size: trainer + every engine worker of every replica (>= 2; ``1 + tp*pp*dp`` for one replica);
+            every rank must pass the same value (checked at the rendezvous: ``WireMismatchError``).
+        timeout_s: deadline of every rendezvous and collective, seconds (weightsync extension). None (the
+            field absent): the rendezvous waits :data:`DEFAULT_TIMEOUT_S` and each update round's waits are
+            sized to the round (:meth:`round_deadline`).
         backend: ``"auto"`` (NCCL when CUDA is available, else gloo), ``"gloo"`` or ``"nccl"``
             (weightsync extension; ignored by ``ipc``).
     """
@@ -177,7 +227,7 @@ class RendezvousInitInfo:
     master_port: int
     rank_offset: int
     world_size: int
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float | None = None
     backend: str = "auto"
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("master_address", "master_port", "rank_offset", "world_size")
@@ -202,8 +252,37 @@ class RendezvousInitInfo:
             master_port=_int(d, "master_port", what, 1, 65535),
             rank_offset=_int(d, "rank_offset", what, 1),
             world_size=_int(d, "world_size", what, 2),
-            timeout_s=_float(d, "timeout_s", what) if "timeout_s" in d else DEFAULT_TIMEOUT_S,
+            timeout_s=_float(d, "timeout_s", what) if "timeout_s" in d else None,
             backend=backend,
+        )
+
+    @property
+    def rendezvous_timeout_s(self) -> float:
+        """Deadline of the rendezvous (and of the process-group setup), seconds."""
+        return DEFAULT_TIMEOUT_S if self.timeout_s is None else self.timeout_s
+
+    @property
+    def rendezvous_timeout_basis(self) -> str:
+        """How :attr:`rendezvous_timeout_s` was chosen (quoted in timeout errors)."""
+        if self.timeout_s is None:
+            return f"timeout {DEFAULT_TIMEOUT_S:g} s: the default, init_info has no timeout_s"
+        return f"timeout {self.timeout_s:g} s: init_info['timeout_s']"
+
+    def round_deadline(self, nbytes: int | None) -> tuple[float, str]:
+        """Deadline of every wait of one update round moving ``nbytes`` payload bytes (None: unknown, e.g.
+        a malformed request), and how it was sized (quoted in timeout errors).
+
+        ``init_info['timeout_s']`` when given; else :data:`DEFAULT_ROUND_FLOOR_S` + ``nbytes`` /
+        :data:`DEFAULT_ROUND_BANDWIDTH_BPS`, so a small model fails fast and a large one is not cut off.
+        """
+        if self.timeout_s is not None:
+            return self.timeout_s, f"timeout {self.timeout_s:g} s: init_info['timeout_s']"
+        n = max(0, nbytes or 0)
+        t = DEFAULT_ROUND_FLOOR_S + n / DEFAULT_ROUND_BANDWIDTH_BPS
+        return t, (
+            f"timeout {t:.1f} s sized to the round: {DEFAULT_ROUND_FLOOR_S:g} s floor + {n} bytes at a "
+            f"conservative {DEFAULT_ROUND_BANDWIDTH_BPS / 1e6:g} MB/s (init_info has no timeout_s; set it to "
+            "fix every deadline)"
         )
 
 
@@ -221,6 +300,9 @@ class UpdateInfo:
         verify: carry a CRC32 per bucket and compare it on every rank (weightsync extension).
         layout: bucket layout, ``"aligned"`` (weightsync's, packing rules 2-4) or ``"vllm"`` (vLLM's NCCL
             packer byte for byte, packing rule 8); weightsync extension.
+        check_finite: the engine worker refuses NaN / +-Inf in received floating-point weights before
+            loading them (weightsync extension, default False; local to each worker, so not part of the
+            wire description: the trainer never sees it). See the worker's rule 7.
     """
 
     names: tuple[str, ...]
@@ -231,6 +313,7 @@ class UpdateInfo:
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     verify: bool = False
     layout: str = "aligned"
+    check_finite: bool = False
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("names", "dtype_names", "shapes")
     OPTIONAL: ClassVar[tuple[str, ...]] = (
@@ -239,6 +322,7 @@ class UpdateInfo:
         "packed_num_buffers",
         "verify",
         "layout",
+        "check_finite",
     )
 
     @classmethod
@@ -249,7 +333,8 @@ class UpdateInfo:
             ValueError: not a dict; a missing or unknown field; ``names``/``dtype_names``/``shapes`` not
                 lists of equal length (reference section 2: "unequal lengths -> ValueError"); a name that is
                 not a non-empty str or appears twice; an unknown dtype name; a shape that is not a list of
-                ints or has a negative dimension; ``packed_buffer_size_bytes < 1``; ``packed_num_buffers < 1``.
+                ints or has a negative dimension; ``packed_buffer_size_bytes < 1``; ``packed_num_buffers < 1``;
+                ``verify`` / ``packed`` / ``check_finite`` not a bool.
         """
         what = "update_info"
         d = _require_mapping(obj, what)
@@ -308,6 +393,7 @@ class UpdateInfo:
             ),
             verify=_bool(d, "verify", what) if "verify" in d else False,
             layout=_layout(d, what),
+            check_finite=_bool(d, "check_finite", what) if "check_finite" in d else False,
         )
 
     def metas(self) -> list[TensorMeta]:
@@ -327,6 +413,7 @@ class UpdateInfo:
             "packed_num_buffers": self.packed_num_buffers,
             "verify": self.verify,
             "layout": self.layout,
+            "check_finite": self.check_finite,
         }
 
 
@@ -446,6 +533,10 @@ class LoadableModel(Protocol):
     Contract: ``load_weights`` *copies* every tensor into the model's own storage and keeps no reference
     to it: the transports hand out views of reused buffers (packed broadcast) or of shared memory (IPC),
     which are overwritten as soon as ``load_weights`` returns.
+
+    Optional: ``checkpoint_weight_dtypes() -> {name: dtype}`` (exact dtype checks, worker rule 4) and
+    ``tied_checkpoint_weights() -> {alias: source}`` (names accepted without being expected, e.g. a tied
+    ``lm_head.weight``; ``load_weights`` checks each alias against its source, worker rule 3).
     """
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -559,6 +650,8 @@ class WeightTransferEngine(ABC):
 __all__ = [
     "DEFAULT_PACKED_BUFFER_SIZE_BYTES",
     "DEFAULT_PACKED_NUM_BUFFERS",
+    "DEFAULT_ROUND_BANDWIDTH_BPS",
+    "DEFAULT_ROUND_FLOOR_S",
     "DEFAULT_TIMEOUT_S",
     "DTYPES",
     "ChecksumMismatchError",
@@ -566,6 +659,7 @@ __all__ = [
     "LoadFn",
     "LoadableModel",
     "LocalCheck",
+    "NonFiniteWeightError",
     "ParallelInfo",
     "PortInUseError",
     "RendezvousInitInfo",
@@ -575,4 +669,5 @@ __all__ = [
     "WeightTransferEngine",
     "dtype_name",
     "meta_of",
+    "non_finite_counts",
 ]

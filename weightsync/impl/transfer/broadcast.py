@@ -21,7 +21,13 @@ Rules:
    bytes become weights). A failure mid-round then leaves the same partially updated model as a staged
    load does (earlier buckets were loaded); the engine stays paused until a round completes.
 6. **Deadlines.** Every broadcast is waited for with ``Work.wait(timeout)`` and every store exchange with
-   the store's timeout; a miss is a :class:`~weightsync.spec.errors.TransferTimeoutError`.
+   the store's timeout; a miss is a :class:`~weightsync.spec.errors.TransferTimeoutError` that says how
+   the deadline was sized. The deadline is the round's (``rounds`` rule 0): ``init_info['timeout_s']``, or
+   without it a floor plus the round's bytes at a conservative bandwidth.
+7. **Trainer failure.** A weight iterator that raises is reported to every engine through the wire
+   agreement (``rounds`` rule 1), or, for a stream of declared metadata (:meth:`BroadcastTrainer.send_stream`),
+   through the status of the bucket being pulled (``rounds`` rule 4), so they fail at once naming the
+   trainer's exception; the trainer re-raises it. The group stays usable for the next round.
 """
 
 from __future__ import annotations
@@ -52,7 +58,6 @@ from weightsync.impl.transfer.base import (
     TensorMeta,
     UpdateInfo,
     WeightTransferEngine,
-    meta_of,
 )
 from weightsync.impl.transfer.control import ControlPlane, open_store
 from weightsync.impl.transfer.packing import (
@@ -104,7 +109,7 @@ class BroadcastGroup:
         rank, world_size: this process's transfer rank and the group size.
         backend: ``"gloo"`` or ``"nccl"``.
         device: where payload tensors live (``cpu`` for gloo, the current CUDA device for NCCL).
-        timeout_s: deadline of every wait, seconds.
+        info: the ``init_info`` it was joined with (sizes each round's deadline).
         seq: number of updates started on this group; ok_seq: the last one that completed everywhere.
     """
 
@@ -115,13 +120,22 @@ class BroadcastGroup:
     world_size: int
     backend: str
     device: torch.device
-    timeout_s: float
+    info: RendezvousInitInfo
     seq: int = 0
     ok_seq: int = 0
     pool: BufferPool = field(default_factory=BufferPool)
     packer: concurrent.futures.ThreadPoolExecutor | None = None
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def timeout_s(self) -> float:
+        """Deadline of every wait now (the current round's, ``rounds`` rule 0), seconds."""
+        return self.cp.timeout_s
+
+    def begin_round(self, nbytes: int | None) -> None:
+        """Size every wait of the round about to start, which moves ``nbytes`` bytes (None: unknown)."""
+        self.cp.set_deadline(*self.info.round_deadline(nbytes))
 
     def broadcast(self, t: torch.Tensor) -> Any:
         """Start an asynchronous broadcast of ``t`` from rank 0; returns the ``Work``."""
@@ -135,7 +149,7 @@ class BroadcastGroup:
         """Wait for ``work`` at most ``timeout_s``.
 
         Raises:
-            TransferTimeoutError: the deadline passed.
+            TransferTimeoutError: the deadline passed (the text says how it was sized).
             PeerFailedError: the collective failed (e.g. a peer's connection closed).
         """
         t0 = time.monotonic()
@@ -145,7 +159,8 @@ class BroadcastGroup:
             waited = time.monotonic() - t0
             text = str(exc)
             if "timed out" in text.lower() or "timeout" in text.lower() or waited >= self.timeout_s * 0.99:
-                raise TransferTimeoutError(phase, [], waited, text.splitlines()[0] if text else "") from None
+                first = text.splitlines()[0] if text else ""
+                raise TransferTimeoutError(phase, [], waited, f"{self.cp.timeout_basis}; {first}") from None
             raise PeerFailedError([], phase, text.splitlines()[0] if text else type(exc).__name__) from None
 
     def close(self) -> None:
@@ -169,16 +184,23 @@ def join_group(info: RendezvousInitInfo, rank: int) -> BroadcastGroup:
 
     Raises:
         PortInUseError: rank 0 could not host the store.
+        WireMismatchError: the ranks disagree on ``world_size`` (``control`` rule 3).
         TransferTimeoutError: a rank never joined (naming it), or the group could not connect in time.
         ValueError: the rank mapping is not a bijection, or NCCL was asked for without CUDA.
     """
     backend = _resolve_backend(info.backend)
     store = open_store(info, rank)
     try:
-        cp = ControlPlane(PrefixStore("ctl/", store), rank, info.world_size, info.timeout_s)
+        cp = ControlPlane(
+            PrefixStore("ctl/", store),
+            rank,
+            info.world_size,
+            info.rendezvous_timeout_s,
+            info.rendezvous_timeout_basis,
+        )
         cp.join()
         pg_store = PrefixStore("pg/", store)
-        timeout = datetime.timedelta(seconds=info.timeout_s)
+        timeout = datetime.timedelta(seconds=info.rendezvous_timeout_s)
         try:
             if backend == "gloo":
                 gloo: Any = dist.ProcessGroupGloo
@@ -194,12 +216,15 @@ def join_group(info: RendezvousInitInfo, rank: int) -> BroadcastGroup:
                 device = torch.device("cuda", torch.cuda.current_device())
         except dist.DistError as exc:
             raise TransferTimeoutError(
-                "init_weight_transfer_engine/process_group", [], info.timeout_s, str(exc).splitlines()[0]
+                "init_weight_transfer_engine/process_group",
+                [],
+                info.rendezvous_timeout_s,
+                f"{info.rendezvous_timeout_basis}; {str(exc).splitlines()[0]}",
             ) from None
     except BaseException:
         del store
         raise
-    return BroadcastGroup(store, cp, pg, rank, info.world_size, backend, device, info.timeout_s)
+    return BroadcastGroup(store, cp, pg, rank, info.world_size, backend, device, info)
 
 
 def _drain(group: BroadcastGroup, works: Iterable[Any]) -> None:
@@ -211,12 +236,11 @@ def _drain(group: BroadcastGroup, works: Iterable[Any]) -> None:
 # ----------------------------------------------------------------------------------------- trainer side
 
 
-def _send(group: BroadcastGroup, items: Sequence[tuple[str, torch.Tensor]], args: SendArgs) -> None:
+def _send(group: BroadcastGroup, items: Iterable[tuple[str, torch.Tensor]], args: SendArgs) -> None:
     group.seq += 1
     seq = group.seq
-    tensors, buckets = open_send_round(group.cp, seq, items, args)
-    metas = [meta_of(n, t) for n, t in items]
-    _send_buckets(group, seq, TensorFeed(metas, tensors=tensors), buckets, args)
+    feed, buckets = open_send_round(group.cp, seq, items, args, group.info)
+    _send_buckets(group, seq, feed, buckets, args)
 
 
 def _send_stream(
@@ -227,7 +251,7 @@ def _send_stream(
 ) -> None:
     group.seq += 1
     seq = group.seq
-    feed, buckets = open_send_stream(group.cp, seq, declared, stream, args)
+    feed, buckets = open_send_stream(group.cp, seq, declared, stream, args, group.info)
     _send_buckets(group, seq, feed, buckets, args)
 
 
@@ -297,9 +321,12 @@ def _send_buckets(
             crc: int | None = None
             try:
                 buf, crc = fut.result()
-            except Exception as exc:
+            except BaseException as exc:
+                # the weight stream's own exception, whatever its class, fails the bucket on every rank
+                if not isinstance(exc, Exception) and exc is not feed.source_error:
+                    raise
                 error = exc
-            status(group.cp, seq, f"b{k}", error, PHASE_BUCKET, crc)
+            status(group.cp, seq, f"b{k}", error, PHASE_BUCKET, crc, feed.describe(error))
             if buf is not None:
                 inflight[k] = (group.broadcast(buf), buf)
             if k + 1 < len(buckets):
@@ -314,10 +341,12 @@ def _send_buckets(
         raise
     end_error: BaseException | None = None
     try:
-        feed.finish()  # a stream that yields more than it declared fails the round on every rank
-    except ValueError as exc:
+        feed.finish()  # a stream that yields more than it declared (or raises) fails the round everywhere
+    except BaseException as exc:
+        if not isinstance(exc, ValueError) and exc is not feed.source_error:
+            raise
         end_error = exc
-    status(group.cp, seq, "end", end_error, PHASE_BUCKET)
+    status(group.cp, seq, "end", end_error, PHASE_BUCKET, None, feed.describe(end_error))
     group.ok_seq = seq
 
 
@@ -341,7 +370,17 @@ class BroadcastTrainer:
         gathered first (their metadata opens the round); :meth:`send_stream` does not gather."""
         if self.group.closed:
             raise RuntimeError("trainer group is closed")
-        _send(self.group, list(weights), args or SendArgs())
+        _send(self.group, weights, args or SendArgs())
+
+    def reject(self, error: ValueError) -> None:
+        """Veto the next round in the wire agreement (the trainer's own request was malformed, e.g. a bad
+        packing argument), so every engine raises WireMismatchError naming rank 0 at once; then raise
+        ``error``."""
+        g = self.group
+        g.seq += 1
+        g.begin_round(None)
+        agree(g.cp, g.seq, None, f"{type(error).__name__}: {error}")
+        raise error
 
     def send_stream(
         self,
@@ -355,6 +394,8 @@ class BroadcastTrainer:
         Raises:
             ValueError: an undescribable dtype (vetoed), or the stream disagrees with ``declared``
                 (every rank aborts at that bucket); otherwise as :meth:`send`.
+            the exception ``stream`` raised, itself: every rank aborts at the bucket being pulled, the
+                engines raising PeerFailedError naming rank 0 and that exception (``rounds`` rule 4).
         """
         if self.group.closed:
             raise RuntimeError("trainer group is closed")
@@ -418,7 +459,8 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
 
         Raises:
             ValueError: the rank is outside ``1..world_size-1``, or the mapping is not a bijection
-                (scenario B1). TransferTimeoutError: the trainer or a peer never joined, naming it.
+                (scenario B1). WireMismatchError: the ranks disagree on ``world_size``.
+            TransferTimeoutError: the trainer or a peer never joined, naming it.
         """
         rank = self.parallel.transfer_rank(init_info.rank_offset, init_info.world_size)
         if self.group is not None:
@@ -438,6 +480,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         """Veto this round in the wire agreement, then raise ``error`` (see base class)."""
         g = self._group()
         g.seq += 1
+        g.begin_round(None)
         agree(g.cp, g.seq, None, f"{type(error).__name__}: {error}")
         raise error
 
@@ -460,6 +503,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         g = self._group()
         g.seq += 1
         seq = g.seq
+        g.begin_round(sum(m.nbytes for m in update_info.metas()))
         veto: BaseException | None = None
         if local_check is not None:
             try:
@@ -562,8 +606,11 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
                 ``packed_buffer_size_bytes``, ``packed_num_buffers``, ``verify`` (must equal the engines').
 
         Raises:
-            ValueError: no ``group``, a bad packing argument or an unsupported dtype (the engines are told
-                through the wire agreement and raise WireMismatchError).
+            ValueError: no ``group`` (nothing can be told); a bad packing argument, an item that is not a
+                ``(str, Tensor)`` pair or an unsupported dtype (the engines are told through the wire
+                agreement and raise WireMismatchError naming rank 0).
+            the exception ``iterator`` raised, itself: the engines are told at once and raise
+                PeerFailedError naming rank 0 and that exception (``rounds`` rule 1).
             WireMismatchError / PeerFailedError / TransferTimeoutError: as on the engines.
         """
         group = trainer_args.get("group")
@@ -571,7 +618,12 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
             raise ValueError(
                 f"trainer_args['group'] must be the BroadcastTrainer from trainer_init, got {type(group).__name__}"
             )
-        group.send(iterator, SendArgs.parse(trainer_args))
+        try:
+            args = SendArgs.parse(trainer_args)
+        except ValueError as exc:
+            group.reject(exc)
+            raise
+        group.send(iterator, args)
 
 
 __all__ = ["BroadcastGroup", "BroadcastTrainer", "BroadcastWeightTransferEngine", "join_group"]

@@ -8,13 +8,18 @@ Rules:
 2. Every value written to the store is UTF-8 JSON, and every value read is parsed with ``json.loads``:
    nothing received from the network is unpickled (vLLM refuses pickled IPC handles unless
    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
-3. Joining: each rank increments ``claim/<rank>`` and ``joined``; whoever brings ``joined`` to
-   ``world_size`` publishes ``all_joined``. A rank claimed twice (and so another never claimed) is a
-   non-bijective rank mapping and is rejected on every rank (scenario B1, vLLM PR #36940). If
-   ``all_joined`` does not appear within the timeout, the ranks with no claim are named in a
+3. Joining: each rank takes a ticket (``arrivals``, an atomic counter), publishes ``ticket/<n>`` =
+   ``{"rank", "world_size"}`` and increments ``claim/<rank>``, then polls the tickets until it has seen
+   ``world_size`` of them. Tickets naming different ``world_size`` values make every rank that sees them
+   raise :class:`~weightsync.spec.errors.WireMismatchError` naming each rank's ``world_size`` (it waits up
+   to :data:`MISMATCH_GRACE_S` for the ranks that claim more to arrive, so the message is complete),
+   instead of joining a group of the wrong size or failing in gloo later. A rank claimed twice (and so
+   another never claimed) is a non-bijective rank mapping and is rejected on every rank (scenario B1, vLLM
+   PR #36940). If not every rank arrives within the timeout, the ranks with no ticket are named in a
    :class:`~weightsync.spec.errors.TransferTimeoutError`.
 4. An exchange writes ``<key>/<rank>`` and waits for every rank's value; on timeout the ranks whose value is
-   absent are named. Each rank deletes its own keys two rounds later, so the store does not grow.
+   absent are named, with how the deadline was sized (:attr:`ControlPlane.timeout_basis`). Each rank
+   deletes its own keys two rounds later, so the store does not grow.
 """
 
 from __future__ import annotations
@@ -30,7 +35,12 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store, TCPStore
 
 from weightsync.impl.transfer.base import PortInUseError, RendezvousInitInfo
-from weightsync.spec.errors import PeerFailedError, TransferTimeoutError
+from weightsync.spec.errors import PeerFailedError, TransferTimeoutError, WireMismatchError
+
+#: After a rank sees the ranks disagree on ``world_size``, how long it waits at most for the ranks that claim
+#: a larger group to arrive before it reports (rule 3), seconds.
+MISMATCH_GRACE_S = 1.0
+_POLL_S = 0.005
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -51,7 +61,7 @@ def open_store(info: RendezvousInitInfo, rank: int) -> TCPStore:
             info.master_port,
             None,
             rank == 0,
-            _td(info.timeout_s),
+            _td(info.rendezvous_timeout_s),
             wait_for_workers=False,
         )
     except dist.DistNetworkError as exc:
@@ -67,8 +77,9 @@ def open_store(info: RendezvousInitInfo, rank: int) -> TCPStore:
         raise TransferTimeoutError(
             "rendezvous",
             [0],
-            info.timeout_s,
-            f"no TCPStore answered at {info.master_address}:{info.master_port} (the trainer hosts it)",
+            info.rendezvous_timeout_s,
+            f"no TCPStore answered at {info.master_address}:{info.master_port} (the trainer hosts it); "
+            f"{info.rendezvous_timeout_basis}",
         ) from None
 
 
@@ -79,41 +90,91 @@ class ControlPlane:
         store: the group's store (already prefixed if shared).
         rank: this process's transfer rank.
         world_size: number of ranks.
-        timeout_s: deadline of every wait, seconds.
+        timeout_s: deadline of every wait, seconds (see :meth:`set_deadline`).
+        timeout_basis: how ``timeout_s`` was chosen, quoted in timeout errors.
     """
 
-    def __init__(self, store: Store, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(
+        self, store: Store, rank: int, world_size: int, timeout_s: float, timeout_basis: str = ""
+    ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.timeout_basis = timeout_basis or f"timeout {timeout_s:g} s"
         self._own_keys: dict[int, list[str]] = {}
 
+    def set_deadline(self, timeout_s: float, basis: str) -> None:
+        """Use ``timeout_s`` seconds for every following wait (e.g. sized to an update round)."""
+        self.timeout_s = timeout_s
+        self.timeout_basis = basis
+
     # ------------------------------------------------------------------------------------- rendezvous
+    def _read_tickets(self, seen: list[dict[str, Any]]) -> None:
+        """Append to ``seen`` every published ticket after the ones already read (in ticket order)."""
+        s = self.store
+        n = s.add("arrivals", 0)
+        while len(seen) < n:
+            key = f"ticket/{len(seen) + 1}"
+            if not s.check([key]):  # taken but not yet written: read it on the next poll
+                return
+            t = json.loads(s.get(key))
+            seen.append({"rank": int(t["rank"]), "world_size": int(t["world_size"])})
+
     def join(self) -> None:
         """Rendezvous of all ``world_size`` ranks (rule 3).
 
         Raises:
+            WireMismatchError: the ranks disagree on ``world_size``, naming each rank's value.
             ValueError: some rank was claimed by more than one process (non-bijective rank mapping).
             TransferTimeoutError: phase ``"rendezvous"``, naming the ranks that never joined.
+            PeerFailedError: the trainer's store went away (it gave up first).
+            ValueError: this rank is outside ``0..world_size-1`` (before touching the store).
         """
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rendezvous: rank {self.rank} is outside 0..{self.world_size - 1} (world_size)")
         s = self.store
-        s.set(f"hello/{self.rank}", json.dumps({"rank": self.rank}))
-        s.add(f"claim/{self.rank}", 1)
-        if s.add("joined", 1) >= self.world_size:
-            s.set("all_joined", "1")
+        t0 = time.monotonic()
+        seen: list[dict[str, Any]] = []
+        mismatch_at: float | None = None
         try:
-            s.wait(["all_joined"], _td(self.timeout_s))
-        except dist.DistError:
-            missing = [r for r in range(self.world_size) if not s.check([f"claim/{r}"])]
-            self.settle("join_timeout", expected=self.world_size - 1 - len([r for r in missing if r != 0]))
-            raise TransferTimeoutError(
-                "rendezvous",
-                missing,
-                self.timeout_s,
-                f"{self.world_size - len(missing)} of {self.world_size} joined",
+            ticket = s.add("arrivals", 1)
+            s.set(f"ticket/{ticket}", json.dumps({"rank": self.rank, "world_size": self.world_size}))
+            s.add(f"claim/{self.rank}", 1)
+            while True:
+                self._read_tickets(seen)
+                now = time.monotonic()
+                sizes = {t["world_size"] for t in seen}
+                if len(sizes) > 1:
+                    mismatch_at = now if mismatch_at is None else mismatch_at
+                    if (
+                        len(seen) >= max(sizes)
+                        or now - mismatch_at >= MISMATCH_GRACE_S
+                        or now - t0 >= self.timeout_s
+                    ):
+                        self._world_size_mismatch(seen)
+                elif len(seen) >= self.world_size:
+                    break
+                if now - t0 >= self.timeout_s:
+                    joined = {t["rank"] for t in seen}
+                    missing = [r for r in range(self.world_size) if r not in joined]
+                    self.settle(
+                        "join_timeout", expected=len([r for r in joined if r != 0 and r != self.rank])
+                    )
+                    raise TransferTimeoutError(
+                        "rendezvous",
+                        missing,
+                        now - t0,
+                        f"{self.world_size - len(missing)} of {self.world_size} joined; {self.timeout_basis}",
+                    )
+                time.sleep(_POLL_S)
+            claims = {
+                r: s.add(f"claim/{r}", 0) if s.check([f"claim/{r}"]) else 0 for r in range(self.world_size)
+            }
+        except dist.DistNetworkError as exc:
+            raise PeerFailedError(
+                [0], "rendezvous", f"lost the trainer's TCPStore: {str(exc).splitlines()[0]}"
             ) from None
-        claims = {r: s.add(f"claim/{r}", 0) if s.check([f"claim/{r}"]) else 0 for r in range(self.world_size)}
         self.settle("joined")
         dup = sorted(r for r, c in claims.items() if c > 1)
         if dup:
@@ -124,6 +185,19 @@ class ControlPlane:
                 f"({', '.join(f'{r}: {claims[r]}' for r in dup)}), rank(s) {absent} by none; each worker's rank "
                 "is rank_offset + dp_index * tp*pp + local_rank with the DP *index* (vLLM PR #36940)"
             )
+
+    def _world_size_mismatch(self, seen: list[dict[str, Any]]) -> None:
+        """Rule 3: report the ``world_size`` of every rank seen, on every rank alike, and raise."""
+        shown = ", ".join(
+            f"rank {t['rank']}{' (trainer)' if t['rank'] == 0 else ''} says {t['world_size']}"
+            for t in sorted(seen, key=lambda t: (t["rank"], t["world_size"]))
+        )
+        self.settle("world_size_mismatch", expected=len([t for t in seen if t["rank"] != 0]))
+        raise WireMismatchError(
+            f"init_weight_transfer_engine: the ranks disagree on world_size: {shown}; every rank (the trainer "
+            "and each engine worker) must pass the same world_size, 1 + the number of engine workers; "
+            "no group was formed"
+        )
 
     def settle(self, key: str, expected: int | None = None, seconds: float = 5.0) -> None:
         """Every rank says it has read what it needs under ``key``; rank 0, which hosts the store, waits
@@ -182,7 +256,7 @@ class ControlPlane:
             ) from None
         except dist.DistError:
             missing = [r for r, k in zip(rs, keys, strict=True) if not self.store.check([k])]
-            raise TransferTimeoutError(phase, missing, time.monotonic() - t0) from None
+            raise TransferTimeoutError(phase, missing, time.monotonic() - t0, self.timeout_basis) from None
         try:
             raw = self.store.multi_get(keys)
         except dist.DistNetworkError as exc:

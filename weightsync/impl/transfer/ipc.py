@@ -61,7 +61,6 @@ from weightsync.impl.transfer.base import (
     UpdateInfo,
     WeightTransferEngine,
     dtype_name,
-    meta_of,
 )
 from weightsync.impl.transfer.control import ControlPlane, open_store
 from weightsync.impl.transfer.packing import (
@@ -310,7 +309,9 @@ class IPCTrainer:
         self.info = info
         self.device = torch.device(device)
         self.store = open_store(info, 0)
-        self.cp = ControlPlane(self.store, 0, info.world_size, info.timeout_s)
+        self.cp = ControlPlane(
+            self.store, 0, info.world_size, info.rendezvous_timeout_s, info.rendezvous_timeout_basis
+        )
         self.cp.join()
         self.seq = 0
         self.ok_seq = 0
@@ -345,17 +346,17 @@ class IPCTrainer:
         """Send one update through the shared buffers (rules 1-5).
 
         Raises:
-            ValueError: an unsupported dtype (the consumers are told through the wire agreement).
+            ValueError: an item that is not a ``(str, Tensor)`` pair or an unsupported dtype (the consumers
+                are told through the wire agreement).
+            the exception ``weights`` raised, itself (the consumers are told at once: ``rounds`` rule 1).
             WireMismatchError / PeerFailedError / TransferTimeoutError: as on the consumers.
         """
         if self.closed:
             raise RuntimeError("IPC trainer is closed")
         args = args or SendArgs()
-        items = list(weights)
         self.seq += 1
         seq = self.seq
-        tensors, buckets = open_send_round(self.cp, seq, items, args)
-        feed = TensorFeed([meta_of(n, t) for n, t in items], tensors=tensors)
+        feed, buckets = open_send_round(self.cp, seq, weights, args, self.info)
         self._send_buckets(seq, feed, buckets, args)
 
     def send_stream(
@@ -370,13 +371,15 @@ class IPCTrainer:
         Raises:
             ValueError: an undescribable dtype (vetoed), or the stream disagrees with ``declared``;
                 otherwise as :meth:`send`.
+            the exception ``stream`` raised, itself: every rank aborts at the bucket being pulled, the
+                engines raising PeerFailedError naming rank 0 and that exception (``rounds`` rule 4).
         """
         if self.closed:
             raise RuntimeError("IPC trainer is closed")
         args = args or SendArgs()
         self.seq += 1
         seq = self.seq
-        feed, buckets = open_send_stream(self.cp, seq, declared, stream, args)
+        feed, buckets = open_send_stream(self.cp, seq, declared, stream, args, self.info)
         self._send_buckets(seq, feed, buckets, args)
 
     def _send_buckets(self, seq: int, feed: TensorFeed, buckets: Sequence[Bucket], args: SendArgs) -> None:
@@ -391,7 +394,8 @@ class IPCTrainer:
         ]
         self._reserve(n, max_packed_bucket(to_pack), pool_cap(to_pack, args.packed_buffer_size_bytes))
         failures: list[tuple[int, str]] = []
-        own: ValueError | None = None  # the trainer's own failure (its stream disagreed with its metadata)
+        # the trainer's own failure: its stream disagreed with its metadata, or raised (rounds rule 4)
+        own: BaseException | None = None
         waited = -1  # acks collected for every chunk <= waited
         posted = 0  # chunks announced so far
         for b in buckets:
@@ -400,8 +404,10 @@ class IPCTrainer:
             temp: _Segment | None = None
             try:
                 tensors = feed.take(b.members)  # a stream is pulled one chunk at a time
-            except ValueError as exc:
-                own, failures = exc, [(0, f"{type(exc).__name__}: {exc}")]
+            except BaseException as exc:
+                if not isinstance(exc, ValueError) and exc is not feed.source_error:
+                    raise
+                own, failures = exc, [(0, feed.describe(exc) or "")]
                 break
             shared = _shared_chunk(contiguous_run(b, tensors)) if on_cpu and b.nbytes else None
             if shared is None:
@@ -449,8 +455,10 @@ class IPCTrainer:
         if not failures:
             try:
                 feed.finish()  # a stream that yields more than it declared fails the round everywhere
-            except ValueError as exc:
-                own, failures = exc, [(0, f"{type(exc).__name__}: {exc}")]
+            except BaseException as exc:
+                if not isinstance(exc, ValueError) and exc is not feed.source_error:
+                    raise
+                own, failures = exc, [(0, feed.describe(exc) or "")]
         verdict = {"ok": not failures, "failed": [[r, e] for r, e in failures]}
         if failures:
             # tell consumers still waiting for a chunk, then everyone else through the verdict
@@ -469,12 +477,20 @@ class IPCTrainer:
             )
         self.ok_seq = seq
 
+    def reject(self, error: ValueError) -> None:
+        """Veto the next round in the wire agreement (the trainer's own request was malformed), so every
+        consumer raises WireMismatchError naming rank 0 at once; then raise ``error``."""
+        self.seq += 1
+        self.cp.set_deadline(*self.info.round_deadline(None))
+        agree(self.cp, self.seq, None, f"{type(error).__name__}: {error}")
+        raise error
+
     def close(self) -> None:
         """Free and unlink the shared buffers (idempotent)."""
         if self.closed:
             return
         self.closed = True
-        self.cp.wait_seen(self.ok_seq, self.info.timeout_s)
+        self.cp.wait_seen(self.ok_seq, self.cp.timeout_s)
         for s in self.slots:
             s.close()
         self.slots.clear()
@@ -502,6 +518,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.cp: ControlPlane | None = None
+        self.info: RendezvousInitInfo | None = None
         self.seq = 0
         self._store: Any = None
         self._mapped: dict[int, tuple[str, torch.Tensor]] = {}
@@ -513,24 +530,36 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 
         Raises:
             ValueError: rank outside ``1..world_size-1`` or a non-bijective mapping.
+            WireMismatchError: the ranks disagree on ``world_size``.
             TransferTimeoutError: the producer or a peer never joined, naming it.
         """
         rank = self.parallel.transfer_rank(init_info.rank_offset, init_info.world_size)
         self.shutdown()
         self._store = open_store(init_info, rank)
-        cp = ControlPlane(self._store, rank, init_info.world_size, init_info.timeout_s)
+        cp = ControlPlane(
+            self._store,
+            rank,
+            init_info.world_size,
+            init_info.rendezvous_timeout_s,
+            init_info.rendezvous_timeout_basis,
+        )
         cp.join()
-        self.cp, self.rank, self.seq = cp, rank, 0
+        self.cp, self.rank, self.seq, self.info = cp, rank, 0, init_info
 
     def _cp(self) -> ControlPlane:
         if self.cp is None:
             raise RuntimeError("the IPC transfer engine is not initialised (init_weight_transfer_engine)")
         return self.cp
 
+    def _info(self) -> RendezvousInitInfo:
+        assert self.info is not None  # set together with cp
+        return self.info
+
     def reject_update(self, error: BaseException) -> None:
         """Veto this round in the wire agreement, then raise ``error``."""
         cp = self._cp()
         self.seq += 1
+        cp.set_deadline(*self._info().round_deadline(None))
         agree(cp, self.seq, None, f"{type(error).__name__}: {error}")
         raise error
 
@@ -574,6 +603,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         cp = self._cp()
         self.seq += 1
         seq = self.seq
+        cp.set_deadline(*self._info().round_deadline(sum(m.nbytes for m in update_info.metas())))
         veto: BaseException | None = None
         if local_check is not None:
             try:
@@ -675,14 +705,20 @@ class IPCWeightTransferEngine(WeightTransferEngine):
                 ``packed_num_buffers``, ``verify`` (must equal the engines').
 
         Raises:
-            ValueError: no ``group`` or a bad argument; otherwise as :meth:`IPCTrainer.send`.
+            ValueError: no ``group`` (nothing can be told), or a bad packing argument (vetoed: the
+                consumers raise WireMismatchError naming rank 0); otherwise as :meth:`IPCTrainer.send`.
         """
         group = trainer_args.get("group")
         if not isinstance(group, IPCTrainer):
             raise ValueError(
                 f"trainer_args['group'] must be the IPCTrainer from trainer_init, got {type(group).__name__}"
             )
-        group.send(iterator, SendArgs.parse(trainer_args))
+        try:
+            args = SendArgs.parse(trainer_args)
+        except ValueError as exc:
+            group.reject(exc)
+            raise
+        group.send(iterator, args)
 
 
 __all__ = [

@@ -1,0 +1,90 @@
+"""Bad numeric command-line input exits 2 (usage), never 1 (a found bug), and names the flag and the value."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from weightsync.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["check", "--max-states", "-5"], "argument --max-states: must be an integer >= 1, got -5"),
+        (["check", "--max-states", "0"], "argument --max-states: must be an integer >= 1, got 0"),
+        (["check", "--ranks", "0"], "argument --ranks: must be an integer >= 1, got 0"),
+        (["check", "--requests", "-1"], "argument --requests: must be an integer >= 0, got -1"),
+        (["check", "--cycles", "-2"], "argument --cycles: must be an integer >= 0, got -2"),
+        (["check", "--sync-interval", "0"], "argument --sync-interval: must be an integer >= 1, got 0"),
+        (["check", "--ranks", "two"], "argument --ranks: expected an integer >= 1, got 'two'"),
+        (
+            ["export", "rank-fsm", "--out", "x.mmd", "--ranks", "-1"],
+            "argument --ranks: must be an integer >= 1, got -1",
+        ),
+        (
+            ["export", "state-graph", "--out", "x.mmd", "--requests", "-1"],
+            "argument --requests: must be an integer >= 0, got -1",
+        ),
+        (["mutate", "--workers", "0"], "argument --workers: must be an integer >= 1, got 0"),
+        (["demo", "--ranks", "0"], "argument --ranks: must be an integer >= 1, got 0"),
+        (["demo", "--steps", "-1"], "argument --steps: must be an integer >= 0, got -1"),
+        (
+            ["demo", "--timeout", "-3"],
+            "argument --timeout: must be a positive finite number of seconds, got -3",
+        ),
+        (
+            ["demo", "--timeout", "0"],
+            "argument --timeout: must be a positive finite number of seconds, got 0",
+        ),
+        (
+            ["demo", "--timeout", "inf"],
+            "argument --timeout: must be a positive finite number of seconds, got inf",
+        ),
+        (
+            ["demo", "--seed", "-1"],
+            "argument --seed: must be an integer in [0, 9223372036854775807], got -1",
+        ),
+        (
+            ["repro", "two-phase", "--timeout", "nan"],
+            "argument --timeout: must be a positive finite number of seconds, got nan",
+        ),
+    ],
+)
+def test_bad_numbers_exit_2_naming_flag_and_value(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    prog = f"weightsync {argv[0]}"
+    assert main(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    assert f"usage: {prog}" in cap.err and cap.err.endswith(f"{prog}: error: {message}\n")
+    # with --json: one JSON object on stdout carrying the same message
+    assert main([*argv, "--json"]) == 2
+    cap = capsys.readouterr()
+    assert json.loads(cap.out) == {"error": f"{prog}: error: {message}"}
+
+
+def test_check_negative_max_states_is_a_usage_error_not_a_bug_found() -> None:
+    """The reported case, as a user runs it: a separate process, its real exit status."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "check", "--max-states", "-5"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=50,
+        check=False,
+    )
+    assert proc.returncode == 2, proc
+    assert "weightsync check: error: argument --max-states: must be an integer >= 1, got -5" in proc.stderr
+    assert proc.stdout == ""
