@@ -305,6 +305,7 @@ def _mutate(args: argparse.Namespace) -> int:
         MUTATION_FILE,
         annotate,
         mutants,
+        mutation_digest,
         mutation_report,
         report_markdown,
         write_report,
@@ -318,10 +319,13 @@ def _mutate(args: argparse.Namespace) -> int:
     if args.reuse:
         path = Path.cwd() / "proofs" / MUTATION_FILE
         rep = json.loads(path.read_text()) if path.is_file() else {}
-        if rep.get("spec_digest") != spec_digest():
+        # a report is reusable for the table it was computed against (its table digest, or for a report
+        # written before that field existed, the whole spec's digest)
+        if rep.get("table_digest", "") != mutation_digest() and rep.get("spec_digest") != spec_digest():
             msg = f"--reuse: {path} is missing or was computed against another table; run without --reuse"
             emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
             return EXIT_USAGE
+        rep["table_digest"] = mutation_digest()
         annotate(rep)
     else:
         total = sum(1 for _ in mutants(get_variant("two-phase-epoch").table))

@@ -28,8 +28,9 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "Fail closed and stay failed",
         "An illegal local call raises LocalProtocolError, an illegal message or collective outcome raises "
-        "RemoteProtocolError; either moves the rank to the sticky error state before any effect runs, and "
-        "no further weights move.",
+        "RemoteProtocolError; either moves the rank machine to the sticky error state before any effect "
+        "runs, and no further weights move. The engine asks the table before it fires a call, so an illegal "
+        "call from a client is refused with that LocalProtocolError and the rank stays unharmed.",
         "design.md s4; h2 stream.py",
     ),
     Rule(
