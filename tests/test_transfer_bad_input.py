@@ -5,6 +5,9 @@
 - A trainer whose weight iterator raises: every engine raises PeerFailedError naming the trainer's exception
   at once (before: it waited out the deadline, 300 s by default); the trainer re-raises its own exception;
   the next round works.
+- The same for a streaming trainer (``send_stream``: metadata declared up front, tensors pulled bucket by
+  bucket, never gathered) whose stream raises mid-round: every rank aborts at the bucket being pulled, the
+  engines naming the trainer's exception, the trainer re-raising it; the next round works.
 - A bad packing argument or a non-pair item on the trainer is vetoed, so the engines fail at once too.
 - Timeout errors say how the deadline was sized; without ``timeout_s`` a round's deadline is sized to its bytes.
 """
@@ -30,8 +33,10 @@ from transfer_procs import (
     update_info_for,
 )
 
-from weightsync.impl.transfer.base import ParallelInfo, RendezvousInitInfo
+from weightsync.impl.transfer.base import ParallelInfo, RendezvousInitInfo, SendArgs
+from weightsync.impl.transfer.broadcast import BroadcastTrainer
 from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine as Engine
+from weightsync.impl.transfer.ipc import IPCTrainer
 from weightsync.impl.transfer.ipc import IPCWeightTransferEngine as IPCEngine
 from weightsync.impl.transfer.worker import WeightTransferWorker
 
@@ -105,6 +110,59 @@ def engine_sees_trainer_failure(
         raise AssertionError("update_weights succeeded although the trainer's iterator raised")
     out["unchanged"] = all(bytes_equal(before[n], t) for n, t in model.weights().items())
     # the round is still open; the next update (a good iterator) completes it
+    w.update_weights(update_info_for(make_tensors(1), **PACKED))
+    w.finish_weight_update()
+    out["weights"] = model.weights()
+    out["version"] = w.weight_version
+    w.shutdown()
+    return out
+
+
+def trainer_stream_raises(
+    backend: str, port: int, world: int, timeout_s: float, after: int
+) -> dict[str, Any]:
+    info = RendezvousInitInfo.parse(init_info(port, world, timeout_s))
+    tr: BroadcastTrainer | IPCTrainer = BroadcastTrainer(info) if backend == "nccl" else IPCTrainer(info)
+    args = SendArgs(packed=True, packed_buffer_size_bytes=4096, packed_num_buffers=2)
+    try:
+        pairs = make_tensors(0)
+        declared = [(n, t.dtype, tuple(t.shape)) for n, t in pairs]
+        t0 = time.monotonic()
+        try:
+            tr.send_stream(declared, _failing(pairs, after), args)
+        except ShardGone as exc:  # the stream's own exception, re-raised as is
+            first = {"type": type(exc).__name__, "msg": str(exc), "elapsed": time.monotonic() - t0}
+        else:
+            raise AssertionError("send_stream swallowed the stream's exception")
+        good = make_tensors(1)
+        tr.send_stream([(n, t.dtype, tuple(t.shape)) for n, t in good], iter(good), args)
+        return first
+    finally:
+        tr.close()
+
+
+def engine_sees_stream_failure(
+    backend: str, port: int, world: int, dp_index: int, timeout_s: float
+) -> dict[str, Any]:
+    """As :func:`engine_sees_trainer_failure`, but the failed round may have loaded some buckets, so the
+    worker abandons it (``fail_round``, as the engine core does) and the good stream comes in a new round."""
+    from weightsync.spec.errors import PeerFailedError
+
+    model = DictModel(model_spec())
+    w = WeightTransferWorker(model, backend, ParallelInfo(dp_index=dp_index))
+    w.init_weight_transfer_engine(init_info(port, world, timeout_s))
+    before = model.weights()
+    w.start_weight_update(True)
+    t0 = time.monotonic()
+    try:
+        w.update_weights(update_info_for(make_tensors(0), **PACKED))
+    except PeerFailedError as exc:
+        out: dict[str, Any] = {"msg": str(exc), "ranks": exc.ranks, "elapsed": time.monotonic() - t0}
+    else:
+        raise AssertionError("update_weights succeeded although the trainer's stream raised")
+    out["unchanged"] = all(bytes_equal(before[n], t) for n, t in model.weights().items())
+    w.fail_round()
+    w.start_weight_update(True)
     w.update_weights(update_info_for(make_tensors(1), **PACKED))
     w.finish_weight_update()
     out["weights"] = model.weights()
@@ -208,6 +266,46 @@ def test_trainer_iterator_raising_fails_every_engine_at_once(backend: str) -> No
         assert e["elapsed"] < 3, f"engine waited {e['elapsed']:.1f} s of a {timeout} s timeout"
         assert e["unchanged"]
         # the following round with a good iterator arrived bit-exact
+        assert e["version"] == 1
+        for name, sent in make_tensors(1):
+            assert bytes_equal(e["weights"][name], sent.contiguous()), name
+
+
+@pytest.mark.parametrize("after", [0, 2], ids=["first-bucket", "second-bucket"])
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_trainer_stream_raising_fails_every_engine_at_once(backend: str, after: int) -> None:
+    """A streamed round (wt-d's ``TensorFeed``) under main's rule: a raising trainer iterator aborts every
+    rank at once naming its exception. With B=4096 the embedding (8 KiB) is bucket 0 alone, so ``after=2``
+    fails while bucket 1 is being pulled, after bucket 0 was loaded."""
+    port, world, timeout = free_port(), 3, 30.0
+    t0 = time.monotonic()
+    res = run_roles(
+        [
+            (trainer_stream_raises, (backend, port, world, timeout, after)),
+            (engine_sees_stream_failure, (backend, port, world, 0, timeout)),
+            (engine_sees_stream_failure, (backend, port, world, 1, timeout)),
+        ],
+        deadline_s=timeout + 20,
+    )
+    assert time.monotonic() - t0 < timeout
+    trainer = ok(res[0])
+    assert trainer["type"] == "ShardGone" and trainer["msg"] == f"checkpoint shard {after} is gone"
+    assert trainer["elapsed"] < 6
+    where = (
+        f"update_weights/bucket (round 1, b{0 if after == 0 else 1})"
+        if backend == "nccl"
+        else "update_weights/ipc_ack (round 1)"
+    )
+    for e in (ok(r) for r in res[1:]):
+        assert e["msg"] == (
+            f"{where}: rank(s) 0 failed: rank 0: the trainer's weight iterator raised ShardGone: checkpoint "
+            f"shard {after} is gone after {after} tensor(s); every rank aborts this update"
+        )
+        assert e["ranks"] == (0,)
+        assert e["elapsed"] < 3, f"engine waited {e['elapsed']:.1f} s of a {timeout} s timeout"
+        if after == 0:
+            assert e["unchanged"]
+        # the following streamed round arrived bit-exact
         assert e["version"] == 1
         for name, sent in make_tensors(1):
             assert bytes_equal(e["weights"][name], sent.contiguous()), name

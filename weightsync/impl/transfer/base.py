@@ -298,6 +298,8 @@ class UpdateInfo:
         packed_buffer_size_bytes: bucket capacity B in bytes (> 0); default 1 GiB.
         packed_num_buffers: number of pipelined bucket buffers (>= 1); default 2.
         verify: carry a CRC32 per bucket and compare it on every rank (weightsync extension).
+        layout: bucket layout, ``"aligned"`` (weightsync's, packing rules 2-4) or ``"vllm"`` (vLLM's NCCL
+            packer byte for byte, packing rule 8); weightsync extension.
         check_finite: the engine worker refuses NaN / +-Inf in received floating-point weights before
             loading them (weightsync extension, default False; local to each worker, so not part of the
             wire description: the trainer never sees it). See the worker's rule 7.
@@ -310,6 +312,7 @@ class UpdateInfo:
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     verify: bool = False
+    layout: str = "aligned"
     check_finite: bool = False
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("names", "dtype_names", "shapes")
@@ -318,6 +321,7 @@ class UpdateInfo:
         "packed_buffer_size_bytes",
         "packed_num_buffers",
         "verify",
+        "layout",
         "check_finite",
     )
 
@@ -388,6 +392,7 @@ class UpdateInfo:
                 else DEFAULT_PACKED_NUM_BUFFERS
             ),
             verify=_bool(d, "verify", what) if "verify" in d else False,
+            layout=_layout(d, what),
             check_finite=_bool(d, "check_finite", what) if "check_finite" in d else False,
         )
 
@@ -407,8 +412,18 @@ class UpdateInfo:
             "packed_buffer_size_bytes": self.packed_buffer_size_bytes,
             "packed_num_buffers": self.packed_num_buffers,
             "verify": self.verify,
+            "layout": self.layout,
             "check_finite": self.check_finite,
         }
+
+
+def _layout(d: Mapping[str, Any], what: str) -> str:
+    if "layout" not in d:
+        return "aligned"
+    v = d["layout"]
+    if v not in ("aligned", "vllm"):
+        raise ValueError(f"{what}['layout']={v!r} must be 'aligned' (weightsync's) or 'vllm' (vLLM's packer)")
+    return str(v)
 
 
 @dataclass(frozen=True)
@@ -416,24 +431,26 @@ class SendArgs:
     """Trainer-side packing arguments (vLLM's ``trainer_args`` less the group); must equal the engines'.
 
     Attributes mirror :class:`UpdateInfo`'s ``packed``, ``packed_buffer_size_bytes``,
-    ``packed_num_buffers`` and ``verify``.
+    ``packed_num_buffers``, ``verify`` and ``layout``.
     """
 
     packed: bool = False
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     verify: bool = False
+    layout: str = "aligned"
 
     OPTIONAL: ClassVar[tuple[str, ...]] = (
         "packed",
         "packed_buffer_size_bytes",
         "packed_num_buffers",
         "verify",
+        "layout",
     )
 
     @classmethod
     def parse(cls, d: Mapping[str, Any]) -> SendArgs:
-        """Validate the packing part of ``trainer_args`` (keys other than these four are ignored here).
+        """Validate the packing part of ``trainer_args`` (keys other than these five are ignored here).
 
         Raises:
             ValueError: a wrong type or out-of-range value, as for :meth:`UpdateInfo.parse`.
@@ -452,6 +469,7 @@ class SendArgs:
                 else DEFAULT_PACKED_NUM_BUFFERS
             ),
             verify=_bool(d, "verify", what) if "verify" in d else False,
+            layout=_layout(d, what),
         )
 
     def update_info(self, metas: Sequence[TensorMeta]) -> UpdateInfo:
@@ -464,6 +482,7 @@ class SendArgs:
             packed_buffer_size_bytes=self.packed_buffer_size_bytes,
             packed_num_buffers=self.packed_num_buffers,
             verify=self.verify,
+            layout=self.layout,
         )
 
 

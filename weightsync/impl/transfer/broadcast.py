@@ -25,8 +25,9 @@ Rules:
    the deadline was sized. The deadline is the round's (``rounds`` rule 0): ``init_info['timeout_s']``, or
    without it a floor plus the round's bytes at a conservative bandwidth.
 7. **Trainer failure.** A weight iterator that raises is reported to every engine through the wire
-   agreement (``rounds`` rule 1), so they fail at once naming the trainer's exception; the trainer
-   re-raises it. The group stays usable for the next round.
+   agreement (``rounds`` rule 1), or, for a stream of declared metadata (:meth:`BroadcastTrainer.send_stream`),
+   through the status of the bucket being pulled (``rounds`` rule 4), so they fail at once naming the
+   trainer's exception; the trainer re-raises it. The group stays usable for the next round.
 """
 
 from __future__ import annotations
@@ -62,16 +63,18 @@ from weightsync.impl.transfer.control import ControlPlane, open_store
 from weightsync.impl.transfer.packing import (
     Bucket,
     BufferPool,
+    Tensors,
     as_bytes,
     contiguous_run,
     crc32,
     max_packed_bucket,
     pack_bucket,
     plan_buckets,
+    pool_cap,
     unpack_bucket,
     wire_description,
 )
-from weightsync.impl.transfer.rounds import agree, open_send_round, status
+from weightsync.impl.transfer.rounds import TensorFeed, agree, open_send_round, open_send_stream, status
 from weightsync.spec.errors import PeerFailedError, TransferTimeoutError
 
 PHASE_BUCKET = "update_weights/bucket"
@@ -236,13 +239,31 @@ def _drain(group: BroadcastGroup, works: Iterable[Any]) -> None:
 def _send(group: BroadcastGroup, items: Iterable[tuple[str, torch.Tensor]], args: SendArgs) -> None:
     group.seq += 1
     seq = group.seq
-    tensors, buckets = open_send_round(group.cp, seq, items, args, group.info)
+    feed, buckets = open_send_round(group.cp, seq, items, args, group.info)
+    _send_buckets(group, seq, feed, buckets, args)
+
+
+def _send_stream(
+    group: BroadcastGroup,
+    declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+    stream: Iterable[tuple[str, torch.Tensor]],
+    args: SendArgs,
+) -> None:
+    group.seq += 1
+    seq = group.seq
+    feed, buckets = open_send_stream(group.cp, seq, declared, stream, args, group.info)
+    _send_buckets(group, seq, feed, buckets, args)
+
+
+def _send_buckets(
+    group: BroadcastGroup, seq: int, feed: TensorFeed, buckets: Sequence[Bucket], args: SendArgs
+) -> None:
     n = args.packed_num_buffers
     on_cpu = group.device.type == "cpu"
     if on_cpu and group.packer is None:
         group.packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-pack")
 
-    def direct(b: Bucket) -> torch.Tensor | None:
+    def direct(b: Bucket, tensors: Tensors) -> torch.Tensor | None:
         # the bucket's bytes already lie in one storage at the packed offsets (packing rule 7), or the
         # bucket is one whole tensor: send that memory without packing
         if b.nbytes == 0:
@@ -256,24 +277,31 @@ def _send(group: BroadcastGroup, items: Iterable[tuple[str, torch.Tensor]], args
         return run if run is not None and run.device == group.device else None
 
     def payload(b: Bucket) -> tuple[torch.Tensor | None, int | None]:
+        tensors = feed.take(b.members)  # a stream is pulled here, one bucket at a time (rounds rule 4)
         if b.nbytes == 0:
             return None, (0 if args.verify else None)
-        buf = direct(b)
+        buf = direct(b, tensors)
         if buf is None:
-            if b.oversized or not args.packed:
+            if b.oversized or not args.packed or len(b.members) == 1:
                 buf = as_bytes(tensors[b.members[0]].to(group.device).contiguous())
             else:
                 buf = pack_bucket(group.pool.slot(b.number % n), b, tensors)
         return buf, (crc32(buf) if args.verify else None)
 
+    at_hand = feed.at_hand
     if args.packed:
-        # only buckets that must be packed need a buffer (a flat trainer needs none)
-        to_pack = [b for b in buckets if not b.oversized and direct(b) is None]
-        group.pool.reserve(n, max_packed_bucket(to_pack), args.packed_buffer_size_bytes)
+        # only multi-tensor buckets that must be packed need a buffer (a flat trainer needs none); a
+        # stream's contiguity is unknown before it is pulled, so each of its multi-tensor buckets counts
+        to_pack = [
+            b
+            for b in buckets
+            if not b.oversized and len(b.members) > 1 and (at_hand is None or direct(b, at_hand) is None)
+        ]
+        group.pool.reserve(n, max_packed_bucket(to_pack), pool_cap(to_pack, args.packed_buffer_size_bytes))
 
     def submit(b: Bucket) -> concurrent.futures.Future[tuple[torch.Tensor | None, int | None]]:
         fut: concurrent.futures.Future[tuple[torch.Tensor | None, int | None]]
-        if group.packer is not None and direct(b) is None and b.nbytes > 0:
+        if group.packer is not None and b.nbytes > 0 and (at_hand is None or direct(b, at_hand) is None):
             return group.packer.submit(payload, b)
         fut = concurrent.futures.Future()
         try:
@@ -282,7 +310,8 @@ def _send(group: BroadcastGroup, items: Iterable[tuple[str, torch.Tensor]], args
             fut.set_exception(exc)
         return fut
 
-    inflight: dict[int, Any] = {}
+    # bucket number -> (work, the buffer it reads: kept referenced until the broadcast completed)
+    inflight: dict[int, tuple[Any, torch.Tensor]] = {}
     error: BaseException | None = None
     fut = submit(buckets[0]) if buckets else None
     try:
@@ -292,22 +321,32 @@ def _send(group: BroadcastGroup, items: Iterable[tuple[str, torch.Tensor]], args
             crc: int | None = None
             try:
                 buf, crc = fut.result()
-            except Exception as exc:
+            except BaseException as exc:
+                # the weight stream's own exception, whatever its class, fails the bucket on every rank
+                if not isinstance(exc, Exception) and exc is not feed.source_error:
+                    raise
                 error = exc
-            status(group.cp, seq, f"b{k}", error, PHASE_BUCKET, crc)
+            status(group.cp, seq, f"b{k}", error, PHASE_BUCKET, crc, feed.describe(error))
             if buf is not None:
-                inflight[k] = group.broadcast(buf)
+                inflight[k] = (group.broadcast(buf), buf)
             if k + 1 < len(buckets):
                 reuse = k + 1 - n
                 if reuse in inflight and args.packed:
-                    group.wait(inflight.pop(reuse), PHASE_BROADCAST)
+                    group.wait(inflight.pop(reuse)[0], PHASE_BROADCAST)
                 fut = submit(buckets[k + 1])
         for k in sorted(inflight):
-            group.wait(inflight.pop(k), PHASE_BROADCAST)
+            group.wait(inflight.pop(k)[0], PHASE_BROADCAST)
     except BaseException:
-        _drain(group, inflight.values())
+        _drain(group, [w for w, _ in inflight.values()])
         raise
-    status(group.cp, seq, "end", None, PHASE_BUCKET)
+    end_error: BaseException | None = None
+    try:
+        feed.finish()  # a stream that yields more than it declared (or raises) fails the round everywhere
+    except BaseException as exc:
+        if not isinstance(exc, ValueError) and exc is not feed.source_error:
+            raise
+        end_error = exc
+    status(group.cp, seq, "end", end_error, PHASE_BUCKET, None, feed.describe(end_error))
     group.ok_seq = seq
 
 
@@ -327,7 +366,8 @@ class BroadcastTrainer:
         self.group = join_group(info, 0)
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]], args: SendArgs | None = None) -> None:
-        """Send one update (see :meth:`BroadcastWeightTransferEngine.trainer_send_weights`)."""
+        """Send one update (see :meth:`BroadcastWeightTransferEngine.trainer_send_weights`). The pairs are
+        gathered first (their metadata opens the round); :meth:`send_stream` does not gather."""
         if self.group.closed:
             raise RuntimeError("trainer group is closed")
         _send(self.group, weights, args or SendArgs())
@@ -341,6 +381,25 @@ class BroadcastTrainer:
         g.begin_round(None)
         agree(g.cp, g.seq, None, f"{type(error).__name__}: {error}")
         raise error
+
+    def send_stream(
+        self,
+        declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        stream: Iterable[tuple[str, torch.Tensor]],
+        args: SendArgs | None = None,
+    ) -> None:
+        """Send one update whose ``(name, dtype, shape)`` metadata is declared up front, pulling the
+        tensors from ``stream`` bucket by bucket (``rounds`` rule 4): the stream is never materialised.
+
+        Raises:
+            ValueError: an undescribable dtype (vetoed), or the stream disagrees with ``declared``
+                (every rank aborts at that bucket); otherwise as :meth:`send`.
+            the exception ``stream`` raised, itself: every rank aborts at the bucket being pulled, the
+                engines raising PeerFailedError naming rank 0 and that exception (``rounds`` rule 4).
+        """
+        if self.group.closed:
+            raise RuntimeError("trainer group is closed")
+        _send_stream(self.group, declared, stream, args or SendArgs())
 
     @property
     def pool_bytes(self) -> int:
@@ -456,14 +515,16 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
             raise veto
         metas = update_info.metas()
         info = update_info
-        buckets = plan_buckets([m.nbytes for m in metas], info.packed_buffer_size_bytes, info.packed)
+        buckets = plan_buckets(
+            [m.nbytes for m in metas], info.packed_buffer_size_bytes, info.packed, info.layout
+        )
         n = info.packed_num_buffers
         in_place = destination is not None and not info.verify
         placed = [_place(b, metas, destination, g.device) if in_place else None for b in buckets]
         if info.packed:
             # only buckets received through a staging buffer need one (rule 5)
             staged = [b for b, d in zip(buckets, placed, strict=True) if d is None and not b.oversized]
-            g.pool.reserve(n, max_packed_bucket(staged), info.packed_buffer_size_bytes)
+            g.pool.reserve(n, max_packed_bucket(staged), pool_cap(staged, info.packed_buffer_size_bytes))
         pending: collections.deque[_Pending] = collections.deque()
         error: BaseException | None = None
 

@@ -71,10 +71,11 @@ from weightsync.impl.transfer.packing import (
     max_packed_bucket,
     pack_bucket,
     plan_buckets,
+    pool_cap,
     unpack_bucket,
     wire_description,
 )
-from weightsync.impl.transfer.rounds import agree, open_send_round
+from weightsync.impl.transfer.rounds import TensorFeed, agree, open_send_round, open_send_stream
 from weightsync.spec.errors import PeerFailedError
 
 PHASE_CHUNK = "update_weights/ipc_chunk"
@@ -355,22 +356,59 @@ class IPCTrainer:
         args = args or SendArgs()
         self.seq += 1
         seq = self.seq
-        tensors, buckets = open_send_round(self.cp, seq, weights, args, self.info)
+        feed, buckets = open_send_round(self.cp, seq, weights, args, self.info)
+        self._send_buckets(seq, feed, buckets, args)
+
+    def send_stream(
+        self,
+        declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        stream: Iterable[tuple[str, torch.Tensor]],
+        args: SendArgs | None = None,
+    ) -> None:
+        """Send one update whose ``(name, dtype, shape)`` metadata is declared up front, pulling the
+        tensors from ``stream`` chunk by chunk (``rounds`` rule 4): the stream is never materialised.
+
+        Raises:
+            ValueError: an undescribable dtype (vetoed), or the stream disagrees with ``declared``;
+                otherwise as :meth:`send`.
+            the exception ``stream`` raised, itself: every rank aborts at the bucket being pulled, the
+                engines raising PeerFailedError naming rank 0 and that exception (``rounds`` rule 4).
+        """
+        if self.closed:
+            raise RuntimeError("IPC trainer is closed")
+        args = args or SendArgs()
+        self.seq += 1
+        seq = self.seq
+        feed, buckets = open_send_stream(self.cp, seq, declared, stream, args, self.info)
+        self._send_buckets(seq, feed, buckets, args)
+
+    def _send_buckets(self, seq: int, feed: TensorFeed, buckets: Sequence[Bucket], args: SendArgs) -> None:
         n = args.packed_num_buffers
         on_cpu = self.device.type == "cpu"
+        at_hand = feed.at_hand
         to_pack = [
             b
             for b in buckets
-            if not b.oversized and not (on_cpu and _shared_chunk(contiguous_run(b, tensors)))
+            if not b.oversized
+            and not (at_hand is not None and on_cpu and _shared_chunk(contiguous_run(b, at_hand)))
         ]
-        self._reserve(n, max_packed_bucket(to_pack), args.packed_buffer_size_bytes)
+        self._reserve(n, max_packed_bucket(to_pack), pool_cap(to_pack, args.packed_buffer_size_bytes))
         failures: list[tuple[int, str]] = []
+        # the trainer's own failure: its stream disagreed with its metadata, or raised (rounds rule 4)
+        own: BaseException | None = None
         waited = -1  # acks collected for every chunk <= waited
         posted = 0  # chunks announced so far
         for b in buckets:
             k = b.number
             msg: dict[str, Any] = {"nbytes": b.nbytes}
             temp: _Segment | None = None
+            try:
+                tensors = feed.take(b.members)  # a stream is pulled one chunk at a time
+            except BaseException as exc:
+                if not isinstance(exc, ValueError) and exc is not feed.source_error:
+                    raise
+                own, failures = exc, [(0, feed.describe(exc) or "")]
+                break
             shared = _shared_chunk(contiguous_run(b, tensors)) if on_cpu and b.nbytes else None
             if shared is None:
                 # refill slot k % n only once every consumer acked chunk k - n (rule 4)
@@ -414,6 +452,13 @@ class IPCTrainer:
         while not failures and waited < last:
             waited += 1
             failures = self._acks(seq, waited)
+        if not failures:
+            try:
+                feed.finish()  # a stream that yields more than it declared fails the round everywhere
+            except BaseException as exc:
+                if not isinstance(exc, ValueError) and exc is not feed.source_error:
+                    raise
+                own, failures = exc, [(0, feed.describe(exc) or "")]
         verdict = {"ok": not failures, "failed": [[r, e] for r, e in failures]}
         if failures:
             # tell consumers still waiting for a chunk, then everyone else through the verdict
@@ -421,7 +466,10 @@ class IPCTrainer:
                 self.cp.post(f"r{seq}/c{k}", {"abort": verdict}, seq)
         self.cp.post(f"r{seq}/done", verdict, seq)
         if failures:
-            self.cp.settle(f"r{seq}/abort", expected=self.info.world_size - 1 - len(failures))
+            consumers_failed = len([r for r, _ in failures if r != 0])
+            self.cp.settle(f"r{seq}/abort", expected=self.info.world_size - 1 - consumers_failed)
+            if own is not None:
+                raise own
             raise PeerFailedError(
                 [r for r, _ in failures],
                 f"{PHASE_ACK} (round {seq})",
@@ -567,7 +615,10 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             raise veto
         metas = update_info.metas()
         buckets = plan_buckets(
-            [m.nbytes for m in metas], update_info.packed_buffer_size_bytes, update_info.packed
+            [m.nbytes for m in metas],
+            update_info.packed_buffer_size_bytes,
+            update_info.packed,
+            update_info.layout,
         )
         for b in buckets:
             msg = cp.get(f"r{seq}/c{b.number}", PHASE_CHUNK, 0)

@@ -20,6 +20,12 @@ Rules (reference section 3, with weightsync's deviations marked):
    tensor starting at an :data:`ALIGN`-aligned offset in order), :func:`contiguous_run` returns that
    storage range and the sender moves it as is, without packing. The bytes on the wire are the same as
    packing would produce, except padding bytes (never read).
+8. **vLLM's layout** (``layout="vllm"``, reference vllm-0.32 section 2, ``vllm/distributed/weight_transfer/
+   packed_tensor.py:69-140``): rules 2-4 replaced by vLLM's NCCL packer, byte for byte: tensors are
+   appended in order with **no alignment** and a bucket is closed right **after** the tensor that makes it
+   exceed ``B`` (exceed-then-flush; a bucket may hold up to ``B`` plus its last tensor). A bucket whose
+   only member exceeds ``B`` is marked ``oversized`` (its bytes are that tensor, as in vLLM). Members at
+   an offset their dtype cannot be viewed at are copied out of the buffer on unpacking.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
@@ -38,6 +44,12 @@ from weightsync.impl.transfer.base import TensorMeta, UpdateInfo
 ALIGN = 16
 #: Version of the wire format; part of the digest so incompatible peers are told apart.
 WIRE_FORMAT = "weightsync-packed-v1"
+#: Bucket layouts: weightsync's (rules 2-4) and vLLM's NCCL packer's (rule 8).
+LAYOUTS = ("aligned", "vllm")
+
+
+#: The tensors of a round by position: a list, or (a stream's current window) a dict of member indices.
+Tensors: TypeAlias = Sequence[torch.Tensor] | Mapping[int, torch.Tensor]
 
 
 def _align(n: int) -> int:
@@ -62,17 +74,24 @@ class Bucket(NamedTuple):
     oversized: bool
 
 
-def plan_buckets(sizes: Sequence[int], buffer_size: int, packed: bool = True) -> tuple[Bucket, ...]:
+def plan_buckets(
+    sizes: Sequence[int], buffer_size: int, packed: bool = True, layout: str = "aligned"
+) -> tuple[Bucket, ...]:
     """The deterministic partition of tensors of ``sizes`` bytes into buckets of capacity ``buffer_size``.
 
     With ``packed=False`` every tensor is its own bucket (offset 0), still marked ``oversized`` when it
-    exceeds ``buffer_size``. Pure function of its arguments (rule 5).
+    exceeds ``buffer_size``. ``layout`` is ``"aligned"`` (rules 2-4) or ``"vllm"`` (rule 8). Pure function
+    of its arguments (rule 5).
 
     Raises:
-        ValueError: ``buffer_size < 1`` or a negative size.
+        ValueError: ``buffer_size < 1``, a negative size or an unknown layout.
     """
     if buffer_size < 1:
         raise ValueError(f"packed_buffer_size_bytes={buffer_size} must be >= 1")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {', '.join(map(repr, LAYOUTS))}")
+    if layout == "vllm" and packed:
+        return _plan_vllm(sizes, buffer_size)
     out: list[Bucket] = []
     cur: list[int] = []
     offs: list[int] = []
@@ -105,6 +124,34 @@ def plan_buckets(sizes: Sequence[int], buffer_size: int, packed: bool = True) ->
     return tuple(out)
 
 
+def _plan_vllm(sizes: Sequence[int], buffer_size: int) -> tuple[Bucket, ...]:
+    """Rule 8: ``packed_tensor.pack_tensors`` / ``packed_nccl_broadcast_consumer`` of vLLM 0.32 (append
+    unaligned, close the bucket once its size exceeds ``buffer_size``; a trailing bucket, even of
+    zero-size tensors only, is sent too)."""
+    out: list[Bucket] = []
+    cur: list[int] = []
+    offs: list[int] = []
+    end = 0
+    for i, n in enumerate(sizes):
+        if n < 0:
+            raise ValueError(f"tensor {i} has negative size {n}")
+        cur.append(i)
+        offs.append(end)
+        end += n
+        if end > buffer_size:
+            out.append(Bucket(len(out), tuple(cur), tuple(offs), end, len(cur) == 1))
+            cur, offs, end = [], [], 0
+    if cur:
+        out.append(Bucket(len(out), tuple(cur), tuple(offs), end, False))
+    return tuple(out)
+
+
+def pool_cap(buckets: Sequence[Bucket], buffer_size: int) -> int:
+    """Largest size a packing buffer may keep this round: ``B``, or more under vLLM's layout, whose
+    buckets may exceed ``B`` by their last tensor (rule 8)."""
+    return max(buffer_size, max_packed_bucket(buckets))
+
+
 def max_packed_bucket(buckets: Sequence[Bucket]) -> int:
     """Largest non-oversized bucket in bytes (what each packing buffer must hold this round)."""
     return max((b.nbytes for b in buckets if not b.oversized), default=0)
@@ -115,7 +162,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def pack_bucket(dst: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def pack_bucket(dst: torch.Tensor, bucket: Bucket, tensors: Tensors) -> torch.Tensor:
     """Copy the bucket's members into ``dst`` (uint8, at least ``bucket.nbytes`` long); return the used view.
 
     Non-contiguous sources are copied with their strides (no intermediate contiguous copy). Padding bytes
@@ -129,12 +176,20 @@ def pack_bucket(dst: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tenso
         view = dst[off : off + n]
         if t.is_contiguous():
             view.copy_(as_bytes(t))
-        else:
+        elif _viewable(view, t.dtype):
             view.view(t.dtype).view(t.shape).copy_(t)
+        else:  # vLLM's layout: an offset this dtype cannot be viewed at (rule 8)
+            view.copy_(as_bytes(t.contiguous()))
     return dst[: bucket.nbytes]
 
 
-def contiguous_run(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+def _viewable(b: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the uint8 tensor ``b`` can be viewed as ``dtype`` in place (its storage offset is a
+    multiple of the item size)."""
+    return b.storage_offset() % dtype.itemsize == 0
+
+
+def contiguous_run(bucket: Bucket, tensors: Tensors) -> torch.Tensor | None:
     """The bucket's bytes as a uint8 view of its members' own storage, or None (rule 7).
 
     Non-None only if every non-empty member is contiguous, all live in one storage on one device, and
@@ -200,11 +255,16 @@ def flat_views(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[torch.Te
 def unpack_bucket(
     src: torch.Tensor, bucket: Bucket, metas: Sequence[TensorMeta]
 ) -> list[tuple[str, torch.Tensor]]:
-    """Views of the bucket's members inside ``src`` (uint8), typed and shaped from ``metas``. No copy."""
+    """Views of the bucket's members inside ``src`` (uint8), typed and shaped from ``metas``. No copy,
+    except for a member at an offset its dtype cannot be viewed at (vLLM's unaligned layout, rule 8),
+    which is copied out (``Tensor.view(dtype)`` rejects it: vLLM's own ``unpack_tensor`` raises there)."""
     out: list[tuple[str, torch.Tensor]] = []
     for i, off in zip(bucket.members, bucket.offsets, strict=True):
         m = metas[i]
-        out.append((m.name, src[off : off + m.nbytes].view(m.dtype).view(m.shape)))
+        raw = src[off : off + m.nbytes]
+        if not _viewable(raw, m.dtype):
+            raw = raw.clone()
+        out.append((m.name, raw.view(m.dtype).view(m.shape)))
     return out
 
 
@@ -257,6 +317,7 @@ def wire_description(info: UpdateInfo) -> dict[str, Any]:
     ``[name, dtype_name, shape, nbytes]`` (the trainer's nbytes come from its real tensors)."""
     return {
         "format": WIRE_FORMAT,
+        "layout": info.layout,
         "packed": info.packed,
         "packed_buffer_size_bytes": info.packed_buffer_size_bytes,
         "packed_num_buffers": info.packed_num_buffers,
@@ -272,7 +333,7 @@ def wire_digest(desc: dict[str, Any]) -> str:
 
 def first_difference(ref: dict[str, Any], other: dict[str, Any]) -> str:
     """Human description of the first entry where two wire descriptions differ (ref = the trainer's)."""
-    for key in ("format", "packed", "packed_buffer_size_bytes", "packed_num_buffers", "verify"):
+    for key in ("format", "layout", "packed", "packed_buffer_size_bytes", "packed_num_buffers", "verify"):
         if ref.get(key) != other.get(key):
             return f"{key}: {ref.get(key)!r} vs {other.get(key)!r}"
     a, b = ref.get("tensors", []), other.get("tensors", [])
@@ -290,9 +351,11 @@ def first_difference(ref: dict[str, Any], other: dict[str, Any]) -> str:
 
 __all__ = [
     "ALIGN",
+    "LAYOUTS",
     "WIRE_FORMAT",
     "Bucket",
     "BufferPool",
+    "Tensors",
     "as_bytes",
     "contiguous_run",
     "crc32",
@@ -302,6 +365,7 @@ __all__ = [
     "max_packed_bucket",
     "pack_bucket",
     "plan_buckets",
+    "pool_cap",
     "unpack_bucket",
     "wire_description",
     "wire_digest",

@@ -20,17 +20,23 @@ Rules:
    others :class:`~weightsync.spec.errors.PeerFailedError` naming it.
 3. **End.** A last status exchange after the final bucket, so a failure while loading the last bucket is
    seen by every rank too.
+4. **Streaming senders.** A trainer that declares its tensors' metadata up front (vLLM's
+   ``WeightSource.metadata()``) agrees on the wire from that declaration alone and then pulls the tensors
+   from its stream bucket by bucket (:class:`TensorFeed`): the stream is never materialised, and only the
+   tensors of buckets being packed or on the wire are referenced. A streamed tensor that differs from its
+   declaration (name, dtype or shape), a missing one or an extra one fails that bucket (or the end), so
+   every rank aborts there (rule 2) instead of splitting the stream differently.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from weightsync.impl.transfer.base import RendezvousInitInfo, SendArgs, TensorMeta, meta_of
+from weightsync.impl.transfer.base import RendezvousInitInfo, SendArgs, TensorMeta, dtype_name, meta_of
 from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.packing import (
     Bucket,
@@ -107,22 +113,30 @@ def fail_round(cp: ControlPlane, seq: int, reason: str) -> None:
         cp.settle(f"r{seq}/wire")
 
 
+def _pair_problem(i: int, item: Any) -> str | None:
+    """Why weight ``i`` is not a ``(non-empty str name, torch.Tensor)`` pair, or None."""
+    if (
+        isinstance(item, tuple | list)
+        and len(item) == 2
+        and isinstance(item[0], str)
+        and item[0]
+        and isinstance(item[1], torch.Tensor)
+    ):
+        return None
+    shown = (
+        type(item).__name__
+        if not isinstance(item, tuple | list)
+        else f"{type(item).__name__} of " + (", ".join(type(x).__name__ for x in item))
+    )
+    return f"weight {i} is not a (non-empty str name, torch.Tensor) pair: got {shown}"
+
+
 def _describe(items: Sequence[Any]) -> tuple[list[TensorMeta], str | None]:
     metas: list[TensorMeta] = []
     for i, item in enumerate(items):
-        if not (
-            isinstance(item, tuple | list)
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and item[0]
-            and isinstance(item[1], torch.Tensor)
-        ):
-            shown = (
-                type(item).__name__
-                if not isinstance(item, tuple | list)
-                else f"{type(item).__name__} of " + (", ".join(type(x).__name__ for x in item))
-            )
-            return [], f"weight {i} is not a (non-empty str name, torch.Tensor) pair: got {shown}"
+        problem = _pair_problem(i, item)
+        if problem is not None:
+            return [], problem
         try:
             metas.append(meta_of(item[0], item[1]))
         except ValueError as exc:
@@ -136,13 +150,14 @@ def open_send_round(
     items: Iterable[tuple[str, torch.Tensor]],
     args: SendArgs,
     init: RendezvousInitInfo,
-) -> tuple[list[torch.Tensor], tuple[Bucket, ...]]:
-    """Trainer side of rules 0 and 1 for round ``seq``: read ``items``, size the round's deadline, describe
+) -> tuple[TensorFeed, tuple[Bucket, ...]]:
+    """Trainer side of rules 0 and 1 for round ``seq``: read ``items`` (all of them: their metadata opens
+    the round; :func:`open_send_stream` does not gather), size the round's deadline, describe
     the tensors, agree on the wire with every consumer (a tensor the trainer cannot describe is vetoed, so
     every consumer is told), then plan the buckets.
 
     Returns:
-        (detached tensors in ``items`` order, the bucket plan).
+        (a :class:`TensorFeed` holding the detached tensors in ``items`` order, the bucket plan).
 
     Raises:
         the exception of ``items`` itself (the same object) if iterating it raised, after telling every
@@ -157,11 +172,7 @@ def open_send_round(
             pairs.append(item)
     except BaseException as exc:
         cp.set_deadline(*init.round_deadline(None))
-        fail_round(
-            cp,
-            seq,
-            f"the trainer's weight iterator raised {type(exc).__name__}: {exc} after {len(pairs)} tensor(s)",
-        )
+        fail_round(cp, seq, iterator_failure(exc, len(pairs)))
         raise
     metas, veto = _describe(pairs)
     cp.set_deadline(*init.round_deadline(sum(m.nbytes for m in metas) if veto is None else None))
@@ -169,14 +180,189 @@ def open_send_round(
     agree(cp, seq, wire_description(info) if veto is None else None, veto)
     if veto is not None:
         raise ValueError(f"trainer_send_weights: {veto}")
-    tensors = [t.detach() for _, t in pairs]
-    return tensors, plan_buckets([m.nbytes for m in metas], args.packed_buffer_size_bytes, args.packed)
+    feed = TensorFeed(metas, tensors=[t.detach() for _, t in pairs])
+    return feed, plan_buckets(
+        [m.nbytes for m in metas], args.packed_buffer_size_bytes, args.packed, args.layout
+    )
+
+
+def iterator_failure(exc: BaseException, taken: int) -> str:
+    """How the peers are told that the trainer's weight iterator raised ``exc`` after ``taken`` tensors
+    (rules 1 and 4)."""
+    return f"the trainer's weight iterator raised {type(exc).__name__}: {exc} after {taken} tensor(s)"
+
+
+class TensorFeed:
+    """The trainer's tensors of one round in order: all at hand (a list) or pulled from a stream (rule 4).
+
+    Args:
+        metas: what the round declared, in order.
+        tensors: the tensors, when the caller already holds them all (random access).
+        stream: ``(name, tensor)`` pairs to pull from in order, when it does not.
+
+    Attributes:
+        source_error: the exception the stream itself raised (re-raised by :meth:`take`, as is), or None.
+    """
+
+    def __init__(
+        self,
+        metas: Sequence[TensorMeta],
+        tensors: Sequence[torch.Tensor] | None = None,
+        stream: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
+        if (tensors is None) == (stream is None):
+            raise ValueError("TensorFeed needs exactly one of tensors and stream")
+        self.metas = metas
+        self.at_hand: list[torch.Tensor] | None = None if tensors is None else list(tensors)
+        self._it: Iterator[tuple[str, torch.Tensor]] | None = None
+        self.source_error: BaseException | None = None
+        self._source_text = ""
+        self._next = 0
+        if stream is not None:
+            try:
+                self._it = iter(stream)
+            except BaseException as exc:  # not iterable, or iter() itself raised: the first pull fails
+                self._fail_source(exc)
+                self._it = iter(())
+
+    def _fail_source(self, exc: BaseException) -> None:
+        self.source_error = exc
+        self._source_text = iterator_failure(exc, self._next)
+
+    def describe(self, error: BaseException | None) -> str | None:
+        """The text the peers get for this rank's ``error`` (rule 2): the iterator's own failure names the
+        trainer's exception and how many tensors it had yielded (as rule 1's)."""
+        if error is None:
+            return None
+        if error is self.source_error:
+            return self._source_text
+        return f"{type(error).__name__}: {error}"
+
+    def take(self, members: Sequence[int]) -> dict[int, torch.Tensor]:
+        """The tensors of ``members`` (consecutive, in order, each taken once when streaming), detached.
+
+        Raises:
+            the stream's own exception, as is, if pulling from it raised (:attr:`source_error`; every
+                later call raises it again).
+            ValueError: a streamed item is not a ``(str, Tensor)`` pair or differs from its declaration,
+                or the stream ended early.
+        """
+        if self.at_hand is not None:
+            return {i: self.at_hand[i] for i in members}
+        if self.source_error is not None:
+            raise self.source_error
+        assert self._it is not None
+        out: dict[int, torch.Tensor] = {}
+        for i in members:
+            if i != self._next:
+                raise ValueError(f"tensor {i} requested out of order (next is {self._next})")
+            m = self.metas[i]
+            try:
+                item = next(self._it)
+            except StopIteration:
+                raise ValueError(
+                    f"the weight stream ended after {i} tensors; {len(self.metas)} were declared "
+                    f"(first missing: {m.name!r})"
+                ) from None
+            except BaseException as exc:  # the trainer's own failure: every rank aborts at this bucket
+                self._fail_source(exc)
+                raise
+            problem = _pair_problem(i, item)
+            if problem is not None:
+                raise ValueError(f"the weight stream: {problem}")
+            name, t = item
+            got = (name, _dtype_text(t.dtype), tuple(int(d) for d in t.shape))
+            if got != (m.name, m.dtype_name, m.shape):
+                raise ValueError(
+                    f"the weight stream disagrees with its declared metadata at index {i}: declared "
+                    f"{m.name!r} {m.dtype_name} {list(m.shape)}, got {got[0]!r} {got[1]} {list(got[2])}; "
+                    "both must enumerate the same tensors in the same order"
+                )
+            out[i] = t.detach()
+            self._next += 1
+        return out
+
+    def finish(self) -> None:
+        """Check that a stream is exhausted after the last declared tensor.
+
+        Raises:
+            the stream's own exception, as is, if pulling the end from it raised (:attr:`source_error`).
+            ValueError: it yields more (naming the first extra) or fewer tensors than declared.
+        """
+        if self._it is None:
+            return
+        if self.source_error is not None:
+            raise self.source_error
+        if self._next != len(self.metas):
+            raise ValueError(f"only {self._next} of {len(self.metas)} declared tensors were taken")
+        try:
+            extra = next(self._it, None)
+        except BaseException as exc:
+            self._fail_source(exc)
+            raise
+        if extra is not None:
+            shown = extra[0] if isinstance(extra, tuple | list) and extra else extra
+            raise ValueError(
+                f"the weight stream yields more tensors than the {len(self.metas)} declared; "
+                f"first extra is {shown!r}"
+            )
+
+
+def _dtype_text(dtype: torch.dtype) -> str:
+    try:
+        return dtype_name(dtype)
+    except ValueError:
+        return str(dtype).removeprefix("torch.")
+
+
+def open_send_stream(
+    cp: ControlPlane,
+    seq: int,
+    declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+    stream: Iterable[tuple[str, torch.Tensor]],
+    args: SendArgs,
+    init: RendezvousInitInfo,
+) -> tuple[TensorFeed, tuple[Bucket, ...]]:
+    """Trainer side of rules 0 and 1 from declared ``(name, dtype, shape)`` metadata (rule 4): size the
+    round's deadline from the declared bytes, agree on the wire (an undescribable dtype is vetoed, so every
+    consumer is told), then plan the buckets. Nothing is pulled from ``stream`` here.
+
+    Returns:
+        (a :class:`TensorFeed` over ``stream``, the bucket plan).
+
+    Raises:
+        ValueError: the trainer vetoed, after the consumers were told.
+        WireMismatchError / TransferTimeoutError: as :func:`agree`.
+    """
+    veto: str | None = None
+    metas: list[TensorMeta] = []
+    try:
+        metas = [TensorMeta(n, dtype_name(d), tuple(int(x) for x in s)) for n, d, s in declared]
+    except ValueError as exc:
+        veto = str(exc)
+    cp.set_deadline(*init.round_deadline(sum(m.nbytes for m in metas) if veto is None else None))
+    info = args.update_info(metas)
+    agree(cp, seq, wire_description(info) if veto is None else None, veto)
+    if veto is not None:
+        raise ValueError(f"trainer_send_weights: {veto}")
+    sizes = [m.nbytes for m in metas]
+    return TensorFeed(metas, stream=stream), plan_buckets(
+        sizes, args.packed_buffer_size_bytes, args.packed, args.layout
+    )
 
 
 def status(
-    cp: ControlPlane, seq: int, key: str, error: BaseException | None, phase: str, crc: int | None = None
+    cp: ControlPlane,
+    seq: int,
+    key: str,
+    error: BaseException | None,
+    phase: str,
+    crc: int | None = None,
+    detail: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Rules 2 and 3: post this rank's status for ``key`` and collect everyone's (rank order).
+    """Rules 2 and 3: post this rank's status for ``key`` and collect everyone's (rank order). ``detail``
+    replaces ``"<type>: <error>"`` as the text the peers get for ``error`` (e.g.
+    :meth:`TensorFeed.describe`).
 
     Raises:
         the local ``error`` itself if this rank failed; PeerFailedError naming the failed ranks if a peer
@@ -184,7 +370,7 @@ def status(
     """
     mine = {
         "ok": error is None,
-        "error": None if error is None else f"{type(error).__name__}: {error}",
+        "error": None if error is None else (detail or f"{type(error).__name__}: {error}"),
         "crc": crc,
     }
     vals = cp.exchange(f"r{seq}/{key}", mine, seq, phase)
@@ -200,4 +386,4 @@ def status(
     return vals
 
 
-__all__ = ["PHASE_WIRE", "agree", "fail_round", "open_send_round", "status"]
+__all__ = ["PHASE_WIRE", "TensorFeed", "agree", "fail_round", "open_send_round", "open_send_stream", "status"]

@@ -1,0 +1,87 @@
+"""weightsync inside a real vLLM 0.32 ``AsyncLLM`` (CPU build), one engine for the whole module.
+
+A tiny dense Llama (hidden 128, 2 layers, vocabulary 512) and a WordLevel tokenizer are built locally,
+served by ``AsyncLLM(enforce_eager=True, weight_transfer_config={"backend": "weightsync"})``, and synced
+from a trainer written against vLLM's public trainer API (``WeightTransferTrainerFactory.trainer_init``
+with weightsync's init info, ``ModuleSource``) through an in-process client. After each round the
+engine's greedy tokens must equal transformers' with the same weights, its prompt logprobs must be
+within 1e-4 of transformers' float32 log-softmax, and ``get_weight_version()`` must be the version the
+round finished with.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from vllm_util import require_vllm
+
+require_vllm()
+
+from vllm_served import PROBES, Served, assert_serves  # noqa: E402
+
+from weightsync.spec.errors import WireMismatchError  # noqa: E402
+from weightsync.vllm.models import perturbed_state  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    s = Served(str(tmp_path_factory.mktemp("tiny-llama")))
+    print(f"\nAsyncLLM start: {s.start_s:.1f} s")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_weightsync_round_into_real_asyncllm(served: Served) -> None:
+    assert served.version() == "default"
+    assert_serves(served, served.hf)  # the checkpoint as loaded
+    before = [served.greedy(p) for p in PROBES]
+    tr = served.connect()
+    served.hf.load_state_dict(perturbed_state(served.hf, seed=1, scale=0.5))
+    t0 = time.monotonic()
+    tr.send_weights(weight_version="step-1")
+    round_s = time.monotonic() - t0
+    assert served.version() == "step-1"
+    worst = assert_serves(served, served.hf)
+    assert [served.greedy(p) for p in PROBES] != before  # the new weights are really in use
+    print(f"\nround {round_s:.3f} s, max prompt-logprob diff {worst:.2e}")
+    assert served.client.calls[-3:] == ["start_weight_update", "update_weights", "finish_weight_update"]
+
+
+def test_incomplete_round_is_refused_names_the_missing_and_can_be_completed(served: Served) -> None:
+    tr = served.trainer or served.connect()
+    new = perturbed_state(served.hf, seed=2, scale=0.5)
+    held_back = "model.layers.1.mlp.down_proj.weight"
+    served.client.start_weight_update()
+    tr.update([(n, t) for n, t in new.items() if n != held_back])
+    with pytest.raises(Exception, match=r"IncompleteUpdateError|not received") as exc:
+        served.client.finish_weight_update("step-2")
+    assert "layers.1.mlp.down_proj.weight" in str(exc.value)
+    assert served.version() == "step-1"  # nothing committed
+    tr.update([(held_back, new[held_back])])  # the round is still open: send the rest
+    served.client.finish_weight_update("step-2")
+    served.hf.load_state_dict(new)
+    assert served.version() == "step-2"
+    assert_serves(served, served.hf)
+
+
+def test_rejected_request_fails_fast_and_leaves_the_weights_as_they_were(served: Served) -> None:
+    tr = served.trainer or served.connect()
+    half = {n: t.to(torch.float16) for n, t in perturbed_state(served.hf, seed=3).items()}
+    t0 = time.monotonic()
+    with pytest.raises(WireMismatchError, match=r"rejected the update before any payload moved.*float16"):
+        tr.send_weights(half, weight_version="step-3")
+    assert time.monotonic() - t0 < 30  # the engine's veto, not the 60 s timeout
+    assert served.version() == "step-2"
+    assert_serves(served, served.hf)  # the failed round was abandoned: the previous weights serve
+    tr = served.connect()  # the endpoint is unusable after a failed round; a new one works
+    served.hf.load_state_dict(perturbed_state(served.hf, seed=4, scale=0.5))
+    tr.send_weights(weight_version="step-4")
+    assert served.version() == "step-4"
+    assert_serves(served, served.hf)

@@ -1,0 +1,141 @@
+"""Shared by the real-vLLM test modules: one ``AsyncLLM`` on its own event loop thread (the tiny local
+Llama, backend ``weightsync``), a trainer from vLLM's public factory, and the transformers references.
+
+Import only after ``vllm_util.require_vllm()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import torch
+from transfer_procs import free_port
+from vllm import SamplingParams
+from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from weightsync.vllm.clients import AsyncLLMWeightSyncClient
+from weightsync.vllm.models import build_tiny_llama
+from weightsync.vllm.trainer import WeightsyncBroadcastTrainer, WeightsyncTrainerInitInfo
+
+T = TypeVar("T")
+PROBES = [[1, 5, 6, 7, 8], [1, 300, 17, 99], [1, 42]]
+N_TOKENS = 8
+BUFFER = 96 << 10  # several buckets for a 2.6 MB model
+
+
+class Served:
+    """The module's engine on its own event loop thread, the trainer, and the weights the engine holds."""
+
+    def __init__(self, model_dir: str, dp: int = 1, max_model_len: int = 128) -> None:
+        self.dp = dp
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
+        self.thread.start()
+        self.hf = build_tiny_llama(model_dir, seed=0)
+        args = AsyncEngineArgs(
+            model=model_dir,
+            enforce_eager=True,
+            dtype="float32",
+            max_model_len=max_model_len,
+            max_num_seqs=8,
+            disable_log_stats=True,
+            weight_transfer_config={"backend": "weightsync"},
+            data_parallel_size=dp,
+        )
+
+        async def start() -> Any:
+            return AsyncLLM.from_engine_args(args)
+
+        t0 = time.monotonic()
+        self.llm = self.run(start())
+        self.start_s = time.monotonic() - t0
+        self.client = AsyncLLMWeightSyncClient(self.llm, self.loop, timeout_s=120)
+        self.trainer: WeightsyncBroadcastTrainer | None = None
+        self.n = 0
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 180) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def connect(self, **kw: Any) -> WeightsyncBroadcastTrainer:
+        """(Re)connect a trainer: vLLM's public factory, weightsync's init info."""
+        if self.trainer is not None:
+            self.trainer.shutdown()
+        info = WeightsyncTrainerInitInfo(
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            world_size=1 + self.dp,
+            rank=0,
+            packed_buffer_size_bytes=BUFFER,
+            timeout_s=60,
+            **kw,
+        )
+        tr = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=ModuleSource(self.hf))
+        assert isinstance(tr, WeightsyncBroadcastTrainer)
+        self.trainer = tr
+        return tr
+
+    async def generate(self, prompt: list[int], sp: SamplingParams, rank: int | None = None) -> Any:
+        """The final output of one request (on DP rank ``rank``, or where vLLM routes it)."""
+        self.n += 1
+        last = None
+        gen = self.llm.generate(
+            {"prompt_token_ids": prompt}, sp, request_id=f"probe-{self.n}", data_parallel_rank=rank
+        )
+        async for out in gen:
+            last = out
+        return last
+
+    def greedy(self, prompt: list[int], rank: int | None = None) -> list[int]:
+        sp = SamplingParams(max_tokens=N_TOKENS, temperature=0.0)
+        out = self.run(self.generate(prompt, sp, rank))
+        return list(out.outputs[0].token_ids)
+
+    def prompt_logprobs(self, prompt: list[int], rank: int | None = None) -> list[float]:
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        out = self.run(self.generate(prompt, sp, rank))
+        return [float(d[tok].logprob) for d, tok in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+
+    def version(self) -> str:
+        return str(self.run(self.llm.get_weight_version()))
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.shutdown()
+        self.llm.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=N_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids)
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def hf_prompt_logprobs(model: Any, prompt: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [float(lp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+
+
+def assert_serves(served: Served, model: Any) -> float:
+    """Greedy tokens equal, prompt logprobs within 1e-4; returns the max logprob difference."""
+    worst = 0.0
+    for p in PROBES:
+        assert served.greedy(p) == hf_greedy(model, p), p
+        diffs = [
+            abs(a - b) for a, b in zip(served.prompt_logprobs(p), hf_prompt_logprobs(model, p), strict=True)
+        ]
+        worst = max(worst, *diffs)
+    assert worst <= 1e-4, worst
+    return worst

@@ -1,0 +1,24 @@
+"""weightsync inside the real vLLM (0.32): the only package that imports ``vllm``.
+
+- :mod:`weightsync.vllm.plugin`: the vLLM general plugin (entry point group ``vllm.general_plugins``, name
+  ``weightsync``). Its ``register()`` registers weightsync's transports in vLLM's
+  ``WeightTransferEngineFactory`` and ``WeightTransferTrainerFactory`` as backends ``weightsync`` (packed
+  broadcast: gloo for CPU tensors, NCCL for CUDA) and ``weightsync_ipc`` (shared memory on CPU, CUDA IPC
+  on GPU). Select one with ``weight_transfer_config={"backend": "weightsync"}`` on ``AsyncLLM`` / ``LLM``
+  or ``--weight-transfer-config '{"backend": "weightsync"}'`` on ``vllm serve``.
+- :mod:`weightsync.vllm.engine`: the engine-worker backends (subclasses of vLLM's ``WeightTransferEngine``)
+  and their request dataclasses, which accept vLLM's own request dicts.
+- :mod:`weightsync.vllm.trainer`: the trainer side (subclasses of vLLM's ``TrainerWeightTransferEngine``).
+- :mod:`weightsync.vllm.reload`: completeness and recovery around vLLM's layerwise reload.
+- :mod:`weightsync.vllm.clients`: a ``VLLMWeightSyncClient`` for an in-process ``AsyncLLM``.
+- :mod:`weightsync.vllm.models`: tiny Hugging Face checkpoints built locally (no hub) for tests and demos.
+
+Importing this package itself imports nothing of vLLM; its modules do.
+"""
+
+from __future__ import annotations
+
+#: The backend names this plugin registers.
+BACKENDS = ("weightsync", "weightsync_ipc")
+
+__all__ = ["BACKENDS"]
