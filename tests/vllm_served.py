@@ -62,8 +62,9 @@ class Served:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 180) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def connect(self, **kw: Any) -> WeightsyncBroadcastTrainer:
-        """(Re)connect a trainer: vLLM's public factory, weightsync's init info."""
+    def connect(self, client: Any = None, **kw: Any) -> WeightsyncBroadcastTrainer:
+        """(Re)connect a trainer: vLLM's public factory, weightsync's init info; ``client``: the trainer's
+        ``VLLMWeightSyncClient`` (default: the in-process one, unchecked)."""
         if self.trainer is not None:
             self.trainer.shutdown()
         info = WeightsyncTrainerInitInfo(
@@ -75,7 +76,9 @@ class Served:
             timeout_s=60,
             **kw,
         )
-        tr = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=ModuleSource(self.hf))
+        tr = WeightTransferTrainerFactory.trainer_init(
+            info, client=self.client if client is None else client, source=ModuleSource(self.hf)
+        )
         assert isinstance(tr, WeightsyncBroadcastTrainer)
         self.trainer = tr
         return tr

@@ -14,7 +14,8 @@ that, the part that needs the composition of the ranks rather than one rank's ta
   same outcome, and every member must be blocked in that collective (``vars.collective``) when the first
   completion is recorded.
 - **Blocked ranks take no input.** A rank inside a collective (by the table's ``collective`` variable)
-  fires only that collective's completion; the model's ranks are blocked there.
+  fires only that collective's completion (for a transfer collective, ``transfer_failed`` too: the model's
+  failed joint completion); the model's ranks are blocked there.
 - **Scheduler arguments.** ``has_work`` of a STEP or a collective completion must equal
   :func:`~weightsync.spec.states.schedulable` of the rank's PauseState and its waiting/running counts.
 
@@ -28,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from weightsync.model.system import DONE_EVENT
+from weightsync.model.system import DONE_EVENT, TRANSFER_KINDS
 from weightsync.spec.rank import RankMachine, RankVars
-from weightsync.spec.states import PauseState, schedulable, unfinished_for_sync
+from weightsync.spec.states import PauseState, RankEvent, schedulable, unfinished_for_sync
 
 #: completion event value -> collective kind
 KIND_OF_DONE = {str(ev.value): kind for kind, ev in DONE_EVENT.items()}
@@ -113,7 +114,9 @@ class TraceChecker:
         event = str(rec["event"])
         v: RankVars = machines[r].vars
         kind = KIND_OF_DONE.get(event)
-        if v.collective and kind != v.collective:
+        failed_transfer = event == RankEvent.TRANSFER_FAILED.value and v.collective in TRANSFER_KINDS
+        if v.collective and kind != v.collective and not failed_transfer:
+            # a transfer collective also completes by failing (the model's joint TRANSFER_FAILED)
             return f"rank {r} is blocked in {v.collective}; only {v.collective}_done can fire there"
         counts = _counts(rec)
         if counts is not None and ("has_work" in rec.get("args", {})):
