@@ -45,7 +45,7 @@ CONTROLLER = (
     "update_weights",
     "finish_weight_update",
 )
-MAX_TOKENS = 48
+MAX_TOKENS = 100  # prompt 2 + 100 < max_model_len 128; long enough to be mid-generation at the pause
 
 
 class UtilityCounter:

@@ -12,8 +12,10 @@ logprobs are within 1e-4.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +26,9 @@ require_vllm()
 from vllm import SamplingParams  # noqa: E402
 from vllm_served import Served, assert_serves  # noqa: E402
 
+from weightsync.cli import main  # noqa: E402
+from weightsync.impl.checked import CheckedEngine  # noqa: E402
+from weightsync.vllm.checked import AsyncLLMAdapter, CheckedWeightSyncClient  # noqa: E402
 from weightsync.vllm.models import perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -81,3 +86,45 @@ def test_dp2_round_with_requests_in_flight(served: Served) -> None:
         f"(tokens at pause {sorted(at_pause.values())}); max prompt-logprob diff {worst:.2e}"
     )
     assert mid, f"no request was mid-generation at the pause: {at_pause}"
+
+
+def test_dp2_checked_round_counts_each_engine_and_replays(
+    served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same cycle through ``CheckedEngine(AsyncLLMAdapter)``: two table ranks, each with the front-end's
+    count of its own requests (the DP client's routing table), and a trace ``weightsync replay`` accepts."""
+    s = served
+    trace = tmp_path / "dp2.jsonl"
+    eng = CheckedEngine(AsyncLLMAdapter(s.llm, s.loop, timeout_s=120), trace_path=trace)
+    assert eng.dp_size == 2
+    tr = s.connect(client=CheckedWeightSyncClient(eng))
+    started: set[str] = set()
+
+    async def request(i: int, rank: int) -> Any:
+        sp = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+        last = None
+        rid = f"checked-{i}"
+        async for out in s.llm.generate(
+            {"prompt_token_ids": [1, 40 + i]}, sp, request_id=rid, data_parallel_rank=rank
+        ):
+            started.add(rid)
+            last = out
+        return last
+
+    futs = [asyncio.run_coroutine_threadsafe(request(i, r), s.loop) for i, r in enumerate([0, 1, 1])]
+    deadline = time.monotonic() + 60
+    while len(started) < len(futs) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    eng.pause(mode="keep")
+    s.hf.load_state_dict(perturbed_state(s.hf, seed=12, scale=0.5))
+    tr.send_weights(weight_version="step-2")
+    eng.resume()
+    outs = [f.result(180) for f in futs]
+    assert all(len(o.outputs[0].token_ids) == 150 for o in outs)
+    assert eng.get_weight_version() == "step-2" and eng.violations == []
+    pauses = [r for r in eng.engine.transitions if r.event == "pause"]
+    assert [(r.rank, r.args["running"]) for r in pauses] == [(0, 1), (1, 2)]
+    assert main(["replay", str(trace), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["traces"][0]
+    assert out["ranks"] == 2 and out["outcomes_checked"] == 2 and out["notes"] == [], out
+    assert_serves(s, s.hf)

@@ -6,7 +6,9 @@ Use :func:`checked_async_llm` (or :func:`checked_http`): every controller call (
 ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``, ``finish_weight_update``) is
 checked against the table of every DP rank before it reaches vLLM. vLLM has no gate of its own (reference
 ``vllm-0.32.md`` section 3 item 7: ``collective_rpc`` runs in any state; a ``start_weight_update`` while
-serving runs), so an illegal call -- ``update_weights`` while serving, ``start_weight_update`` twice -- raises
+serving runs, and so does a resume in the middle of an update; only the worker, once the call has crossed
+into the engine, refuses an ``update_weights`` outside a round and a second start, by its own flag), so an
+illegal call -- ``update_weights`` while serving, ``start_weight_update`` twice -- raises
 :class:`~weightsync.spec.errors.LocalProtocolError` in this process and no message leaves it for vLLM.
 :class:`CheckedWeightSyncClient` puts vLLM's ``VLLMWeightSyncClient`` protocol over the checked engine, so a
 trainer built by ``WeightTransferTrainerFactory.trainer_init(..., client=...)`` goes through the checks.
@@ -107,7 +109,7 @@ DONE_OF_KIND = {
     "weight_broadcast": RankEvent.WEIGHT_BROADCAST_DONE,
     "transfer_init": RankEvent.TRANSFER_INIT_DONE,
 }
-#: the vLLM calls each table call event stands for (what :class:`CallCounter`-style instruments see)
+#: the ``phase`` argument of ``transfer_failed`` for each weight call
 PHASE_OF = {
     RankEvent.INIT_TRANSFER: "init",
     RankEvent.START_UPDATE: "start",
@@ -122,7 +124,7 @@ UNKNOWN: Counts = (-1, -1)
 
 
 class VLLMCallError(RuntimeError):
-    """vLLM answered a call with an error (the HTTP server's status and body, or the engine's exception).
+    """``vllm serve`` answered a call with an error status (an ``AsyncLLM`` raises vLLM's own exception).
 
     Attributes:
         method: the vLLM call.
