@@ -1,5 +1,6 @@
 """Shared by the real-vLLM test modules: one ``AsyncLLM`` on its own event loop thread (the tiny local
-Llama, backend ``weightsync``), a trainer from vLLM's public factory, and the transformers references.
+Llama, or another local model such as the tiny Mixtral; backend ``weightsync``), a trainer from vLLM's
+public factory, and the transformers references.
 
 Import only after ``vllm_util.require_vllm()``.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import torch
@@ -32,12 +33,18 @@ BUFFER = 96 << 10  # several buckets for a 2.6 MB model
 class Served:
     """The module's engine on its own event loop thread, the trainer, and the weights the engine holds."""
 
-    def __init__(self, model_dir: str, dp: int = 1, max_model_len: int = 128) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        dp: int = 1,
+        max_model_len: int = 128,
+        builder: Callable[[str], Any] = build_tiny_llama,
+    ) -> None:
         self.dp = dp
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
         self.thread.start()
-        self.hf = build_tiny_llama(model_dir, seed=0)
+        self.hf = builder(model_dir)
         args = AsyncEngineArgs(
             model=model_dir,
             enforce_eager=True,
@@ -63,17 +70,12 @@ class Served:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def connect(self, **kw: Any) -> WeightsyncBroadcastTrainer:
-        """(Re)connect a trainer: vLLM's public factory, weightsync's init info."""
+        """(Re)connect a trainer: vLLM's public factory, weightsync's init info (``kw``: its fields)."""
         if self.trainer is not None:
             self.trainer.shutdown()
+        fields: dict[str, Any] = {"packed_buffer_size_bytes": BUFFER, "timeout_s": 60, **kw}
         info = WeightsyncTrainerInitInfo(
-            master_address="127.0.0.1",
-            master_port=free_port(),
-            world_size=1 + self.dp,
-            rank=0,
-            packed_buffer_size_bytes=BUFFER,
-            timeout_s=60,
-            **kw,
+            master_address="127.0.0.1", master_port=free_port(), world_size=1 + self.dp, rank=0, **fields
         )
         tr = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=ModuleSource(self.hf))
         assert isinstance(tr, WeightsyncBroadcastTrainer)
@@ -128,13 +130,15 @@ def hf_prompt_logprobs(model: Any, prompt: list[int]) -> list[float]:
     return [float(lp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
 
 
-def assert_serves(served: Served, model: Any) -> float:
-    """Greedy tokens equal, prompt logprobs within 1e-4; returns the max logprob difference."""
+def assert_serves(served: Served, model: Any, rank: int | None = None) -> float:
+    """Greedy tokens equal, prompt logprobs within 1e-4 (on DP rank ``rank``, or where vLLM routes the
+    requests); returns the max logprob difference."""
     worst = 0.0
     for p in PROBES:
-        assert served.greedy(p) == hf_greedy(model, p), p
+        assert served.greedy(p, rank) == hf_greedy(model, p), p
         diffs = [
-            abs(a - b) for a, b in zip(served.prompt_logprobs(p), hf_prompt_logprobs(model, p), strict=True)
+            abs(a - b)
+            for a, b in zip(served.prompt_logprobs(p, rank), hf_prompt_logprobs(model, p), strict=True)
         ]
         worst = max(worst, *diffs)
     assert worst <= 1e-4, worst
