@@ -103,6 +103,26 @@ class Served:
         out = self.run(self.generate(prompt, sp, rank))
         return [float(d[tok].logprob) for d, tok in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
 
+    def probe_all(self, ranks: list[int]) -> list[tuple[int, list[int], list[int], list[float]]]:
+        """Every probe on every DP rank of ``ranks``, all requests at once (one batch per rank: a MoE DP
+        engine steps its ranks in lockstep, so sequential probes cost a dummy step per token on the
+        other rank): ``(rank, prompt, greedy tokens, prompt logprobs)`` each."""
+        greedy = SamplingParams(max_tokens=N_TOKENS, temperature=0.0)
+        plp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        jobs = [(r, p) for r in ranks for p in PROBES]
+
+        async def every() -> list[Any]:
+            outs = [self.generate(p, sp, r) for r, p in jobs for sp in (greedy, plp)]
+            return list(await asyncio.gather(*outs))
+
+        outs = self.run(every())
+        res = []
+        for i, (r, p) in enumerate(jobs):
+            g, lp = outs[2 * i], outs[2 * i + 1]
+            lps = [float(d[tok].logprob) for d, tok in zip(lp.prompt_logprobs[1:], p[1:], strict=True)]
+            res.append((r, p, list(g.outputs[0].token_ids), lps))
+        return res
+
     def version(self) -> str:
         return str(self.run(self.llm.get_weight_version()))
 
@@ -141,5 +161,15 @@ def assert_serves(served: Served, model: Any, rank: int | None = None) -> float:
             for a, b in zip(served.prompt_logprobs(p, rank), hf_prompt_logprobs(model, p), strict=True)
         ]
         worst = max(worst, *diffs)
+    assert worst <= 1e-4, worst
+    return worst
+
+
+def assert_serves_on(served: Served, model: Any, ranks: list[int]) -> float:
+    """:func:`assert_serves` on each DP rank of ``ranks``, all probes at once (:meth:`Served.probe_all`)."""
+    worst = 0.0
+    for r, p, tokens, lps in served.probe_all(ranks):
+        assert tokens == hf_greedy(model, p), (r, p)
+        worst = max(worst, *(abs(a - b) for a, b in zip(lps, hf_prompt_logprobs(model, p), strict=True)))
     assert worst <= 1e-4, worst
     return worst
