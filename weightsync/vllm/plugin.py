@@ -6,6 +6,9 @@ the DP coordinator loads none), and possibly several times per process, so :func
 idempotent: vLLM's factories raise ``ValueError`` on a duplicate name
 (``vllm/distributed/weight_transfer/factory.py:63``), so a name already registered is checked to be ours
 and left alone. Registration is by module path (vLLM imports the backend class lazily, on first use).
+
+It also supplies, on vLLM 0.32.x only, the two collectives the CPU communicator lacks (MoE with data
+parallelism > 1 needs them: :mod:`weightsync.vllm.cpu_collectives`), since the plugin runs in every worker.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def _register_one(factory: Any, name: str, module: str, cls_name: str) -> None:
 
 def register() -> None:
     """Register ``weightsync`` and ``weightsync_ipc`` in ``WeightTransferEngineFactory`` and
-    ``WeightTransferTrainerFactory``; calling it again is a no-op.
+    ``WeightTransferTrainerFactory``, and install the CPU communicator's missing collectives where this
+    vLLM lacks them (:func:`weightsync.vllm.cpu_collectives.install`); calling it again is a no-op.
 
     Raises:
         RuntimeError: another package already registered one of these names with its own class.
@@ -59,9 +63,12 @@ def register() -> None:
         WeightTransferTrainerFactory,
     )
 
+    from weightsync.vllm import cpu_collectives
+
     for name, (emod, ecls, tmod, tcls) in _BACKENDS.items():
         _register_one(WeightTransferEngineFactory, name, emod, ecls)
         _register_one(WeightTransferTrainerFactory, name, tmod, tcls)
+    cpu_collectives.install()
 
 
 __all__ = ["register"]

@@ -18,6 +18,18 @@ Two gaps, which weightsync closes:
    their buffered tensors, and the next ``initialize_layerwise_reload`` skips them (``layerwise.py:105``),
    replaying the stale buffers. :func:`abandon_layerwise_reload` puts every pending layer's kernel tensors
    back (their last complete values) and clears its state.
+3. **Fused-MoE experts left in checkpoint layout (vLLM 0.32).** On a reload,
+   ``UnquantizedFusedMoEMethod._setup_kernel`` sees ``moe_kernel`` already built (``is_weight_update``,
+   ``model_executor/layers/fused_moe/unquantized_fused_moe_method.py:187``) and skips
+   ``self.moe_kernel.fused_experts.process_weights_after_loading(layer)`` (``:191-203``), where the CPU
+   experts prepack ``w13_weight`` / ``w2_weight`` into their grouped-GEMM layout
+   (``fused_moe/experts/cpu_moe.py:208-217``, ``cpu_prepack_moe_weight``: same shape, other layout). The
+   layer's kernel tensors then receive the checkpoint layout (``layerwise.py:425``) and every MoE forward
+   after any update, even of identical weights, computes with scrambled experts (greedy tokens and
+   prompt logprobs change; ``tests/test_vllm_moe.py`` measures it through vLLM's own
+   ``reload_weights``). :func:`reprocess_fused_moe` re-runs that skipped step after
+   ``finalize_layerwise_reload``, in place (the tensors keep their storage, as vLLM's reload does for CUDA
+   graphs). :func:`moe_reload_fix_applies` says where it is needed: vLLM 0.32.x on CPU.
 """
 
 from __future__ import annotations
@@ -89,4 +101,76 @@ def reload_pending(model: torch.nn.Module) -> bool:
     return any((i := _info(layer)) is not None and i.can_load() for layer in model.modules())
 
 
-__all__ = ["abandon_layerwise_reload", "incomplete_parameters", "reload_pending"]
+#: vLLM releases whose ``_setup_kernel`` skips the experts' processing on a weight update (fix 3).
+MOE_RELOAD_BUG_VERSIONS = ("0.32.",)
+
+
+def fused_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of ``model`` run by vLLM's unquantized fused-MoE method with its kernel built (so a
+    reload takes the ``is_weight_update`` branch of ``_setup_kernel``)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    return [
+        layer
+        for layer in model.modules()
+        if isinstance(m := getattr(layer, "quant_method", None), UnquantizedFusedMoEMethod)
+        and getattr(m, "moe_kernel", None) is not None
+    ]
+
+
+def moe_reload_fix_applies(device: torch.device, requested: bool | None = None) -> bool:
+    """Whether :func:`reprocess_fused_moe` runs after a reload: ``requested`` when it is a bool (the
+    ``moe_reload_fix`` init option), else (auto) on a CPU device under a vLLM of
+    :data:`MOE_RELOAD_BUG_VERSIONS` (read from its source; on other devices and versions the skipped
+    step is left to vLLM)."""
+    if requested is not None:
+        return requested
+    import vllm
+
+    version = str(getattr(vllm, "__version__", ""))
+    return device.type == "cpu" and version.startswith(MOE_RELOAD_BUG_VERSIONS)
+
+
+def moe_layers_reprocessable(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Of ``layers``, those whose weights the open reload will process (call before
+    ``finalize_layerwise_reload``): a layer still pending with nothing loaded gets its old kernel
+    tensors back (``layerwise.py:256-267``), already in kernel layout, and must not be processed again."""
+    out = []
+    for layer in layers:
+        info = _info(layer)
+        if info is not None and info.can_load() and int(info.load_numel) <= 0:
+            continue
+        out.append(layer)
+    return out
+
+
+@torch.no_grad()
+def reprocess_fused_moe(layers: list[torch.nn.Module]) -> int:
+    """Re-run the fused-MoE experts' ``process_weights_after_loading`` that vLLM 0.32 skips on a weight
+    update (fix 3) on each of ``layers`` (just reloaded, so in checkpoint layout), keeping every
+    parameter's storage: a replaced parameter of the same shape, dtype and device is copied back into
+    the old one. Returns the number of layers processed."""
+    for layer in layers:
+        method: Any = layer.quant_method
+        before = dict(layer._parameters)
+        method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+        for name, new in list(layer._parameters.items()):
+            old = before.get(name)
+            if old is None or new is None or new is old:
+                continue
+            if old.shape == new.shape and old.dtype == new.dtype and old.device == new.device:
+                old.data.copy_(new.data)
+                layer._parameters[name] = old
+    return len(layers)
+
+
+__all__ = [
+    "MOE_RELOAD_BUG_VERSIONS",
+    "abandon_layerwise_reload",
+    "fused_moe_layers",
+    "incomplete_parameters",
+    "moe_layers_reprocessable",
+    "moe_reload_fix_applies",
+    "reload_pending",
+    "reprocess_fused_moe",
+]

@@ -72,8 +72,9 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
         world_size: trainer + every worker of every DP replica.
         packed, packed_buffer_size_bytes, packed_num_buffers: the wire parameters (trainer defaults, as
             vLLM's: packed, 1 GiB, 2).
-        timeout_s, verify, layout, group_backend: as :class:`~weightsync.vllm.engine.WeightsyncInitInfo`
-            (``layout=None``: the backend's default, ``"vllm"`` here).
+        timeout_s, verify, layout, group_backend, moe_reload_fix: as
+            :class:`~weightsync.vllm.engine.WeightsyncInitInfo` (``layout=None``: the backend's default,
+            ``"vllm"`` here).
 
     Raises:
         ValueError: a field the workers would reject.
@@ -91,6 +92,7 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
     verify: bool = False
     layout: str | None = None
     group_backend: str = "auto"
+    moe_reload_fix: bool | None = None
 
     def __post_init__(self) -> None:
         WeightsyncInitInfo(**self.worker_payload())
@@ -107,7 +109,7 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
             "packed_buffer_size_bytes": self.packed_buffer_size_bytes,
             "packed_num_buffers": self.packed_num_buffers,
         }
-        for key in ("timeout_s", "verify", "group_backend"):
+        for key in ("timeout_s", "verify", "group_backend", "moe_reload_fix"):
             if getattr(self, key) != INIT_EXTRAS[key]:
                 d[key] = getattr(self, key)
         if self.layout is not None:
