@@ -116,7 +116,15 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_variants_lists_all(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["variants", "--json"]) == 0
     names = {v["name"] for v in json.loads(capsys.readouterr().out)["variants"]}
-    assert names == {"two-phase-epoch", "two-phase", "front-end-pause", "idle-fast-path", "ignore-wave"}
+    assert names == {
+        "two-phase-epoch",
+        "two-phase",
+        "front-end-pause",
+        "idle-fast-path",
+        "ignore-wave",
+        "vllm-0.32",
+        "vllm-0.32-epoch",
+    }
 
 
 def test_symmetry_canon_is_sound_and_reduces() -> None:
@@ -151,3 +159,63 @@ def test_state_graph_graphml(tmp_path: Path) -> None:
     assert g.number_of_nodes() > 10 and g.number_of_edges() >= g.number_of_nodes() - 1
     nx.write_graphml(g, tmp_path / "g.graphml")
     assert (tmp_path / "g.graphml").stat().st_size > 0
+
+
+def test_vllm_032_resume_time_race_n2(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM 0.32 as shipped: the resume-time race is still there (reference vllm-0.32.md s3.5)."""
+    code = main(["check", "--variant", "vllm-0.32", "--ranks", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and out["verdict"] == "counterexample"
+    assert out["seconds"] < 60
+    cx = out["counterexample"]
+    assert cx["property"] == "no_one_sided_collective"
+    text = "\n".join(cx["steps"])
+    assert "(wave_dropped: verified->verified)" in text  # the wake-up one rank drops while verified ...
+    assert "complete resume_barrier(max_unfinished=0, max_wave=1)" in text  # ... the resume does not re-base
+    assert "(wave_for_me_not_ignoring: running->running" in text  # ... and its peer takes after the resume
+    assert "k1_step_sync" in text  # vLLM 0.32 syncs at the wave's first step
+    assert cx["steps"][-1].endswith("blocked: rank 0 in dp_sync; rank 0 running, rank 1 running")
+    model = Model(Config("vllm-0.32", 2, PauseMode(cx["mode"])))
+    states, bad = replay_labels(model, cx["labels"])
+    assert bad is None and model.terminal_check(states[-1]) == ["no_one_sided_collective"]
+
+
+def test_vllm_032_second_pause_during_update_mismatches_collectives() -> None:
+    out = check("vllm-0.32", 2, bounds=Bounds(requests=0, pause_during_update=True))
+    cx = out["counterexample"]
+    assert cx["property"] == "collectives_match"
+    text = "\n".join(cx["steps"])
+    assert "pause_abort: verified->paused" in text  # a second pause re-enters phase 1 (core.py:2216-2231)
+    assert "worker_active: paused->paused; enters weight_broadcast" in text  # no engine gate on the update
+    assert "dp_sync, rank 1 in weight_broadcast" in cx["steps"][-1]
+
+
+def test_vllm_032_resume_during_update_serves_partial_weights() -> None:
+    out = check("vllm-0.32", 2, mode="keep", bounds=Bounds(resume_during_update=True))
+    assert out["properties"]["no_partial_serving"] == "violated"
+    assert out["properties"]["collectives_match"] == "violated"
+    assert out["violations"]["keep"]["no_partial_serving"] == 17
+
+
+@pytest.mark.parametrize("channels", ["per-socket", "one-api-server"])
+def test_vllm_032_epoch_n2_verifies(channels: str) -> None:
+    out = check("vllm-0.32-epoch", 2, channels=channels)
+    assert out["verdict"] == "verified" and _all_hold(out), out["properties"]
+
+
+def test_vllm_032_epoch_refuses_a_second_pause_during_an_update() -> None:
+    out = check("vllm-0.32-epoch", 2, mode="keep", bounds=Bounds(requests=0, pause_during_update=True))
+    props = dict(out["properties"])
+    assert props.pop("sometimes_update_with_wave_in_flight") == "violated"  # no request, so no wave: vacuous
+    assert set(props.values()) == {"holds"}, props
+
+
+def test_one_api_server_channels_order_requests_and_calls() -> None:
+    m = Model(Config("vllm-0.32", 2, PauseMode.KEEP, "one-api-server"))
+    s = m.initial()
+    assert len(s.ranks[0].inq) == 2  # ADD/ABORT/utility calls, and START_DP_WAVE
+    (_, s1), *_ = [(lab, t) for lab, t in m.successors(s) if lab == ("send", 0)]
+    (_, s2), *_ = [(lab, t) for lab, t in m.successors(s1) if lab[0] == "fan"]
+    assert [msg[0] for msg in s2.ranks[0].inq[0]] == ["ADD", "U"]
+    with pytest.raises(ValueError, match="one-api-server"):
+        Model(Config("vllm-0.32", 2, PauseMode.KEEP, "bogus"))

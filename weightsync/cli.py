@@ -113,7 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--variant", default="two-phase-epoch")
     c.add_argument("--ranks", type=POSITIVE, default=2)
     c.add_argument("--mode", default="all", choices=["abort", "wait", "keep", "all"])
-    c.add_argument("--channels", default="per-socket", choices=["per-socket", "ordered"])
+    c.add_argument(
+        "--channels",
+        default="per-socket",
+        choices=["per-socket", "one-api-server", "ordered"],
+        help="per-socket: requests and utility calls unordered (two or more API servers); one-api-server: "
+        "ADD, ABORT and utility calls share one FIFO per engine; ordered: one FIFO per destination",
+    )
     c.add_argument("--requests", type=NON_NEGATIVE, default=1, help="bound on client requests")
     c.add_argument("--cycles", type=NON_NEGATIVE, default=1, help="bound on pause/update/resume cycles")
     c.add_argument("--sync-interval", type=POSITIVE, default=2, help="K: DP sync all-reduce every K steps")
@@ -133,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="weight-transfer failures the model may inject (init, start, update, finish)",
     )
+    c.add_argument(
+        "--pause-during-update",
+        action="store_true",
+        help="the controller may send a second pause once while a weight round is in flight",
+    )
+    c.add_argument(
+        "--resume-during-update",
+        action="store_true",
+        help="the controller may send resume once while a weight round is in flight",
+    )
     c.add_argument("--tokens", type=POSITIVE, default=2, help="steps each request needs")
     c.add_argument(
         "--init-transfer", action="store_true", help="the controller calls init_weight_transfer_engine once"
@@ -145,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--variant", default="two-phase-epoch")
     e.add_argument("--ranks", type=POSITIVE, default=2)
     e.add_argument("--mode", default="keep", choices=["abort", "wait", "keep"])
-    e.add_argument("--channels", default="per-socket", choices=["per-socket", "ordered"])
+    e.add_argument("--channels", default="per-socket", choices=["per-socket", "one-api-server", "ordered"])
     e.add_argument("--requests", type=NON_NEGATIVE, default=1)
 
     pr = add("prove", "regenerate proofs/ and spec/ (or, with --check, fail if they are stale)")
@@ -229,6 +245,8 @@ def _check(args: argparse.Namespace) -> int:
         stray_resume=args.stray_resume,
         repeat_resume=args.repeat_resume,
         failures=args.failures,
+        pause_during_update=args.pause_during_update,
+        resume_during_update=args.resume_during_update,
     )
     out = check(
         args.variant,

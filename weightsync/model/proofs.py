@@ -40,6 +40,28 @@ EXTRA_PROOFS: tuple[tuple[str, str, str, int, Bounds, str], ...] = (
     ("failures", "two-phase-epoch", "per-socket", 2, Bounds(failures=1, init_transfer=True), "verified"),
     ("stray-resume", "two-phase", "per-socket", 2, Bounds(stray_resume=True), "counterexample"),
     ("client-abort", "two-phase-epoch", "per-socket", 2, Bounds(client_aborts=1), "verified"),
+    # vLLM 0.32 (issue 10): one API server (requests and utility calls on one FIFO per engine), orchestrator
+    # inputs beyond the default bounds, and the fix under them.
+    ("one-api-server", "vllm-0.32", "one-api-server", 2, Bounds(), "counterexample"),
+    ("one-api-server", "vllm-0.32-epoch", "one-api-server", 2, Bounds(), "verified"),
+    ("pause-during-update", "vllm-0.32", "per-socket", 2, Bounds(pause_during_update=True), "counterexample"),
+    (
+        "resume-during-update",
+        "vllm-0.32",
+        "per-socket",
+        2,
+        Bounds(resume_during_update=True),
+        "counterexample",
+    ),
+    ("pause-during-update", "vllm-0.32-epoch", "per-socket", 2, Bounds(pause_during_update=True), "verified"),
+    (
+        "resume-during-update",
+        "vllm-0.32-epoch",
+        "per-socket",
+        2,
+        Bounds(resume_during_update=True),
+        "verified",
+    ),
 )
 
 

@@ -24,8 +24,12 @@ Processes (reference sections 1, 5, 6):
 
 Channels: ``per-socket`` (default): one FIFO per (source, destination, socket) -- front-end->rank (ADD),
 controller->rank (utility calls), coordinator->rank (START_DP_WAVE), rank->coordinator, front-end->
-coordinator -- mutually unordered, and fan-outs reach ranks one at a time in any order. ``ordered``: one
-FIFO per destination for everything sent to it, and atomic fan-outs.
+coordinator -- mutually unordered, and fan-outs reach ranks one at a time in any order (two or more API
+servers: requests and utility calls come from different processes). ``one-api-server``: ADD, ABORT and
+utility calls share one FIFO per rank (vLLM 0.32 with one API server: one ROUTER socket per engine,
+``v1/engine/core_client.py:1250-1257``), START_DP_WAVE from the coordinator comes on another (the engine's
+input thread polls both sockets, ``v1/engine/core.py:1831-1931``), the coordinator's inputs as under
+per-socket. ``ordered``: one FIFO per destination for everything sent to it, and atomic fan-outs.
 
 The global state is a plain tuple (see :class:`G`); everything in it is hashable.
 """
@@ -84,6 +88,7 @@ RETRY = -1
 #: Rank effects that are worker operations that may fail (when Bounds.failures allows one).
 FAILABLE_EFFECTS = frozenset({"start_weight_update", "finish_weight_update"})
 _REPLIES = frozenset({"reply", "reply_resume"})
+_IMMEDIATE_REPLIES = frozenset({"reply", "reply_pause", "reply_resume", "refuse", "reply_failure"})
 FAIL_PHASE = {
     "start_weight_update": "start",
     "finish_weight_update": "finish",
@@ -93,6 +98,13 @@ FAIL_PHASE = {
 
 # Per-socket rank input FIFOs.
 F_ADD, F_CTRL, F_WAVE = 0, 1, 2
+#: Channel semantics -> (number of rank input FIFOs, FIFO of ADD/ABORT, of utility calls, of START_DP_WAVE).
+CHANNEL_FIFOS: dict[str, tuple[int, int, int, int]] = {
+    "per-socket": (3, F_ADD, F_CTRL, F_WAVE),
+    "one-api-server": (2, 0, 0, 1),
+    "ordered": (1, 0, 0, 0),
+}
+CHANNELS = tuple(CHANNEL_FIFOS)
 
 DONE_EVENT = {
     "dp_step": RankEvent.DP_STEP_DONE,
@@ -112,7 +124,8 @@ class Bounds(NamedTuple):
     Attributes:
         requests: client requests in total (R).
         cycles: pause/update/resume cycles the controller may run (C).
-        sync_interval: K, the DP sync all-reduce every K steps (vLLM: 32, PR #21617).
+        sync_interval: K, the DP sync all-reduce every K steps (PR #21617: 32; vLLM 0.32: 16,
+            ``config/parallel.py:162``; the vllm-0.32 tables also sync at the first step of every wave).
         tokens: steps each request needs to finish (>= 2 lets keep mode freeze a request mid-generation).
         clear_cache: the pause's ``clear_cache`` argument (vLLM default True).
         client_aborts: client ABORTs the front-end may send (each for one request it sent, to the rank it
@@ -130,6 +143,12 @@ class Bounds(NamedTuple):
             ``start_weight_update`` / ``finish_weight_update`` that raises on one rank. A transfer collective
             that a failed rank will never join times out on each member (no bound). The controller then
             re-initialises (after a failed init) and runs a new round before it resumes.
+        pause_during_update: the controller may send a second ``pause`` to every rank once while a round is in
+            flight (phase start, update or finish: a second controller, or a defensive re-pause); its
+            replies are not counted.
+        resume_during_update: the controller may send ``resume`` to every rank once while a round is in flight
+            (an orchestrator's timeout or ``finally`` path racing its own update); its replies are not
+            counted, and the round then carries on.
     """
 
     requests: int = 1
@@ -142,6 +161,8 @@ class Bounds(NamedTuple):
     stray_resume: bool = False
     repeat_resume: bool = False
     failures: int = 0
+    pause_during_update: bool = False
+    resume_during_update: bool = False
 
 
 class Config(NamedTuple):
@@ -171,6 +192,9 @@ class Rank(NamedTuple):
             the table's ``start_weight_update`` / ``finish_weight_update`` / ``enter_weight_broadcast`` /
             ``enter_transfer_init`` effects.
 
+        owed: (variants with ``untracked_replies``) the deferred replies the rank owes to untracked calls it
+            received: bit 1 a pause, bit 2 a resume (see :meth:`Model._reply_status`).
+
     ``running`` entries are ``(request, tokens_left, kv_version)``: the weight version under which the
     request's KV was computed (set when it is scheduled from ``waiting``).
     """
@@ -184,11 +208,16 @@ class Rank(NamedTuple):
     status: int
     pz: int
     worker: WorkerVars
+    owed: int = 0
 
 
 #: ``(phase, cycles_started, update_rounds, transfer_initialised, stray_used, repeat_used, failures_used,
-#: recovering)``, see :class:`G`.
-Ctrl = tuple[int, int, int, bool, bool, bool, int, bool]
+#: recovering, extra_used)``, see :class:`G`.
+Ctrl = tuple[int, int, int, bool, bool, bool, int, bool, int]
+#: ``extra_used`` bits: the second pause and the resume during an update (Bounds flags) were sent.
+X_PAUSE, X_RESUME = 1, 2
+#: ``Rank.owed`` bits.
+OWE_PAUSE, OWE_RESUME = 1, 2
 
 
 class G(NamedTuple):
@@ -202,9 +231,9 @@ class G(NamedTuple):
         front: ``(believed_wave, believed_running, next_request, gated, client_aborted)`` (the requests
             the client aborted, sorted).
         ctrl: ``(phase, cycles_started, update_rounds, transfer_initialised, stray_resume_used,
-            repeat_resume_used, failures_used, recovering)``; ``update_rounds`` counts successful rounds
-            (a finish_weight_update fan-out every rank answered without error); ``recovering``: a
-            round failed and no round has succeeded since.
+            repeat_resume_used, failures_used, recovering, extra_used)``; ``update_rounds`` counts successful
+            rounds (a finish_weight_update fan-out every rank answered without error); ``recovering``: a
+            round failed and no round has succeeded since; ``extra_used``: bits X_PAUSE / X_RESUME.
         trainer: ``(blocked, status)``.
         done: finished requests (sorted).
         aborted: aborted requests (sorted).
@@ -243,8 +272,8 @@ class Model:
     ) -> None:
         if config.ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {config.ranks}")
-        if config.channels not in ("per-socket", "ordered"):
-            raise ValueError(f"channels must be 'per-socket' or 'ordered', got {config.channels!r}")
+        if config.channels not in CHANNEL_FIFOS:
+            raise ValueError(f"channels must be one of {', '.join(CHANNELS)}, got {config.channels!r}")
         b = config.bounds
         if b.sync_interval < 1 or b.tokens < 1 or b.requests < 0 or b.cycles < 0:
             raise ValueError(f"bad bounds {b}")
@@ -255,6 +284,7 @@ class Model:
         self.updates = updates if updates is not None else UPDATES
         self.n = config.ranks
         self.ordered = config.channels == "ordered"
+        self.nq, self.f_add, self.f_ctrl, self.f_wave = CHANNEL_FIFOS[config.channels]
         self.mode = PauseMode(config.mode)
         self.K = b.sync_interval
         self.T = b.tokens
@@ -266,6 +296,10 @@ class Model:
         self.stray_resume = b.stray_resume
         self.repeat_resume = b.repeat_resume
         self.failures = b.failures
+        self.pause_during_update = b.pause_during_update
+        self.resume_during_update = b.resume_during_update
+        self.track_owed = self.variant.untracked_replies
+        self.worker_args = self.variant.worker_flags_decide
         if b.failures < 0:
             raise ValueError(f"bad bounds {b}: failures must be >= 0")
         self._cache: dict[tuple[Any, ...], tuple[Transition | None, RankVars]] = {}
@@ -278,15 +312,14 @@ class Model:
 
     def initial(self) -> G:
         """Every rank running and idle, wave 0, no messages, controller idle, no request sent."""
-        nq = 1 if self.ordered else 3
         wk = WorkerVars(WorkerState.READY, initialized=not self.init_transfer)
-        r = Rank(RankVars(), "", (), (), ((),) * nq, (), NOT_SENT, 0, wk)
+        r = Rank(RankVars(), "", (), (), ((),) * self.nq, (), NOT_SENT, 0, wk)
         return G(
             (r,) * self.n,
             ((),),
             (0, False),
             (0, False, 0, False, ()),
-            (IDLE, 0, 0, not self.init_transfer, False, False, 0, False),
+            (IDLE, 0, 0, not self.init_transfer, False, False, 0, False, 0),
             ("", NOT_SENT),
             (),
             (),
@@ -347,7 +380,10 @@ class Model:
                         s.ctrl[6] < self.failures
                         and q[0][0] == "U"
                         and q[0][1] in ("start_weight_update", "finish_weight_update")
-                        and rk.vars.state in (RankState.VERIFIED, RankState.FAILED, RankState.UPDATING)
+                        and (
+                            self.worker_args
+                            or rk.vars.state in (RankState.VERIFIED, RankState.FAILED, RankState.UPDATING)
+                        )
                     ):
                         out.append((("recv", i, f, "fail"), self._recv(s, i, f, fail=True)))
             t = self._step(s, i)
@@ -402,7 +438,7 @@ class Model:
         for i in range(self.n):
             while True:
                 rk = (w.ranks if w is not None else s.ranks)[i]
-                f = 0 if self.ordered else F_CTRL
+                f = self.f_ctrl
                 q = rk.inq[f]
                 if rk.blocked or not q or q[0][0] != "U" or q[0][1] != "resume":
                     break
@@ -465,7 +501,7 @@ class Model:
         q = rk.inq[f]
         msg = q[0]
         inq = (*rk.inq[:f], q[1:], *rk.inq[f + 1 :])
-        rk = Rank(rk[0], rk[1], rk[2], rk[3], inq, rk[5], rk[6], rk[7], rk[8])
+        rk = Rank(rk[0], rk[1], rk[2], rk[3], inq, rk[5], rk[6], rk[7], rk[8], rk[9])
         kind = msg[0]
         if kind == "ADD":
             return self._rank_event(s, i, rk, RankEvent.ADD, (("wave", msg[2]),), req=msg[1])
@@ -477,18 +513,43 @@ class Model:
             )
         call = msg[1]
         ev = CALL_EVENT[call]
-        if ev is RankEvent.PAUSE:
-            extra: tuple[tuple[str, Any], ...] = (
-                ("clear_cache", self.clear),
-                ("mode", self.mode),
-                ("running", len(rk.running)),
-            )
+        extra = self.call_extra(rk, ev)
+        untracked = msg[2] == RETRY
+        if self.track_owed:
+            rk = self._owe(i, rk, ev, extra, untracked)
+        elif ev is RankEvent.PAUSE:
             rk = rk._replace(pz=1)
+        elif ev is RankEvent.RESUME:
+            rk = rk._replace(pz=0)
+        return self._rank_event(s, i, rk, ev, extra, fail=fail, untracked=untracked, arg=msg[2])
+
+    def call_extra(self, rk: Rank, ev: RankEvent) -> tuple[tuple[str, Any], ...]:
+        """The event arguments of a controller call ``ev`` received by a rank whose slice is ``rk``."""
+        if ev is RankEvent.PAUSE:
+            return (("clear_cache", self.clear), ("mode", self.mode), ("running", len(rk.running)))
+        if self.worker_args and ev is not RankEvent.RESUME:
+            return (("worker", rk.worker.state.value), ("worker_initialized", rk.worker.initialized))
+        return ()
+
+    def _owe(
+        self, i: int, rk: Rank, ev: RankEvent, extra: tuple[tuple[str, Any], ...], untracked: bool
+    ) -> Rank:
+        """(``untracked_replies``) The pause ghost and the owed replies when rank ``i`` receives a controller
+        call: a refused call changes neither; an accepted pause starts the pause ghost (an untracked one
+        keeps a pause already in effect), an accepted resume ends it; an untracked pause or resume whose
+        reply is deferred (to the pause's completion, or the resume barrier's) is owed."""
+        if ev not in (RankEvent.PAUSE, RankEvent.RESUME):
+            return rk
+        tr, _ = self.fire(i, rk.vars, ev, extra)
+        if tr is None or "refuse" in tr.effects:
+            return rk
+        if ev is RankEvent.PAUSE:
+            rk = rk._replace(pz=1 if not untracked or rk.pz == 0 else rk.pz)
         else:
-            extra = ()
-            if ev is RankEvent.RESUME:
-                rk = rk._replace(pz=0)
-        return self._rank_event(s, i, rk, ev, extra, fail=fail, untracked=msg[2] == RETRY, arg=msg[2])
+            rk = rk._replace(pz=0)
+        if untracked and not _IMMEDIATE_REPLIES & set(tr.effects):
+            rk = rk._replace(owed=rk.owed | (OWE_PAUSE if ev is RankEvent.PAUSE else OWE_RESUME))
+        return rk
 
     def _step(self, s: G, i: int) -> G | None:
         rk = s.ranks[i]
@@ -518,7 +579,7 @@ class Model:
         ``arg``: the controller message's argument (the version a finish carries)."""
         before = rk.vars
         tr, after = self.fire(i, before, event, extra)
-        rk = Rank(after, rk[1], rk[2], rk[3], rk[4], rk[5], rk[6], rk[7], rk[8])
+        rk = Rank(after, rk[1], rk[2], rk[3], rk[4], rk[5], rk[6], rk[7], rk[8], rk[9])
         if tr is None or not tr.effects:
             ranks = (*s.ranks[:i], rk, *s.ranks[i + 1 :])
             return G(ranks, s[1], s[2], s[3], s[4], s[5], s[6], s[7])
@@ -530,7 +591,7 @@ class Model:
             if eff in FAILABLE_EFFECTS:
                 if fail:
                     c = w.ctrl
-                    w.ctrl = (c[0], c[1], c[2], c[3], c[4], c[5], c[6] + 1, c[7])
+                    w.ctrl = (c[0], c[1], c[2], c[3], c[4], c[5], c[6] + 1, c[7], c[8])
                     self._nested(w, i, RankEvent.TRANSFER_FAILED, (("phase", FAIL_PHASE[eff]),))
                     break
                 if eff == "finish_weight_update":
@@ -565,7 +626,13 @@ class Model:
             w.ranks[i] = rk
         elif eff in ("reply", "reply_pause", "reply_resume"):
             pz = 2 if eff == "reply_pause" and rk.pz == 1 else rk.pz
-            status = rk.status if w.untracked else (REPLIED if rk.status == SENT else SPURIOUS)
+            if w.untracked:
+                status = rk.status
+            elif self.track_owed and eff != "reply":
+                rk = self._owed_reply(w, rk, eff)
+                status = rk.status
+            else:
+                status = REPLIED if rk.status == SENT else SPURIOUS
             w.ranks[i] = rk._replace(status=status, pz=pz)
         elif eff in ("reply_failure", "refuse"):
             if not w.untracked:
@@ -594,6 +661,24 @@ class Model:
             w.front = (w.front[0], w.front[1], w.front[2], False, w.front[4])
         else:  # pragma: no cover - a table naming an effect the model does not know
             raise ValueError(f"unknown effect {eff!r}")
+
+    def _owed_reply(self, w: _Work, rk: Rank, eff: str) -> Rank:
+        """(``untracked_replies``) A deferred pause or resume reply. A resume barrier belongs to the resume
+        that started it: an owed untracked one (a rank takes one resume at a time), else the tracked one. A
+        pause's completion resolves every pause the rank took: the owed untracked one, and the tracked one
+        if the controller's pause reached the rank (not still queued)."""
+        if eff == "reply_resume":
+            if rk.owed & OWE_RESUME:
+                return rk._replace(owed=rk.owed & ~OWE_RESUME)
+            return rk._replace(status=REPLIED if rk.status == SENT else SPURIOUS)
+        tracked = (
+            rk.status == SENT
+            and w.ctrl[0] == PAUSE
+            and not any(m[0] == "U" and m[1] == "pause" and m[2] != RETRY for m in rk.inq[self.f_ctrl])
+        )
+        if rk.owed & OWE_PAUSE:
+            return rk._replace(owed=rk.owed & ~OWE_PAUSE, status=REPLIED if tracked else rk.status)
+        return rk._replace(status=REPLIED if rk.status == SENT else SPURIOUS)
 
     def _to_coord(self, w: _Work, i: int, msg: tuple[Any, ...]) -> None:
         if self.ordered:
@@ -633,7 +718,7 @@ class Model:
             w.trainer = ("", (FAILED_REPLY if fail else REPLIED) if w.trainer[1] == SENT else SPURIOUS)
         if fail:
             c = w.ctrl
-            w.ctrl = (c[0], c[1], c[2], c[3], c[4], c[5], c[6] + 1, c[7])
+            w.ctrl = (c[0], c[1], c[2], c[3], c[4], c[5], c[6] + 1, c[7], c[8])
         return w.freeze()
 
     # -- coordinator (vLLM DPCoordinator, reference section 5)
@@ -652,8 +737,8 @@ class Model:
         kind = msg[0]
         if kind == "FIRST_REQ":
             exclude, mw = msg[1], msg[2]
-            if mw < wave or not self.variant.first_req_excludes:
-                exclude = -1
+            if mw < wave or not self.variant.first_req_exclusion:
+                exclude = -1  # vLLM 0.32: bytes identity vs int index, never equal (core.py:2288)
             if not running:
                 if (
                     self.variant.coordinator_latches
@@ -670,7 +755,7 @@ class Model:
         return w.freeze()
 
     def _broadcast(self, w: _Work, wave: int, exclude: int) -> None:
-        f = 0 if self.ordered else F_WAVE
+        f = self.f_wave
         for i in range(self.n):
             rk = w.ranks[i]
             q = rk.inq[f]
@@ -681,7 +766,7 @@ class Model:
     def _send_request(self, s: G, i: int) -> G:
         bw, brun, nxt, gated, cab = s.front
         w = _Work(s)
-        f = 0 if self.ordered else F_ADD
+        f = self.f_add
         rk = w.ranks[i]
         w.ranks[i] = rk._replace(inq=(*rk.inq[:f], (*rk.inq[f], ("ADD", nxt, bw)), *rk.inq[f + 1 :]))
         if not brun:
@@ -703,7 +788,7 @@ class Model:
     def _send_abort(self, s: G, i: int, r: int) -> G:
         """The client aborts request ``r``: the front-end sends ABORT(r) on rank ``i``'s input socket."""
         w = _Work(s)
-        f = 0 if self.ordered else F_ADD
+        f = self.f_add
         rk = w.ranks[i]
         w.ranks[i] = rk._replace(inq=(*rk.inq[:f], (*rk.inq[f], ("ABORT", r)), *rk.inq[f + 1 :]))
         bw, brun, nxt, gated, cab = s.front
@@ -731,7 +816,7 @@ class Model:
         -> resume. After a failed init it initialises again; after any other failure it carries the round
         through (a failed rank refuses the later calls) and then runs a new round with the same version
         before it resumes, so a resume never meets a failed rank."""
-        phase, started, rounds, inited, stray, repeat, fails, recovering = s.ctrl
+        phase, started, rounds, inited, stray, repeat, fails, recovering, xused = s.ctrl
         nexts: list[tuple[int, Ctrl]] = []
         done = self._all_replied(s, phase)
         failed = done and phase != IDLE and self._phase_failed(s)
@@ -749,6 +834,7 @@ class Model:
                     kw.get("repeat", repeat),
                     fails,
                     kw.get("recovering", rec),
+                    xused,
                 ),
             )
 
@@ -801,20 +887,29 @@ class Model:
             and not done
             and not self.variant.pause_in_front_end
         ):
-            ctrl3 = (phase, started, rounds, inited, stray, True, fails, recovering)
+            ctrl3 = (phase, started, rounds, inited, stray, True, fails, recovering, xused)
             out.append((("retry", PHASE_CALL[RESUME]), self._retry(s, ctrl3)))
+        # a second pause, or a resume, while a round is in flight (its replies are not counted)
+        if phase in (START, UPDATE, FINISH) and not self.variant.pause_in_front_end:
+            for flag, bit, call in (
+                (self.pause_during_update, X_PAUSE, "pause"),
+                (self.resume_during_update, X_RESUME, "resume"),
+            ):
+                if flag and not xused & bit:
+                    ctrl4 = (phase, started, rounds, inited, stray, repeat, fails, recovering, xused | bit)
+                    out.append((("extra", call), self._retry(s, ctrl4, call)))
 
-    def _retry(self, s: G, ctrl: Ctrl) -> G:
-        """Re-send resume to every rank (after each rank's first), untracked."""
+    def _retry(self, s: G, ctrl: Ctrl, call: str = "resume") -> G:
+        """Send ``call`` to every rank (behind whatever each rank's controller FIFO holds), untracked."""
         w = _Work(s)
         w.ctrl = ctrl
         w.untracked = True
-        f = 0 if self.ordered else F_CTRL
+        f = self.f_ctrl
         for i in range(self.n):
-            if not self._deliver_now(w, i, "resume"):
+            if not self._deliver_now(w, i, call):
                 rk = w.ranks[i]
                 w.ranks[i] = rk._replace(
-                    inq=(*rk.inq[:f], (*rk.inq[f], ("U", "resume", RETRY)), *rk.inq[f + 1 :])
+                    inq=(*rk.inq[:f], (*rk.inq[f], ("U", call, RETRY)), *rk.inq[f + 1 :])
                 )
         w.untracked = False
         return w.freeze()
@@ -831,7 +926,7 @@ class Model:
         if call != "resume":
             return False
         rk = w.ranks[i]
-        if rk.blocked or (not queued and (any(rk.inq) if self.ordered else rk.inq[F_CTRL])):
+        if rk.blocked or (not queued and rk.inq[self.f_ctrl]):
             return False
         v = rk.vars
         rows = self.table.get((v.state, RankEvent.RESUME), ())
@@ -861,7 +956,7 @@ class Model:
         w = _Work(s)
         phase = ctrl[0]
         call = PHASE_CALL[phase]
-        f = 0 if self.ordered else F_CTRL
+        f = self.f_ctrl
         if new_phase:
             for i in range(self.n):
                 w.ranks[i] = w.ranks[i]._replace(status=NOT_SENT)
@@ -887,9 +982,7 @@ class Model:
         for i in range(self.n):
             rk = w.ranks[i]._replace(status=SENT, pz=1 if ev is RankEvent.PAUSE else 0)
             w.ranks[i] = rk
-            extra: tuple[tuple[str, Any], ...] = ()
-            if ev is RankEvent.PAUSE:
-                extra = (("clear_cache", self.clear), ("mode", self.mode), ("running", len(rk.running)))
+            extra = self.call_extra(rk, ev)
             before = rk.vars
             tr, after = self.fire(i, before, ev, extra)
             w.ranks[i] = rk._replace(vars=after)
@@ -1225,9 +1318,7 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
             ev, extra = RankEvent.START_DP_WAVE, (("exclude", m[2]), ("wave", m[1]))
         else:
             ev = CALL_EVENT[m[1]]
-            extra = ()
-            if ev is RankEvent.PAUSE:
-                extra = (("clear_cache", model.clear), ("mode", mode), ("running", len(s.ranks[i].running)))
+            extra = model.call_extra(s.ranks[i], ev)
         d = rank_detail(i, ev, extra)
         if t.ranks[i].blocked and not s.ranks[i].blocked:
             d += f"; enters {t.ranks[i].blocked}"
@@ -1327,6 +1418,22 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
         if t.trainer[0] == "transfer_init":
             return Step("trainer", "enters", "transfer_init", "trainer_init", "", ("trainer",))
         return Step("trainer", "enters", "weight_broadcast", "trainer_send_weights", "", ("trainer",))
+    if kind in ("retry", "extra"):
+        call = label[1]
+        msg = f"pause({mode.value})" if call == "pause" else call
+        why = "a retry while the first is outstanding" if kind == "retry" else "while a round is in flight"
+        return Step(
+            "controller",
+            "fans out",
+            f"{msg} to every rank again (untracked)",
+            why,
+            "controller",
+            tuple(f"rank {j}" for j in range(model.n)),
+        )
+    if kind == "timeout":
+        i, k = label[1], label[2]
+        who = "trainer" if i < 0 else f"rank {i}"
+        return Step(who, "times out of", k, "the collective can never complete", "", (who,))
     if kind == "abort":
         i, r = label[1], label[2]
         return Step(

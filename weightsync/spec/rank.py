@@ -6,8 +6,9 @@ one table per variant keyed by ``(RankState, RankEvent)``.
 
 Event arguments (``args``) used by the guards:
 
-- every event: ``rank`` (DP rank index), ``dp_size``, ``sync_interval`` (K; 32 in vLLM) -- injected by
-  :class:`RankMachine` or by the model checker;
+- every event: ``rank`` (DP rank index), ``dp_size``, ``sync_interval`` (K; 32 in PR #21617, 16 in vLLM
+  0.32) -- injected by :class:`RankMachine` or by the model checker;
+- weight-transfer calls in ``vllm-0.32``: ``worker`` (the worker machine's state) and ``worker_initialized``;
 - ``PAUSE``: ``mode`` (:class:`PauseMode`), ``clear_cache`` (bool), ``running`` (requests running on
   this rank now, i.e. what ``wait`` must drain);
 - ``ADD``: ``wave`` (the wave the front-end stamped on the request);
@@ -67,6 +68,12 @@ class RankVars(NamedTuple):
         wave_started: rank 0 has reported the current wave's start to the coordinator (vLLM's
             ``was_running`` edge, ``v1/engine/core.py:2394-2406``); set by the mirror rows only, cleared
             when the wave ends.
+        first_synced: the wave has taken its first step (vLLM 0.32's ``step_counter >= 1``; with
+            ``step_counter`` kept modulo K this keeps the cadence "step 1 plus every K" finite,
+            ``v1/engine/core.py:2410-2414``); used by the vllm-0.32 tables only.
+        was_running: rank 0's ``engines_running`` at the end of its last loop iteration, i.e. vLLM 0.32's
+            ``was_running`` sampled at the top of the next one (``v1/engine/core.py:2333``); used by the
+            vllm-0.32 tables only (and only on rank 0, the only rank that reads it).
     """
 
     state: RankState = RankState.RUNNING
@@ -80,6 +87,8 @@ class RankVars(NamedTuple):
     weight_version: int | str = 0
     clear_cache: bool = False
     wave_started: bool = False
+    first_synced: bool = False
+    was_running: bool = False
 
 
 Args = Mapping[str, Any]
@@ -149,6 +158,31 @@ def _first_step_rank0(v: RankVars, a: Args) -> bool:
     return int(a["rank"]) == 0 and not v.wave_started and not v.pending_pause
 
 
+def _k1_sync_step(v: RankVars, a: Args) -> bool:
+    """vLLM 0.32 ``v1/engine/core.py:2410-2414``: the step's sync runs at step_counter == 1 (the wave's
+    first step) and every ``dp_sync_interval`` steps (``step_counter`` is incremented first)."""
+    return not v.first_synced or _is_sync_step(v, a)
+
+
+def _k1_mirror(v: RankVars, a: Args, pending_after: bool) -> bool:
+    """vLLM 0.32 ``v1/engine/core.py:2394-2406``: rank 0, not ``was_running`` at the top of the iteration,
+    and no pause pending after the iteration's sync."""
+    return int(a["rank"]) == 0 and not v.was_running and not pending_after
+
+
+def _pending_after_sync(v: RankVars, a: Args) -> bool:
+    return v.pending_pause and not _consensus(a)
+
+
+def _resume_in_flight(v: RankVars, a: Args) -> bool:
+    """vLLM 0.32 ``v1/engine/core.py:2251``: pending_pause or (engines_running and ignore_start_dp_wave)."""
+    return v.pending_pause or (v.engines_running and v.ignore_start_dp_wave)
+
+
+def _worker(a: Args) -> str:
+    return str(a.get("worker", "ready"))
+
+
 def _drains_now(v: RankVars, a: Args) -> bool:
     return PauseMode(a["mode"]) is not PauseMode.WAIT or int(a["running"]) == 0
 
@@ -211,6 +245,27 @@ GUARDS: dict[str, Callable[[RankVars, Args], bool]] = {
     "not_first_step_rank0": lambda v, a: not _first_step_rank0(v, a),
     # versions
     "version_older": _version_older,
+    # vLLM 0.32 (variants vllm-0.32, vllm-0.32-epoch)
+    "k1_step_plain": lambda v, a: _works(v, a) and not _k1_sync_step(v, a),
+    "k1_step_sync": lambda v, a: _works(v, a) and _k1_sync_step(v, a),
+    "k1_mirror_after_step": lambda v, a: _k1_mirror(v, a, v.pending_pause),
+    "k1_mirror_after_step_drained": lambda v, a: (
+        _k1_mirror(v, a, v.pending_pause) and not bool(a["has_work"])
+    ),
+    "k1_mirror_after_step_draining": lambda v, a: _k1_mirror(v, a, v.pending_pause) and bool(a["has_work"]),
+    "k1_sync_keep_mirror": lambda v, a: _keep_running(a) and _k1_mirror(v, a, _pending_after_sync(v, a)),
+    "k1_sync_keep_mirror_drained": lambda v, a: (
+        _keep_running(a) and _k1_mirror(v, a, _pending_after_sync(v, a)) and not bool(a["has_work"])
+    ),
+    "k1_sync_keep_mirror_draining": lambda v, a: (
+        _keep_running(a) and _k1_mirror(v, a, _pending_after_sync(v, a)) and bool(a["has_work"])
+    ),
+    "resume_in_flight": _resume_in_flight,
+    "resume_noop_running": lambda v, a: not _resume_in_flight(v, a) and v.engines_running,
+    "worker_can_start": lambda v, a: _worker(a) == "ready" and bool(a.get("worker_initialized", True)),
+    "worker_active": lambda v, a: _worker(a) == "active",
+    "worker_not_active": lambda v, a: _worker(a) != "active",
+    "failed_init": lambda v, a: a.get("phase") == "init",
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -272,6 +327,18 @@ UPDATES: dict[str, Callable[[RankVars, Args], RankVars]] = {
     "adopt_wave_after_barrier": lambda v, a: v._replace(current_wave=int(a["max_wave"]) + 1),
     "set_weight_version": _set_weight_version,
     "fail_stop": _fail_stop,
+    # vLLM 0.32 (variants vllm-0.32, vllm-0.32-epoch)
+    "count_step_k1": lambda v, a: v._replace(
+        step_counter=(v.step_counter + 1) % int(a["sync_interval"]), first_synced=True, engines_running=True
+    ),
+    "end_wave_k1": lambda v, a: v._replace(
+        engines_running=False, current_wave=v.current_wave + 1, step_counter=0, first_synced=False
+    ),
+    "sync_consensus": lambda v, a: (
+        v._replace(ignore_start_dp_wave=True, pending_pause=False) if _consensus(a) else v
+    ),
+    "latch_was_running": lambda v, a: v._replace(was_running=v.engines_running) if int(a["rank"]) == 0 else v,
+    "reset_step_counter": lambda v, a: v._replace(step_counter=0, first_synced=False),
 }
 
 #: Effect names and what the runtime (impl) or the model does for each.
@@ -646,6 +713,338 @@ def front_end_pause_table() -> Table:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------------
+# vLLM 0.32 as shipped (variant vllm-0.32) and weightsync's fix applied to it (vllm-0.32-epoch).
+# Paths are inside the installed package (site-packages/vllm/), lines are vLLM 0.32.0's.
+# ---------------------------------------------------------------------------------------------------
+
+V032 = "vLLM 0.32 "
+C_ADD = V032 + "v1/engine/core.py:2234-2248 (DPEngineCoreProc.add_request)"
+C_ABORT = V032 + "v1/engine/core.py:1685-1686 (ABORT)"
+C_WAVE = V032 + "v1/engine/core.py:2281-2299 (START_DP_WAVE)"
+C_LOOP = (
+    V032 + "v1/engine/core.py:2328-2371 (run_busy_loop: a real or dummy batch while work or engines_running)"
+)
+C_SYNC = (
+    V032 + "v1/engine/core.py:2410-2427, config/parallel.py:850-875 (SUM all-reduce of [has_unfinished, "
+    "pending_pause] at step_counter == 1 and every dp_sync_interval, default 16: config/parallel.py:162)"
+)
+C_WAVE_END = (
+    V032 + "v1/engine/core.py:2374-2393 (wave end: rank 0 wave_complete, current_wave += 1, step_counter = 0)"
+)
+C_MIRROR_032 = (
+    V032
+    + "v1/engine/core.py:2333, 2394-2406 (rank 0 sends start_wave(current_wave) when engines_running was False "
+    "at the top of the iteration and no pause is pending after its sync)"
+)
+C_CONSENSUS = (
+    V032 + "v1/engine/core.py:2422-2425 (pause consensus: ignore_start_dp_wave, pending_pause cleared)"
+)
+C_PAUSE = (
+    V032 + "v1/engine/core.py:2061-2103, 2216-2231 (pause_scheduler: mode sets PauseState, abort aborts; "
+    "_pause_complete sets pending_pause and engines_running; the reply waits for idle; no check of the "
+    "rank's state, so a second pause re-enters phase 1)"
+)
+C_PAUSE_DONE = (
+    V032
+    + "v1/engine/core.py:1573-1578, 2081-2087, 914-919 (the pause future resolves when the rank is idle: "
+    "synchronize_device, cache reset)"
+)
+C_RESUME = V032 + "v1/engine/core.py:2250-2273 (DPEngineCoreProc.resume_scheduler)"
+C_UTIL_ERR = (
+    V032 + "v1/engine/core.py:1736-1752 (an exception is the call's failure_message; the rank is unchanged)"
+)
+C_RPC = (
+    V032
+    + "v1/engine/core.py:1073-1080, v1/engine/async_llm.py:1315-1355 (collective_rpc: no engine-level gate; "
+    "the worker checks only its own start/active flag, reference s3.7)"
+)
+
+
+def _v032_serving_rows(state: RankState) -> Table:
+    """ADD, ABORT and START_DP_WAVE as vLLM 0.32 handles them: the same code in every state."""
+    return {
+        (state, _E.ADD): (
+            _t(
+                "add_newer_wave",
+                state,
+                ("adopt_wave",),
+                ("queue_request",),
+                C_ADD + ": a newer wave is adopted",
+            ),
+            _t(
+                "add_stale_wave_idle_unpaused",
+                state,
+                ("set_engines_running",),
+                ("queue_request", "emit_start_wave"),
+                C_ADD + ": a stale wave on an idle UNPAUSED rank re-arms it and sends start_wave",
+            ),
+            _t(ALWAYS, state, (), ("queue_request",), C_ADD),
+        ),
+        (state, _E.ABORT): (_t(ALWAYS, state, (), ("abort_request",), C_ABORT),),
+        (state, _E.START_DP_WAVE): (
+            _t("wave_for_me_not_ignoring", state, ("adopt_wave", "set_engines_running"), (), C_WAVE),
+            _t(
+                "wave_dropped",
+                state,
+                (),
+                (),
+                C_WAVE
+                + ": dropped while ignore_start_dp_wave, when excluded, or when older than current_wave",
+            ),
+        ),
+    }
+
+
+def _v032_step_rows(state: RankState) -> Table:
+    """The loop's step decision with vLLM 0.32's cadence (sync at the wave's first step and every K)."""
+    return {
+        (state, _E.STEP): (
+            _t("k1_step_plain", state, ("enter_dp_step",), ("execute_step", "enter_dp_step"), C_LOOP),
+            _t("k1_step_sync", state, ("enter_dp_sync",), ("execute_step", "enter_dp_sync"), C_SYNC),
+            _t("idle", state, (), (), C_LOOP + ": idle"),
+        )
+    }
+
+
+def _v032_loop_rows(state: RankState, paused: bool) -> Table:
+    """STEP, DP_STEP_DONE and DP_SYNC_DONE of a stepping state (running, or phase 1 of a pause when
+    ``paused``; there the labels pausing/paused follow the local drain)."""
+    rows = _v032_step_rows(state)
+    step = ("leave_collective", "count_step_k1", "latch_was_running")
+    sync = ("leave_collective", "sync_consensus", "count_step_k1", "latch_was_running")
+    stop = ("leave_collective", "sync_consensus", "end_wave_k1", "latch_was_running")
+    if not paused:
+        rows[(state, _E.DP_STEP_DONE)] = (
+            _t("k1_mirror_after_step", state, step, ("emit_start_wave",), C_MIRROR_032),
+            _t(ALWAYS, state, step, (), C_LOOP),
+        )
+        rows[(state, _E.DP_SYNC_DONE)] = (
+            _t("k1_sync_keep_mirror", state, sync, ("emit_start_wave",), C_SYNC + "; " + C_MIRROR_032),
+            _t("sync_keep_running", state, sync, (), C_SYNC),
+            _t("sync_stop", state, stop, ("emit_wave_complete",), C_WAVE_END),
+        )
+        return rows
+    rows[(state, _E.DP_STEP_DONE)] = (
+        _t("k1_mirror_after_step_drained", _S.PAUSED, step, ("emit_start_wave",), C_MIRROR_032),
+        _t("k1_mirror_after_step_draining", _S.PAUSING, step, ("emit_start_wave",), C_MIRROR_032),
+        _t("drained", _S.PAUSED, step, (), C_LOOP + "; weightsync label: drained locally"),
+        _t(ALWAYS, _S.PAUSING, step, (), C_LOOP),
+    )
+    rows[(state, _E.DP_SYNC_DONE)] = (
+        _t(
+            "sync_stop",
+            _S.VERIFIED,
+            stop,
+            ("emit_wave_complete", "clear_cache", "reply_pause"),
+            C_CONSENSUS + "; " + C_WAVE_END + "; " + C_PAUSE_DONE,
+        ),
+        _t(
+            "k1_sync_keep_mirror_drained",
+            _S.PAUSED,
+            sync,
+            ("emit_start_wave",),
+            C_CONSENSUS + "; " + C_MIRROR_032,
+        ),
+        _t(
+            "k1_sync_keep_mirror_draining",
+            _S.PAUSING,
+            sync,
+            ("emit_start_wave",),
+            C_CONSENSUS + "; " + C_MIRROR_032,
+        ),
+        _t("drained", _S.PAUSED, sync, (), C_SYNC + "; " + C_CONSENSUS),
+        _t(ALWAYS, _S.PAUSING, sync, (), C_SYNC + "; " + C_CONSENSUS),
+    )
+    return rows
+
+
+def _v032_pause_rows(state: RankState) -> Table:
+    upd = ("set_pause_state", "set_pending_pause", "set_engines_running")
+    return {
+        (state, _E.PAUSE): (
+            _t("pause_abort", _S.PAUSED, upd, ("abort_requests",), C_PAUSE + " (abort)"),
+            _t("pause_drains_now", _S.PAUSED, upd, (), C_PAUSE),
+            _t("pause_must_drain", _S.PAUSING, upd, (), C_PAUSE + " (wait drains)"),
+        )
+    }
+
+
+def _v032_resume_rows(state: RankState) -> Table:
+    return {
+        (state, _E.RESUME): (
+            _t(
+                "resume_in_flight",
+                state,
+                (),
+                ("refuse",),
+                C_RESUME + ": RuntimeError while a pause is in flight; " + C_UTIL_ERR,
+            ),
+            _t("engines_running", state, (), ("reply_resume",), C_RESUME + ": a no-op while engines_running"),
+            _t(
+                ALWAYS,
+                _S.RESUMING,
+                ("unpause", "clear_ignore_start_dp_wave", "enter_resume_barrier"),
+                ("enter_resume_barrier",),
+                C_RESUME + ": UNPAUSED, ignore_start_dp_wave cleared, MAX all-reduce of has_unfinished",
+            ),
+        )
+    }
+
+
+def _v032_weight_rows(state: RankState) -> Table:
+    """The weight-transfer calls as vLLM 0.32 runs them: in any state; only the worker's own flags decide
+    (the model passes them as the ``worker`` / ``worker_initialized`` arguments). A worker refusal is a
+    non-sticky error reply."""
+    refuse = _t(ALWAYS, state, (), ("refuse",), C_RPC + ": the worker raises; " + C_UTIL_ERR)
+    return {
+        (state, _E.INIT_TRANSFER): (
+            _t(
+                "worker_not_active",
+                state,
+                ("enter_transfer_init",),
+                ("enter_transfer_init",),
+                C_RPC + " (vLLM re-inits even mid-round; the worker table refuses that)",
+            ),
+            refuse,
+        ),
+        (state, _E.TRANSFER_INIT_DONE): (_t(ALWAYS, state, ("leave_collective",), ("reply",), C_RPC),),
+        (state, _E.START_UPDATE): (
+            _t("worker_can_start", state, (), ("start_weight_update", "reply"), C_RPC),
+            refuse,
+        ),
+        (state, _E.UPDATE_WEIGHTS): (
+            _t("worker_active", state, ("enter_weight_broadcast",), ("enter_weight_broadcast",), C_RPC),
+            refuse,
+        ),
+        (state, _E.WEIGHT_BROADCAST_DONE): (_t(ALWAYS, state, ("leave_collective",), ("reply",), C_RPC),),
+        (state, _E.FINISH_UPDATE): (
+            _t("worker_active", state, (), ("finish_weight_update",), C_RPC),
+            refuse,
+        ),
+        (state, _E.FINISH_DONE): (
+            _t(
+                ALWAYS,
+                state,
+                ("set_weight_version",),
+                ("reply",),
+                C_RPC + "; v1/engine/async_llm.py:1351-1355 (finish_weight_update(weight_version))",
+            ),
+        ),
+        (state, _E.TRANSFER_FAILED): (
+            _t(
+                "failed_init",
+                state,
+                ("leave_collective",),
+                ("fail_init", "reply_failure"),
+                C_RPC + ": a failed init is an error reply",
+            ),
+            _t(
+                ALWAYS,
+                state,
+                ("leave_collective",),
+                ("fail_round", "reply_failure"),
+                C_RPC + ": a failed update resets the worker to ready; the rank is unchanged",
+            ),
+        ),
+    }
+
+
+R_EPOCH_032 = "weightsync vllm-0.32-epoch"
+
+
+def vllm032_table(epoch: bool) -> Table:
+    """vLLM 0.32's DP pause/resume (``epoch=False``, variant ``vllm-0.32``) or weightsync's fix applied to
+    it (``epoch=True``, variant ``vllm-0.32-epoch``).
+
+    vllm-0.32 has no weightsync states beyond vLLM's variables: the labels running / pausing / paused /
+    verified / resuming name (pause_state, pending_pause, ignore_start_dp_wave) combinations, a weight
+    round leaves the label unchanged (the worker machine holds it), and every call is legal in every state
+    where the busy loop can take it (a refusal is an error reply, the rank unchanged: non-sticky).
+
+    vllm-0.32-epoch adds: the resume all-reduce carries [has_unfinished, current_wave] with MAX, every rank
+    adopts MAX + 1 and resets its step counter; a resume is a no-op on a running rank; the round is the
+    state ``updating`` (start only when verified, update and finish only while updating, each refused
+    otherwise), a pause on a verified rank returns at once, a pause or resume during an update is refused;
+    weightsync's failure handling (state ``failed``).
+    """
+    rows: Table = {}
+    for s in (_S.RUNNING, _S.PAUSING, _S.PAUSED, _S.VERIFIED):
+        rows.update(_v032_serving_rows(s))
+        rows.update(_v032_pause_rows(s))
+        rows.update(_v032_resume_rows(s))
+    rows.update(_v032_loop_rows(_S.RUNNING, paused=False))
+    rows.update(_v032_loop_rows(_S.PAUSING, paused=True))
+    rows.update(_v032_loop_rows(_S.PAUSED, paused=True))
+    # verified: nothing schedulable and engines_running False, so the loop is idle (no DONE rows: a step
+    # here would be a protocol error the checker reports)
+    rows.update(_v032_step_rows(_S.VERIFIED))
+    barrier: tuple[str, ...] = ("leave_collective", "running_from_barrier")
+    rule = C_RESUME + ": has_unfinished MAX sets engines_running; the wave is not re-based"
+    if epoch:
+        barrier += ("adopt_wave_after_barrier", "reset_step_counter")
+        rule = (
+            R_EPOCH_032
+            + ": the resume all-reduce carries [has_unfinished, current_wave] (MAX); every rank adopts "
+            "MAX + 1 and resets step_counter"
+        )
+    rows[(_S.RESUMING, _E.RESUME_BARRIER_DONE)] = (_t(ALWAYS, _S.RUNNING, barrier, ("reply_resume",), rule),)
+    if epoch:
+        # The coordinator does not latch, so it learns the re-based wave from rank 0: an idle resume ends
+        # wave MAX (wave_complete(MAX)); a busy one starts MAX + 1 (the mirror start_wave after the first
+        # step: engines_running was False at the top of that iteration).
+        rows[(_S.RESUMING, _E.RESUME_BARRIER_DONE)] = (
+            _t(
+                "barrier_idle",
+                _S.RUNNING,
+                barrier,
+                ("emit_wave_complete", "reply_resume"),
+                rule + "; rank 0 reports the idle resume as wave_complete(MAX)",
+            ),
+            _t(ALWAYS, _S.RUNNING, barrier, ("reply_resume",), rule),
+        )
+    if not epoch:
+        for s in (_S.RUNNING, _S.PAUSING, _S.PAUSED, _S.VERIFIED):
+            rows.update(_v032_weight_rows(s))
+        return rows
+    # ---- the fix
+    rows[(_S.RUNNING, _E.RESUME)] = (
+        _t(
+            ALWAYS, _S.RUNNING, (), ("reply_resume",), R_EPOCH_032 + ": a resume on a running rank is a no-op"
+        ),
+    )
+    rows[(_S.VERIFIED, _E.PAUSE)] = (
+        _t(
+            ALWAYS,
+            _S.VERIFIED,
+            (),
+            ("reply_pause",),
+            R_EPOCH_032 + ": a pause on a verified rank returns at once",
+        ),
+    )
+    rows.update(_v032_serving_rows(_S.UPDATING))
+    rows.update(_v032_step_rows(_S.UPDATING))
+    rows.update(
+        {
+            k: tuple(
+                tr._replace(rule=f"{R_EPOCH_032} (weightsync's round and failure rows): {tr.rule}")
+                for tr in trs
+            )
+            for k, trs in _transfer_rows().items()
+        }
+    )
+    refuse = R_EPOCH_032 + ": refused (an error reply, the rank unchanged)"
+    for e in (_E.PAUSE, _E.RESUME):
+        rows[(_S.UPDATING, e)] = (_t(ALWAYS, _S.UPDATING, (), ("refuse",), refuse + " during an update"),)
+    for s in (_S.RUNNING, _S.PAUSING, _S.PAUSED, _S.VERIFIED, _S.UPDATING):
+        for e in (_E.INIT_TRANSFER, _E.START_UPDATE, _E.UPDATE_WEIGHTS, _E.FINISH_UPDATE):
+            if (s, e) not in rows:
+                rows[(s, e)] = (
+                    _t(ALWAYS, s, (), ("refuse",), refuse + ": weight calls only inside a pause"),
+                )
+    return rows
+
+
 @dataclass(frozen=True)
 class Variant:
     """A protocol variant: a table plus the facts the model needs about it.
@@ -663,11 +1062,19 @@ class Variant:
         coordinator_latches: the DP coordinator sets engines_running when it broadcasts START_DP_WAVE for a
             FIRST_REQ (before vLLM's fix of issue #51476); False: only the engines' own reports
             (start_wave, wave_complete) move it (vLLM 0.32 ``v1/engine/coordinator.py:363-375``).
-        first_req_excludes: the coordinator's START_DP_WAVE for a FIRST_REQ excludes the rank the
-            request went to (vLLM ``coordinator.py:363-375``, ``core.py:2288``). False: every rank takes
-            it. The exclusion is unsafe with client aborts: the target rank drops the wake-up, the client
-            aborts the request before that rank steps, and its woken peer steps alone into ``dp_step`` (a
-            one-sided collective; ``proofs`` row ``client-abort``).
+        first_req_exclusion: the START_DP_WAVE the coordinator broadcasts for a FIRST_REQ excludes the rank the
+            request went to. False: vLLM 0.32, where the front-end names the target by its bytes identity
+            and the engine compares it with its int index (``v1/engine/core_client.py:1592`` ->
+            ``v1/engine/core.py:2288``), so the exclusion never matches and the target takes the wave too. weightsync's two-phase-epoch
+            drops it on purpose: with the exclusion the target rank drops the wake-up, the client aborts the
+            request before that rank steps, and its woken peer steps alone into ``dp_step`` (a one-sided
+            collective; ``proofs`` row ``client-abort``).
+        worker_flags_decide: weight-transfer calls reach the table with the worker's state as arguments
+            (``worker``, ``worker_initialized``) and the table's rows decide by them (vLLM 0.32: no engine-level
+            gate, the worker checks only its own flags).
+        untracked_replies: the model accounts for the deferred replies of untracked calls (a second pause, an
+            early or retried resume) per rank, so a reply they cause is not a spurious reply; a refused resume
+            does not end the rank's pause (the vllm-0.32 variants, whose refusals are error replies).
     """
 
     name: str
@@ -679,7 +1086,9 @@ class Variant:
     expected: str = "counterexample"
     verified_channels: tuple[str, ...] = ()
     coordinator_latches: bool = True
-    first_req_excludes: bool = True
+    first_req_exclusion: bool = True
+    worker_flags_decide: bool = False
+    untracked_replies: bool = False
 
     def expected_verdict(self, channels: str) -> str:
         """ "verified" if the variant should verify under ``channels``, else "counterexample"."""
@@ -691,13 +1100,24 @@ class Variant:
             ((s, e, tr) for (s, e), trs in self.table.items() for tr in trs),
             key=lambda r: (r[0].value, r[1].value),
         )
+        # Environment flags added later enter the digest only when they differ from their defaults, so the
+        # digests of the variants that predate them do not move.
+        extra = [
+            f"{name}={getattr(self, name)}"
+            for name, default in (
+                ("worker_flags_decide", False),
+                ("untracked_replies", False),
+            )
+            if getattr(self, name) != default
+        ]
         return table_digest(
             rows,
             self.name,
             str(self.pause_in_front_end),
             str(self.resume_barrier_carries_wave),
             str(self.coordinator_latches),
-            str(self.first_req_excludes),
+            str(self.first_req_exclusion),
+            *extra,
         )
 
 
@@ -714,7 +1134,7 @@ VARIANTS: dict[str, Variant] = {
             expected="verified",
             verified_channels=("per-socket", "ordered"),
             coordinator_latches=False,
-            first_req_excludes=False,
+            first_req_exclusion=False,
         ),
         Variant(
             "two-phase",
@@ -741,6 +1161,33 @@ VARIANTS: dict[str, Variant] = {
             "a paused engine ignores START_DP_WAVE at once",
             "vLLM PR #36608 (closed, rejected)",
             _engine_pause_table(ignore_waves_while_paused=True),
+        ),
+        Variant(
+            "vllm-0.32",
+            "vLLM 0.32 as shipped: sync at step 1 and every K, non-latching coordinator, rank 0's mirror "
+            "start_wave, a FIRST_REQ exclusion that never matches, resume errors and a second pause accepted, "
+            "weight calls in any state, non-sticky errors",
+            "vLLM 0.32.0 v1/engine/core.py, coordinator.py, core_client.py (reference vllm-0.32.md s3)",
+            vllm032_table(epoch=False),
+            verified_channels=("ordered",),
+            coordinator_latches=False,
+            first_req_exclusion=False,
+            worker_flags_decide=True,
+            untracked_replies=True,
+        ),
+        Variant(
+            "vllm-0.32-epoch",
+            "weightsync's fix on vLLM 0.32: the resume all-reduce agrees on MAX(current_wave) + 1 and resets the "
+            "step counter; a resume is a no-op unless verified; weight calls only inside a pause; a pause or "
+            "resume during an update refused",
+            "weightsync on vLLM 0.32.0 (the environment of vllm-0.32 unchanged)",
+            vllm032_table(epoch=True),
+            resume_barrier_carries_wave=True,
+            expected="verified",
+            verified_channels=("per-socket", "ordered", "one-api-server"),
+            coordinator_latches=False,
+            first_req_exclusion=False,
+            untracked_replies=True,
         ),
     )
 }
@@ -803,7 +1250,7 @@ class RankMachine(TableMachine[RankState, RankEvent]):
         rank: DP rank index (0 is the rank that emits wave_complete).
         dp_size: number of DP ranks.
         variant: protocol variant name (default ``two-phase-epoch``).
-        sync_interval: K, the DP sync all-reduce cadence in steps (vLLM: 32).
+        sync_interval: K, the DP sync all-reduce cadence in steps (PR #21617: 32; vLLM 0.32: 16).
 
     Raises:
         ValueError: unknown variant, rank outside ``[0, dp_size)``, or ``sync_interval < 1``.

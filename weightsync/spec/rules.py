@@ -127,4 +127,27 @@ RULES: tuple[Rule, ...] = (
         "mismatch raises WireMismatchError on every rank before any payload moves.",
         "huggingface/trl PR #7104; SkyRL PR #2114; vLLM PR #31943 review",
     ),
+    Rule(
+        "vLLM 0.32 as shipped (variant vllm-0.32)",
+        "A model of vLLM, not a weightsync rule: it breaks rules 2, 8, 9 and 11 on purpose. The DP sync runs "
+        "at the wave's first step and every K steps; the coordinator never latches; rank 0 sends start_wave "
+        "after a step whose iteration began with engines_running False (was_running) unless a pause is "
+        "pending; the START_DP_WAVE of a FIRST_REQ reaches the target rank too (its exclusion never matches); "
+        "resume is an error reply while a pause is in flight, a no-op while engines_running, else a MAX "
+        "barrier of has_unfinished that keeps current_wave; a pause is accepted in any state, also during an "
+        "update, and re-enters phase 1; weight-transfer calls run in any state, refused only by the worker's "
+        "own flags; every refusal is an error reply that leaves the rank unchanged. Each row cites its "
+        "vLLM 0.32 file and line.",
+        "vLLM 0.32.0 v1/engine/core.py, coordinator.py, core_client.py, config/parallel.py",
+    ),
+    Rule(
+        "The fix on vLLM 0.32 (variant vllm-0.32-epoch)",
+        "vLLM 0.32's environment and loop unchanged, plus: the resume all-reduce carries [has_unfinished, "
+        "current_wave] with MAX, every rank adopts MAX + 1 and resets its step counter, and rank 0 reports an "
+        "idle resume as wave_complete(MAX); a resume on a running rank is a no-op; the round is the state "
+        "updating (start only when verified, update and finish only while updating); a pause on a verified "
+        "rank returns at once; a pause or resume during an update is refused; weight calls outside a pause "
+        "are refused; failures as in rule 9. Refusals are error replies that leave the rank unchanged.",
+        "weightsync",
+    ),
 )

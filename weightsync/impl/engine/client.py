@@ -244,7 +244,7 @@ class DPEngineClient:
                 0.001,
                 self.routed,
                 get_variant(self.cfg.variant).coordinator_latches,
-                get_variant(self.cfg.variant).first_req_excludes,
+                get_variant(self.cfg.variant).first_req_exclusion,
             ),
             daemon=True,
             name="weightsync-dp-coordinator",

@@ -27,7 +27,7 @@ class CoordinatorState:
     """The coordinator's variables (vLLM names). ``latches``: the variant's
     :attr:`~weightsync.spec.rank.Variant.coordinator_latches` (FIRST_REQ sets engines_running; vLLM 0.32
     ``v1/engine/coordinator.py:363-375`` does not: only the engines' reports move it). ``excludes``: the
-    variant's :attr:`~weightsync.spec.rank.Variant.first_req_excludes`."""
+    variant's :attr:`~weightsync.spec.rank.Variant.first_req_exclusion`."""
 
     current_wave: int = 0
     engines_running: bool = False
