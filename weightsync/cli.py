@@ -166,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = add("prove", "regenerate proofs/ and spec/ (or, with --check, fail if they are stale)")
     pr.add_argument("--check", action="store_true")
+    pr.add_argument(
+        "--allow-stale-mutation",
+        action="store_true",
+        help="with --check: a mutation report computed against another table is a warning, not a failure",
+    )
 
     mu = add("mutate", "mutation check of the two-phase-epoch table: break one row at a time, re-check")
     mu.add_argument("--workers", type=POSITIVE, default=2, help="processes (default 2)")
@@ -297,11 +302,24 @@ def _prove(args: argparse.Namespace) -> int:
 
     root = Path.cwd()
     if args.check:
-        problems = check_fresh(root)
+        import json as _json
+
+        from weightsync.model.mutation import MUTATION_FILE, mutation_stale
+
+        problems = check_fresh(root, allow_stale_mutation=args.allow_stale_mutation)
+        warnings = []
+        mpath = root / "proofs" / MUTATION_FILE
+        if args.allow_stale_mutation and mpath.is_file() and mutation_stale(_json.loads(mpath.read_text())):
+            warnings.append(
+                f"WARNING: proofs/{MUTATION_FILE} was computed against another table and is not evidence "
+                "for this one (allowed by --allow-stale-mutation); run `weightsync mutate --write`"
+            )
         emit(
-            {"fresh": not problems, "problems": problems},
+            {"fresh": not problems, "problems": problems, "warnings": warnings},
             args.json,
-            lambda: print("\n".join(problems) if problems else "proofs/ and spec/ are fresh"),
+            lambda: print(
+                "\n".join(problems + warnings) if problems or warnings else "proofs/ and spec/ are fresh"
+            ),
         )
         return EXIT_VIOLATION if problems else EXIT_OK
     summary = prove(root, log=(lambda _m: None) if args.json else print)

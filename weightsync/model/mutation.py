@@ -536,17 +536,30 @@ def write_report(root: Path, rep: dict[str, Any]) -> None:
     (pdir / MUTATION_MD).write_text(report_markdown(rep))
 
 
-def mutation_problems(root: Path) -> list[str]:
-    """Why ``root/proofs/mutation.json`` is stale or unacceptable (empty: fresh and every survivor explained)."""
+def mutation_stale(data: dict[str, Any]) -> bool:
+    """Whether a loaded mutation report was computed against another table than the current one."""
+    return bool(data.get("table_digest") != mutation_digest(str(data.get("variant", "two-phase-epoch"))))
+
+
+def mutation_problems(root: Path, allow_stale: bool = False) -> list[str]:
+    """Why ``root/proofs/mutation.json`` is stale or unacceptable (empty: fresh and every survivor explained).
+
+    ``allow_stale``: a report computed against another table is not a problem (its staleness is then only
+    reported by :func:`mutation_stale`); a missing report, and unexplained survivors of a fresh one, still
+    are. For a checkout whose table changed while the full run (an hour on 2 cores) could not be redone.
+    """
     p = root / "proofs" / MUTATION_FILE
     if not p.is_file():
         return [f"proofs/{MUTATION_FILE} is missing (run `weightsync mutate --write`)"]
     data = json.loads(p.read_text())
-    problems = []
-    if data.get("table_digest") != mutation_digest(str(data.get("variant", "two-phase-epoch"))):
+    problems: list[str] = []
+    if mutation_stale(data):
+        if allow_stale:
+            return problems
         problems.append(
             f"proofs/{MUTATION_FILE} was computed against another table (run `weightsync mutate --write`)"
         )
+        return problems  # its survivors' notes concern another table
     annotate(data)
     if data["unexplained"]:
         problems.append(

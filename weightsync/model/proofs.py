@@ -170,8 +170,9 @@ def _changed(b: Bounds, base: Bounds) -> str:
     return ", ".join(f"{k}={v}" for k, v in b._asdict().items() if v != getattr(base, k))
 
 
-def check_fresh(root: Path) -> list[str]:
-    """Problems that make ``proofs/`` or ``spec/`` stale against the table (empty list: fresh)."""
+def check_fresh(root: Path, allow_stale_mutation: bool = False) -> list[str]:
+    """Problems that make ``proofs/`` or ``spec/`` stale against the table (empty list: fresh).
+    ``allow_stale_mutation``: see :func:`weightsync.model.mutation.mutation_problems`."""
     problems = [f"spec/{rel} is stale (run `weightsync prove`)" for rel in stale_spec_files(root / "spec")]
     digest = spec_digest()
     pdir = root / "proofs"
@@ -194,4 +195,4 @@ def check_fresh(root: Path) -> list[str]:
     summary = pdir / "summary.json"
     if not summary.is_file() or json.loads(summary.read_text()).get("spec_digest") != digest:
         problems.append("proofs/summary.json is missing or stale")
-    return problems + mutation_problems(root)
+    return problems + mutation_problems(root, allow_stale=allow_stale_mutation)
