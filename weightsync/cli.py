@@ -124,7 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cycles", type=NON_NEGATIVE, default=1, help="bound on pause/update/resume cycles")
     c.add_argument("--sync-interval", type=POSITIVE, default=2, help="K: DP sync all-reduce every K steps")
     c.add_argument("--max-states", type=POSITIVE, default=20_000_000, help="stop exploring past this many")
-    c.add_argument("--symmetry", action="store_true", help="symmetry reduction over ranks (safety only)")
+    c.add_argument(
+        "--symmetry",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="explore up to permutations of ranks 1..N-1 (every property, progress included, survives it; "
+        "default: on from 3 ranks)",
+    )
+    c.add_argument(
+        "--workers",
+        type=POSITIVE,
+        default=None,
+        help="processes exploring the pause modes in parallel (default: one per mode, at most the CPUs)",
+    )
     c.add_argument(
         "--stray-resume", action="store_true", help="the controller may issue one resume no pause preceded"
     )
@@ -261,6 +273,7 @@ def _check(args: argparse.Namespace) -> int:
         bounds=bounds,
         symmetry=args.symmetry,
         max_states=args.max_states,
+        workers=args.workers,
     )
     emit(out, args.json, lambda: print_human(out))
     return EXIT_OK if out["verdict"] == "verified" else EXIT_VIOLATION

@@ -4,14 +4,23 @@ Properties (name -> statement, source) are listed in :data:`PROPERTIES`. Safety 
 the fly by :func:`weightsync.model.explorer.explore`; progress properties by reverse reachability over the
 integer-indexed edge list (every reachable state must be able to reach a goal state; this also catches
 livelocks, reference section 10); non-vacuity ("sometimes") properties by witnesses seen while exploring.
-With ``symmetry`` on, progress is "not checked" (symmetry reduction can hide liveness violations).
+With ``symmetry`` on (the default from N=3), states are explored up to permutations of ranks 1..N-1
+(:meth:`weightsync.model.system.Model.canon`). Every property here survives that reduction: the invariants,
+edge checks, terminal checks, progress goals and witnesses are symmetric (none names a rank other than 0),
+and the reduced graph is bisimilar to the full one, so "every reachable state can reach a goal" (a CTL
+``AG EF`` property) holds in one iff it holds in the other (Emerson and Sistla, "Symmetry and model
+checking", 1996; Ip and Dill, 1996). ``tests/test_model_symmetry.py`` checks the automorphism and compares
+reduced and full explorations state for state.
 """
 
 from __future__ import annotations
 
 import itertools
+import multiprocessing
+import os
 import resource
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +144,8 @@ SAFETY = (
 )
 PROGRESS = ("progress_pause", "progress_resume", "progress_requests")
 SOMETIMES = ("sometimes_all_verified", "sometimes_update_with_wave_in_flight")
+#: Submission order of the pause modes' explorations (keep's state space is the largest).
+_MODE_WEIGHT = {PauseMode.KEEP: 0, PauseMode.WAIT: 1, PauseMode.ABORT: 2}
 #: Tie-break among violations at the same depth.
 PRIORITY = {name: k for k, name in enumerate(SAFETY + PROGRESS + SOMETIMES)}
 
@@ -189,7 +200,7 @@ def check_mode(
 ) -> ModeResult:
     """Explore ``model`` exhaustively and check every property of :data:`PROPERTIES`."""
     t0 = time.perf_counter()
-    do_progress = progress and not symmetry and not stop_at_first
+    do_progress = progress and not stop_at_first
     ex = explore(
         [model.initial()],
         model.successors,
@@ -351,7 +362,27 @@ def violation_text(model: Model, prop: str, s: G) -> str:
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """Peak resident set of this process or of its largest worker process (MB)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, kids) / 1024.0
+
+
+def default_symmetry(ranks: int) -> bool:
+    """Symmetry reduction is on by default from N=3 (at N=2 there is nothing to permute)."""
+    return ranks >= 3
+
+
+def _check_one(
+    args: tuple[str, int, PauseMode, str, Bounds, bool, int, bool],
+) -> ModeResult:
+    variant, ranks, mode, channels, bounds, symmetry, max_states, progress = args
+    return check_mode(
+        build_model(variant, ranks, mode, channels, bounds),
+        symmetry=symmetry,
+        max_states=max_states,
+        progress=progress,
+    )
 
 
 def check(
@@ -361,11 +392,15 @@ def check(
     mode: str = "all",
     channels: str = "per-socket",
     bounds: Bounds | None = None,
-    symmetry: bool = False,
+    symmetry: bool | None = None,
     max_states: int = 20_000_000,
     progress: bool = True,
+    workers: int | None = None,
 ) -> dict[str, Any]:
     """Run ``weightsync check`` and return its JSON object (design.md section 5).
+
+    ``symmetry`` None: :func:`default_symmetry`. ``workers``: processes exploring the pause modes in
+    parallel (each mode is an independent exploration); None: one per mode, at most the CPU count.
 
     Keys: variant, ranks, verdict ("verified" | "counterexample" | "incomplete"), states, transitions
     (summed over modes), depth (max), seconds, symmetry, properties, bounds, channels, mode, per_mode,
@@ -373,16 +408,21 @@ def check(
     """
     b = bounds or Bounds()
     modes = list(PauseMode) if mode == "all" else [PauseMode(mode)]
+    sym = default_symmetry(ranks) if symmetry is None else symmetry
+    jobs = [(variant, ranks, m, channels, b, sym, max_states, progress) for m in modes]
+    n_workers = min(len(jobs), os.cpu_count() or 1) if workers is None else workers
+    if n_workers < 1:
+        raise ValueError(f"workers={n_workers}: need at least one process")
     t0 = time.perf_counter()
-    results = [
-        check_mode(
-            build_model(variant, ranks, m, channels, b),
-            symmetry=symmetry,
-            max_states=max_states,
-            progress=progress,
-        )
-        for m in modes
-    ]
+    if n_workers == 1 or len(jobs) == 1:
+        results = [_check_one(j) for j in jobs]
+    else:
+        # The largest exploration first, so the others share the remaining processes.
+        order = sorted(range(len(jobs)), key=lambda k: _MODE_WEIGHT[jobs[k][2]])
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
+            futures = {k: pool.submit(_check_one, jobs[k]) for k in order}
+            results = [futures[k].result() for k in range(len(jobs))]
     props: dict[str, str] = {}
     for name in PROPERTIES:
         vals = [r.properties[name] for r in results]
@@ -405,7 +445,8 @@ def check(
         "transitions": sum(r.transitions for r in results),
         "depth": max(r.depth for r in results),
         "seconds": round(time.perf_counter() - t0, 3),
-        "symmetry": symmetry,
+        "symmetry": sym,
+        "workers": n_workers,
         "properties": props,
         "bounds": b._asdict(),
         "channels": channels,

@@ -36,7 +36,8 @@ The global state is a plain tuple (see :class:`G`); everything in it is hashable
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from weightsync.spec.rank import GUARDS, UPDATES, RankVars, Table, Variant, apply, get_variant, select
@@ -210,12 +211,46 @@ class Rank(NamedTuple):
     worker: WorkerVars
     owed: int = 0
 
+    # Field setters for the successor function's hot paths (``_replace`` is several times slower).
+    def with_inq(self, inq: tuple[tuple[tuple[Any, ...], ...], ...]) -> Rank:
+        """This slice with input FIFOs ``inq``."""
+        return _new_rank(
+            Rank, (self[0], self[1], self[2], self[3], inq, self[5], self[6], self[7], self[8], self[9])
+        )
+
+    def with_queues(
+        self, waiting: tuple[tuple[int, int], ...], running: tuple[tuple[int, int, int], ...]
+    ) -> Rank:
+        """This slice with scheduler queues ``waiting`` and ``running``."""
+        return _new_rank(
+            Rank, (self[0], self[1], waiting, running, self[4], self[5], self[6], self[7], self[8], self[9])
+        )
+
+    def with_status(self, status: int, pz: int) -> Rank:
+        """This slice with controller-call status ``status`` and pause ghost ``pz``."""
+        return _new_rank(
+            Rank, (self[0], self[1], self[2], self[3], self[4], self[5], status, pz, self[8], self[9])
+        )
+
+    def with_outq(self, outq: tuple[tuple[Any, ...], ...]) -> Rank:
+        """This slice with the FIFO to the coordinator ``outq``."""
+        return _new_rank(
+            Rank, (self[0], self[1], self[2], self[3], self[4], outq, self[6], self[7], self[8], self[9])
+        )
+
+
+_new_rank = tuple.__new__
+
 
 #: ``(phase, cycles_started, update_rounds, transfer_initialised, stray_used, repeat_used, failures_used,
 #: recovering, extra_used)``, see :class:`G`.
 Ctrl = tuple[int, int, int, bool, bool, bool, int, bool, int]
 #: ``extra_used`` bits: the second pause and the resume during an update (Bounds flags) were sent.
 X_PAUSE, X_RESUME = 1, 2
+#: Messages to the coordinator whose last field is the sending rank.
+_SENDER_LAST = frozenset({"start_wave", "wave_complete"})
+#: Every message kind naming a rank (see :meth:`Model.permute`).
+_RANK_NAMING = _SENDER_LAST | {"W", "FIRST_REQ"}
 #: ``Rank.owed`` bits.
 OWE_PAUSE, OWE_RESUME = 1, 2
 
@@ -445,7 +480,7 @@ class Model:
                 if w is None:
                     w = _Work(s)
                 w.untracked = q[0][2] == RETRY
-                w.ranks[i] = rk._replace(inq=(*rk.inq[:f], q[1:], *rk.inq[f + 1 :]))
+                w.ranks[i] = rk.with_inq((*rk.inq[:f], q[1:], *rk.inq[f + 1 :]))
                 if not self._deliver_now(w, i, "resume", queued=True):
                     w.ranks[i] = rk
                     break
@@ -518,9 +553,9 @@ class Model:
         if self.track_owed:
             rk = self._owe(i, rk, ev, extra, untracked)
         elif ev is RankEvent.PAUSE:
-            rk = rk._replace(pz=1)
+            rk = rk.with_status(rk.status, 1)
         elif ev is RankEvent.RESUME:
-            rk = rk._replace(pz=0)
+            rk = rk.with_status(rk.status, 0)
         return self._rank_event(s, i, rk, ev, extra, fail=fail, untracked=untracked, arg=msg[2])
 
     def call_extra(self, rk: Rank, ev: RankEvent) -> tuple[tuple[str, Any], ...]:
@@ -601,7 +636,7 @@ class Model:
     def _effect(self, w: _Work, i: int, eff: str, before: RankVars, req: int) -> None:
         rk = w.ranks[i]
         if eff == "queue_request":
-            w.ranks[i] = rk._replace(waiting=tuple(sorted((*rk.waiting, (req, self.T)))))
+            w.ranks[i] = rk.with_queues(tuple(sorted((*rk.waiting, (req, self.T)))), rk.running)
         elif eff == "execute_step":
             ps = rk.vars.pause_state
             waiting, running = rk.waiting, rk.running
@@ -617,7 +652,7 @@ class Model:
                     else:
                         w.done.append(r)
                 running = tuple(keep)
-            w.ranks[i] = rk._replace(waiting=waiting, running=running)
+            w.ranks[i] = rk.with_queues(waiting, running)
         elif eff in ENTER_EFFECT or eff in WORKER_EVENT_OF_EFFECT:
             if eff in ENTER_EFFECT:
                 rk = rk._replace(blocked=ENTER_EFFECT[eff])
@@ -633,7 +668,7 @@ class Model:
                 status = rk.status
             else:
                 status = REPLIED if rk.status == SENT else SPURIOUS
-            w.ranks[i] = rk._replace(status=status, pz=pz)
+            w.ranks[i] = rk.with_status(status, pz)
         elif eff in ("reply_failure", "refuse"):
             if not w.untracked:
                 w.ranks[i] = rk._replace(status=FAILED_REPLY if rk.status == SENT else SPURIOUS)
@@ -685,7 +720,7 @@ class Model:
             w.coord_q = ((*w.coord_q[0], msg),)
         else:
             rk = w.ranks[i]
-            w.ranks[i] = rk._replace(outq=(*rk.outq, msg))
+            w.ranks[i] = rk.with_outq((*rk.outq, msg))
 
     def _complete(self, s: G, kind: str, fail: bool = False) -> G:
         """The joint completion of collective ``kind``: the outcome event fires on every member; with
@@ -732,7 +767,7 @@ class Model:
         else:
             rk = w.ranks[src]
             msg = rk.outq[0]
-            w.ranks[src] = rk._replace(outq=rk.outq[1:])
+            w.ranks[src] = rk.with_outq(rk.outq[1:])
         wave, running = w.coord
         kind = msg[0]
         if kind == "FIRST_REQ":
@@ -759,7 +794,7 @@ class Model:
         for i in range(self.n):
             rk = w.ranks[i]
             q = rk.inq[f]
-            w.ranks[i] = rk._replace(inq=(*rk.inq[:f], (*q, ("W", wave, exclude)), *rk.inq[f + 1 :]))
+            w.ranks[i] = rk.with_inq((*rk.inq[:f], (*q, ("W", wave, exclude)), *rk.inq[f + 1 :]))
 
     # -- front-end
 
@@ -768,7 +803,7 @@ class Model:
         w = _Work(s)
         f = self.f_add
         rk = w.ranks[i]
-        w.ranks[i] = rk._replace(inq=(*rk.inq[:f], (*rk.inq[f], ("ADD", nxt, bw)), *rk.inq[f + 1 :]))
+        w.ranks[i] = rk.with_inq((*rk.inq[:f], (*rk.inq[f], ("ADD", nxt, bw)), *rk.inq[f + 1 :]))
         if not brun:
             msg = ("FIRST_REQ", i, bw)
             w.coord_q = ((*w.coord_q[0], msg),)
@@ -938,7 +973,7 @@ class Model:
         tr, after = self.fire(i, v, RankEvent.RESUME, ())
         if tr is None or after != v:
             return False
-        w.ranks[i] = rk._replace(pz=0)
+        w.ranks[i] = rk.with_status(rk.status, 0)
         for eff in tr.effects:
             self._effect(w, i, eff, v, -1)
         return True
@@ -959,16 +994,16 @@ class Model:
         f = self.f_ctrl
         if new_phase:
             for i in range(self.n):
-                w.ranks[i] = w.ranks[i]._replace(status=NOT_SENT)
+                w.ranks[i] = w.ranks[i].with_status(NOT_SENT, w.ranks[i].pz)
             w.trainer = ("", NOT_SENT)
         w.ctrl = ctrl
         targets = [] if trainer else (list(range(self.n)) if target is None else [target])
         arg = ctrl[2] + 1 if phase == FINISH else 0  # finish carries the version: successful rounds + 1
         for i in targets:
-            rk = w.ranks[i]._replace(status=SENT)
+            rk = w.ranks[i].with_status(SENT, w.ranks[i].pz)
             w.ranks[i] = rk
             if not self._deliver_now(w, i, call):
-                w.ranks[i] = rk._replace(inq=(*rk.inq[:f], (*rk.inq[f], ("U", call, arg)), *rk.inq[f + 1 :]))
+                w.ranks[i] = rk.with_inq((*rk.inq[:f], (*rk.inq[f], ("U", call, arg)), *rk.inq[f + 1 :]))
         if phase in (UPDATE, INIT) and (trainer or target is None):
             w.trainer = ("weight_broadcast" if phase == UPDATE else "transfer_init", SENT)
         return w.freeze()
@@ -1163,50 +1198,99 @@ class Model:
 
     def canon(self, s: G) -> G:
         """Canonical representative under permutations of ranks 1..N-1 (rank 0 emits wave_complete and
-        stays fixed). Ranks are sorted by a key that renames rank ids relative to the rank itself; the
-        chosen permutation is then applied to everything naming a rank: rank slices (with their FIFOs),
-        ``exclude`` values of START_DP_WAVE and FIRST_REQ, and senders in the coordinator's FIFO."""
+        reports the wave's start, so it stays fixed).
+
+        Ranks 1..N-1 are sorted by their slice's fields that name no rank (:func:`_slice_key`), ties broken
+        by :meth:`_sym_key`, which sees the rank's FIFOs and every reference to it elsewhere (the
+        coordinator's FIFOs) with rank ids renamed relative to the rank itself, so the order does not
+        depend on the ranks' indices; the order is then applied by :meth:`permute`. The
+        result is always in the orbit of ``s`` (``permute`` is an automorphism of the transition relation,
+        checked by ``tests/test_model_symmetry.py``); ranks with equal keys are interchangeable at N <= 3."""
         n = self.n
         if n <= 2:
             return s
         ranks = s.ranks
-
-        def rel(x: int, j: int) -> int:
-            return -2 if x == j else (x if x <= 0 else -3)
-
-        def key(j: int) -> tuple[Any, ...]:
-            r = ranks[j]
-            inq = tuple(tuple((m[0], m[1], rel(m[2], j)) if m[0] == "W" else m for m in q) for q in r.inq)
-            return (r.vars, r.blocked, r.waiting, r.running, inq, r.outq, r.status, r.pz, r.worker)
-
-        order = sorted(range(1, n), key=key)
+        # The slice without rank ids decides the order unless two ranks tie on it (the full key starts
+        # with the same fields, so the order is the full key's either way).
+        if n == 3:  # the common case, without sorting
+            a, b = _slice_key(ranks[1]), _slice_key(ranks[2])
+            if a == b:
+                a, b = (a, self._sym_key(s, 1)), (b, self._sym_key(s, 2))
+            return s if a <= b else self.permute(s, (0, 2, 1))
+        cheap = {j: _slice_key(ranks[j]) for j in range(1, n)}
+        order = sorted(range(1, n), key=cheap.__getitem__)
+        if any(cheap[a] == cheap[b] for a, b in itertools.pairwise(order)):
+            order = sorted(range(1, n), key=lambda j: (cheap[j], self._sym_key(s, j)))
         if order == list(range(1, n)):
             return s
         perm = [0] * n  # old -> new
         for new, old in enumerate(order, start=1):
             perm[old] = new
+        return self.permute(s, perm)
+
+    @staticmethod
+    def _sym_key(s: G, j: int) -> tuple[Any, ...]:
+        """Every FIFO of the state as seen from rank ``j``, with rank ids relative to ``j`` (-2 is ``j``
+        itself, 0 and negative values stay, any other rank is -3): ``j``'s own, rank 0's, the other ranks'
+        (as a sorted tuple, so their indices do not matter) and the coordinator's. Used after
+        :func:`_slice_key` to break its ties; at N <= 3 equal keys mean the two ranks are interchangeable."""
+
+        def rel(x: int) -> int:
+            return -2 if x == j else (x if x <= 0 else -3)
+
+        def rmsg(m: tuple[Any, ...]) -> tuple[Any, ...]:
+            k = m[0]
+            if k == "W" or k in _SENDER_LAST:
+                return (k, m[1], rel(m[2]))
+            if k == "FIRST_REQ":
+                return (k, rel(m[1]), m[2])
+            return m
+
+        def fifos(r: Rank) -> tuple[Any, ...]:
+            return (tuple(tuple(rmsg(m) for m in q) for q in r.inq), tuple(rmsg(m) for m in r.outq))
+
+        ranks = s.ranks
+        others = tuple(sorted(fifos(ranks[k]) for k in range(1, len(ranks)) if k != j))
+        refs = tuple(tuple(rmsg(m) for m in q) for q in s.coord_q)
+        return (fifos(ranks[j]), fifos(ranks[0]), others, refs)
+
+    def permute(self, s: G, perm: Sequence[int]) -> G:
+        """``s`` with rank ``i`` renamed ``perm[i]`` (``perm[0] == 0``): the rank slices move, and every
+        message naming a rank is renamed (START_DP_WAVE's ``exclude``, FIRST_REQ's sender, the sender of
+        ``start_wave`` / ``wave_complete``).
+
+        Raises:
+            ValueError: ``perm`` is not a permutation of ``range(N)`` fixing 0.
+        """
+        n = self.n
+        if sorted(perm) != list(range(n)) or perm[0] != 0:
+            raise ValueError(f"perm {list(perm)!r} is not a permutation of range({n}) fixing rank 0")
 
         def ren(x: int) -> int:
             return perm[x] if x >= 0 else x
 
         def fix_msg(m: tuple[Any, ...]) -> tuple[Any, ...]:
             k = m[0]
-            if k == "W":
+            if k == "W" or k in _SENDER_LAST:
                 return (k, m[1], ren(m[2]))
             if k == "FIRST_REQ":
                 return (k, ren(m[1]), m[2])
-            if k in ("start_wave", "wave_complete"):
-                return (k, m[1], ren(m[2]))
             return m
 
-        new_ranks = []
-        for old in [0, *order]:
-            r = ranks[old]
-            inq = tuple(tuple(fix_msg(m) for m in q) for q in r.inq)
-            outq = tuple(fix_msg(m) for m in r.outq)
-            new_ranks.append(r._replace(inq=inq, outq=outq))
-        coord_q = tuple(tuple(fix_msg(m) for m in q) for q in s.coord_q)
-        return s._replace(ranks=tuple(new_ranks), coord_q=coord_q)
+        def fix_q(q: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
+            return tuple(fix_msg(m) for m in q) if any(m[0] in _RANK_NAMING for m in q) else q
+
+        new_ranks: list[Rank | None] = [None] * n
+        for old, r in enumerate(s.ranks):
+            inq = tuple(fix_q(q) for q in r.inq)
+            new_ranks[perm[old]] = Rank(r[0], r[1], r[2], r[3], inq, fix_q(r.outq), r[6], r[7], r[8], r[9])
+        coord_q = tuple(fix_q(q) for q in s.coord_q)
+        return G(tuple(r for r in new_ranks if r is not None), coord_q, *s[2:])
+
+
+def _slice_key(r: Rank) -> tuple[Any, ...]:
+    """The fields of a rank's slice that name no rank (the first part of the symmetry order)."""
+    return (r.vars, r.blocked, r.waiting, r.running, r.status, r.pz, r.worker, r.owed)
 
 
 class _Work:
