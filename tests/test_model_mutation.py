@@ -98,6 +98,21 @@ def test_equivalence_classifier_agrees_with_the_checker() -> None:
     assert where is not None and "running/pause" in where, where
 
 
+def test_mutation_refuses_a_table_that_fails_unmutated() -> None:
+    """A mutant is killed only by what the original does not violate: lookups are not collected (and no
+    mutant is run) for a table that already fails a configuration, in one process or several."""
+    from weightsync.model.mutation import MutationConfig, reachable_firings
+
+    cfg = (
+        MutationConfig("stray", Bounds(stray_resume=True), 200_000, True, (PauseMode.KEEP, PauseMode.ABORT)),
+    )
+    for workers in (1, 2):
+        with pytest.raises(
+            RuntimeError, match=r"unmutated two-phase table fails stray:keep:collectives_match"
+        ):
+            reachable_firings("two-phase", cfg, workers=workers)
+
+
 @pytest.mark.xfail(
     reason="proofs/mutation.json predates the failure rows and the safe resume; re-run `weightsync mutate "
     "--write` (over an hour on 2 cores) and remove this mark (an XPASS says it is fresh again)",

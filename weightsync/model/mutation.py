@@ -167,23 +167,60 @@ class Firings(NamedTuple):
     results: dict[tuple[Any, ...], tuple[Any, RankVars]]
 
 
+def _unmutated_job(
+    job: tuple[str, MutationConfig, PauseMode, bool, str, int],
+) -> tuple[str | None, dict[Any, Any]]:
+    """Explore the unmutated ``variant`` in one configuration and mode: ``(why it fails or None, every table
+    lookup made)``. Progress is checked in exhaustive configurations (as :func:`kills` does for a survivor),
+    non-vacuity only in the first configuration."""
+    variant, c, mode, first, channels, ranks = job
+    m = Model(Config(variant, ranks, mode, channels, c.bounds), guards=mutation_guards())
+    r = check_mode(m, progress=c.exhaustive, max_states=c.max_states)
+    bad = [n for n, v in r.properties.items() if v == VIOLATED and (first or n not in SOMETIMES)]
+    why = None
+    if bad:
+        why = f"{c.name}:{mode.value}:{bad[0]}"
+    elif not r.complete and c.exhaustive:
+        why = f"{c.name}:{mode.value}:unbounded (more than {c.max_states} states)"
+    return why, dict(m._cache)
+
+
 def reachable_firings(
     variant: str,
     configs: tuple[MutationConfig, ...] = MUTATION_BOUNDS,
     *,
     ranks: int = 2,
     channels: str = "per-socket",
+    workers: int = 1,
 ) -> list[Firings]:
     """Explore the unmutated ``variant`` under each configuration and mode exactly as :func:`kills`
     does (same caps; the bounded configurations' first ``max_states`` states) and return every table
     lookup made. The model's only use of the table is :meth:`Model.fire`, so these are all the places
-    where a mutant can behave differently."""
+    where a mutant can behave differently. The same explorations check the unmutated table (a mutant is
+    killed only by what the original does not violate). ``workers`` processes share the (configuration,
+    mode) explorations.
+
+    Raises:
+        RuntimeError: the unmutated table fails a configuration (naming it, the mode and the property).
+    """
+    jobs = [
+        (variant, c, mode, k == 0, channels, ranks)
+        for k, c in enumerate(configs)
+        for mode in (c.modes if c.modes is not None else tuple(PauseMode))
+    ]
+    if workers > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            results = pool.map(_unmutated_job, jobs, chunksize=1)
+    else:
+        results = [_unmutated_job(j) for j in jobs]
     out: list[Firings] = []
-    for c in configs:
-        for mode in c.modes if c.modes is not None else tuple(PauseMode):
-            m = Model(Config(variant, ranks, mode, channels, c.bounds), guards=mutation_guards())
-            check_mode(m, progress=False, max_states=c.max_states)
-            out.append(Firings(c.name, mode, m, dict(m._cache)))
+    for (_, c, mode, _, _, _), (why, cache) in zip(jobs, results, strict=True):
+        if why is not None:
+            raise RuntimeError(f"the unmutated {variant} table fails {why}: fix it before mutating")
+        m = Model(Config(variant, ranks, mode, channels, c.bounds), guards=mutation_guards())
+        out.append(Firings(c.name, mode, m, cache))
     return out
 
 
@@ -286,12 +323,8 @@ def run_mutation(
     global _FIRINGS
     t0 = time.perf_counter()
     configs = kw.get("configs")
-    if configs is not None:  # a mutant is killed only by what the unmutated table does not violate
-        why = kills(variant, get_variant(variant).table, configs=configs)
-        if why is not None:
-            raise RuntimeError(f"the unmutated {variant} table fails {why}: fix it before mutating")
-    if firings is None and configs is not None:
-        firings = reachable_firings(variant, configs)
+    if firings is None and configs is not None:  # also checks the unmutated table under every one
+        firings = reachable_firings(variant, configs, workers=workers)
     _FIRINGS = firings
     base = get_variant(variant).table
     picked: list[tuple[int, Mutant]] = []
@@ -446,7 +479,7 @@ def mutation_report(
     """
     from weightsync.spec.rank import spec_digest
 
-    firings = reachable_firings(variant, MUTATION_BOUNDS)
+    firings = reachable_firings(variant, MUTATION_BOUNDS, workers=workers)
     out = run_mutation(
         variant, workers=workers, on_result=on_result, firings=firings, configs=MUTATION_BOUNDS
     )
