@@ -1213,10 +1213,21 @@ class Model:
         # The slice without rank ids decides the order unless two ranks tie on it (the full key starts
         # with the same fields, so the order is the full key's either way).
         if n == 3:  # the common case, without sorting
-            a, b = _slice_key(ranks[1]), _slice_key(ranks[2])
+            r1, r2 = ranks[1], ranks[2]
+            a, b = _slice_key(r1), _slice_key(r2)
+            if a != b and a < b:
+                return s
+            plain = not _names_a_rank(s)  # then renaming changes no message: compare and swap as they are
             if a == b:
-                a, b = (a, self._sym_key(s, 1)), (b, self._sym_key(s, 2))
-            return s if a <= b else self.permute(s, (0, 2, 1))
+                if plain:
+                    a, b = (r1[4], r1[5]), (r2[4], r2[5])
+                else:
+                    a, b = self._sym_key(s, 1), self._sym_key(s, 2)
+                if a <= b:
+                    return s
+            if plain:
+                return G((ranks[0], r2, r1), *s[1:])
+            return self._permute(s, (0, 2, 1))
         cheap = {j: _slice_key(ranks[j]) for j in range(1, n)}
         order = sorted(range(1, n), key=cheap.__getitem__)
         if any(cheap[a] == cheap[b] for a, b in itertools.pairwise(order)):
@@ -1226,7 +1237,7 @@ class Model:
         perm = [0] * n  # old -> new
         for new, old in enumerate(order, start=1):
             perm[old] = new
-        return self.permute(s, perm)
+        return self._permute(s, perm)
 
     @staticmethod
     def _sym_key(s: G, j: int) -> tuple[Any, ...]:
@@ -1265,6 +1276,11 @@ class Model:
         n = self.n
         if sorted(perm) != list(range(n)) or perm[0] != 0:
             raise ValueError(f"perm {list(perm)!r} is not a permutation of range({n}) fixing rank 0")
+        return self._permute(s, perm)
+
+    def _permute(self, s: G, perm: Sequence[int]) -> G:
+        """:meth:`permute` without checking ``perm``."""
+        n = self.n
 
         def ren(x: int) -> int:
             return perm[x] if x >= 0 else x
@@ -1286,6 +1302,18 @@ class Model:
             new_ranks[perm[old]] = Rank(r[0], r[1], r[2], r[3], inq, fix_q(r.outq), r[6], r[7], r[8], r[9])
         coord_q = tuple(fix_q(q) for q in s.coord_q)
         return G(tuple(r for r in new_ranks if r is not None), coord_q, *s[2:])
+
+
+def _names_a_rank(s: G) -> bool:
+    """Some message in flight names a rank other than 0 (START_DP_WAVE's ``exclude``, FIRST_REQ's sender,
+    the sender of ``start_wave`` / ``wave_complete``): only then does renaming ranks change a message."""
+    naming = _RANK_NAMING
+    for qs in (s.coord_q, *(r.inq for r in s.ranks), *((r.outq,) for r in s.ranks)):
+        for q in qs:
+            for m in q:
+                if m[0] in naming and (m[1] if m[0] == "FIRST_REQ" else m[2]) > 0:
+                    return True
+    return False
 
 
 def _slice_key(r: Rank) -> tuple[Any, ...]:
