@@ -219,3 +219,15 @@ def test_one_api_server_channels_order_requests_and_calls() -> None:
     assert [msg[0] for msg in s2.ranks[0].inq[0]] == ["ADD", "U"]
     with pytest.raises(ValueError, match="one-api-server"):
         Model(Config("vllm-0.32", 2, PauseMode.KEEP, "bogus"))
+
+
+def test_stranded_states_tell_hangs_from_stalls() -> None:
+    """vLLM 0.32 with one request: the race strands rank 0 in a DP collective with nothing left that could
+    free it (a hang, no stall); the fix leaves no state from which a DP collective cannot complete."""
+    race = check("vllm-0.32", 2, mode="keep", stalls=True)
+    assert race["stranded"]["hang"] > 0 and race["stranded"]["stall"] == 0
+    assert race["properties"]["progress_requests"] == "violated"
+    fix = check("vllm-0.32-epoch", 2, mode="keep", stalls=True)
+    assert fix["verdict"] == "verified"
+    assert fix["stranded"]["hang"] == 0 and fix["stranded"]["stall"] == 0
+    assert fix["stranded"]["transient"] > 0  # ranks do wait in collectives, briefly

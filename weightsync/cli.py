@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         "default: on from 3 ranks)",
     )
     c.add_argument(
+        "--stalls",
+        action="store_true",
+        help="classify the states where a rank waits in a DP collective: transient (the peers join on "
+        "their own), stall (only new client traffic frees it), hang (nothing does)",
+    )
+    c.add_argument(
         "--workers",
         type=POSITIVE,
         default=None,
@@ -274,6 +280,7 @@ def _check(args: argparse.Namespace) -> int:
         symmetry=args.symmetry,
         max_states=args.max_states,
         workers=args.workers,
+        stalls=args.stalls,
     )
     emit(out, args.json, lambda: print_human(out))
     return EXIT_OK if out["verdict"] == "verified" else EXIT_VIOLATION

@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import resource
 import time
+from array import array
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,6 +175,7 @@ class ModeResult:
     model: Model | None = None
     exploration: Exploration[G] | None = field(default=None, repr=False)
     violation_depths: dict[str, int] = field(default_factory=dict)
+    stranded: dict[str, int] | None = None
 
 
 def build_model(
@@ -197,9 +199,12 @@ def check_mode(
     stop_at_first: bool = False,
     keep: bool = False,
     keep_labels: bool = False,
+    stalls: bool = False,
 ) -> ModeResult:
-    """Explore ``model`` exhaustively and check every property of :data:`PROPERTIES`."""
+    """Explore ``model`` exhaustively and check every property of :data:`PROPERTIES`; with ``stalls``, also
+    classify the states in which a rank waits in a DP collective (:func:`stranded_counts`)."""
     t0 = time.perf_counter()
+    keep_labels = keep_labels or stalls
     do_progress = progress and not stop_at_first
     ex = explore(
         [model.initial()],
@@ -246,6 +251,7 @@ def check_mode(
             "records": [],
             "note": "no reachable state or transition witnesses this; the check would be vacuous",
         }
+    stranded = stranded_counts(ex) if stalls and complete else None
     seconds = time.perf_counter() - t0
     return ModeResult(
         model.mode,
@@ -259,7 +265,39 @@ def check_mode(
         model if keep else None,
         ex if keep else None,
         {name: _vdepth(ex, v) for name, v in ex.violations.items()},
+        stranded,
     )
+
+
+#: Transition labels that are new client traffic (a request, a client ABORT).
+CLIENT_TRAFFIC = frozenset({"send", "abort"})
+
+
+def stranded_counts(ex: Exploration[G]) -> dict[str, int]:
+    """Liveness of the DP collectives, by reverse reachability over the explored graph: every reachable
+    state in which some rank waits in a DP collective (``dp_step``, ``dp_sync``, ``resume_barrier``) is
+    ``transient`` when the ranks can leave every DP collective without new client traffic (the peers join
+    on their own), a ``stall`` when only a new request or client ABORT can free it (vLLM 0.32's
+    non-latching coordinator re-broadcasts START_DP_WAVE on the next FIRST_REQ), and a ``hang`` when
+    nothing can (the collective's timeout is the only way out). Needs the exploration's edge labels."""
+    from weightsync.model.system import DP_KINDS
+
+    assert ex.src is not None and ex.dst is not None and ex.labels is not None
+    n = len(ex.states)
+    waiting = [any(r.blocked in DP_KINDS for r in s.ranks) for s in ex.states]
+    free = [i for i in range(n) if not waiting[i]]
+    start, rev = build_reverse_csr(n, ex.src, ex.dst)
+    anyhow = reverse_reachable_csr(n, start, rev, free)
+    quiet = [k for k, lab in enumerate(ex.labels) if lab[0] not in CLIENT_TRAFFIC]
+    qsrc = array("q", (ex.src[k] for k in quiet))
+    qdst = array("q", (ex.dst[k] for k in quiet))
+    qstart, qrev = build_reverse_csr(n, qsrc, qdst)
+    alone = reverse_reachable_csr(n, qstart, qrev, free)
+    out = {"transient": 0, "stall": 0, "hang": 0}
+    for i in range(n):
+        if waiting[i]:
+            out["transient" if alone[i] else ("stall" if anyhow[i] else "hang")] += 1
+    return out
 
 
 def _vdepth(ex: Exploration[G], v: Violation) -> int:
@@ -374,14 +412,15 @@ def default_symmetry(ranks: int) -> bool:
 
 
 def _check_one(
-    args: tuple[str, int, PauseMode, str, Bounds, bool, int, bool],
+    args: tuple[str, int, PauseMode, str, Bounds, bool, int, bool, bool],
 ) -> ModeResult:
-    variant, ranks, mode, channels, bounds, symmetry, max_states, progress = args
+    variant, ranks, mode, channels, bounds, symmetry, max_states, progress, stalls = args
     return check_mode(
         build_model(variant, ranks, mode, channels, bounds),
         symmetry=symmetry,
         max_states=max_states,
         progress=progress,
+        stalls=stalls,
     )
 
 
@@ -396,6 +435,7 @@ def check(
     max_states: int = 20_000_000,
     progress: bool = True,
     workers: int | None = None,
+    stalls: bool = False,
 ) -> dict[str, Any]:
     """Run ``weightsync check`` and return its JSON object (design.md section 5).
 
@@ -409,7 +449,7 @@ def check(
     b = bounds or Bounds()
     modes = list(PauseMode) if mode == "all" else [PauseMode(mode)]
     sym = default_symmetry(ranks) if symmetry is None else symmetry
-    jobs = [(variant, ranks, m, channels, b, sym, max_states, progress) for m in modes]
+    jobs = [(variant, ranks, m, channels, b, sym, max_states, progress, stalls) for m in modes]
     n_workers = min(len(jobs), os.cpu_count() or 1) if workers is None else workers
     if n_workers < 1:
         raise ValueError(f"workers={n_workers}: need at least one process")
@@ -463,9 +503,14 @@ def check(
                 if r.counterexample
                 else ("verified" if r.complete else "incomplete"),
             }
+            | ({"stranded": r.stranded} if r.stranded is not None else {})
             for r in results
         },
     }
+    if stalls:
+        out["stranded"] = {
+            k: sum((r.stranded or {}).get(k, 0) for r in results) for k in ("transient", "stall", "hang")
+        }
     if cxs:
         out["counterexample"] = min(cxs, key=lambda c: (PRIORITY[c["property"]], len(c["steps"])))
         out["violations"] = {r.mode.value: r.violation_depths for r in results if r.violation_depths}
