@@ -21,17 +21,36 @@ self-loops included; ``depth`` is the number of BFS levels (the initial states a
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from array import array
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 S = TypeVar("S", bound=Hashable)
 Label = Any
 
 Successors = Callable[[S], Iterable[tuple[Label, S]]]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _gc_paused(fn: Callable[P, R]) -> Callable[P, R]:
+    """Run ``fn`` with the cyclic garbage collector paused (restored afterwards, also on error)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return wrapper
 
 
 @dataclass
@@ -99,6 +118,7 @@ class Exploration(Generic[S]):
         return out
 
 
+@_gc_paused
 def explore(
     initial: Iterable[S],
     successors: Successors[S],
@@ -133,39 +153,6 @@ def explore(
     reference counting, and with millions of them alive its full collections cost about a fifth of the
     run (same-process comparison, 400,000 states: 26.3 s with it, 21.4 s without).
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _explore(
-            initial,
-            successors,
-            invariant=invariant,
-            edge_check=edge_check,
-            terminal_check=terminal_check,
-            canon=canon,
-            keep_edges=keep_edges,
-            keep_labels=keep_labels,
-            max_states=max_states,
-            stop_at_first=stop_at_first,
-        )
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _explore(
-    initial: Iterable[S],
-    successors: Successors[S],
-    *,
-    invariant: Callable[[S], Sequence[str]] | None = None,
-    edge_check: Callable[[S, Label, S], Sequence[str]] | None = None,
-    terminal_check: Callable[[S], Sequence[str]] | None = None,
-    canon: Callable[[S], S] | None = None,
-    keep_edges: bool = False,
-    keep_labels: bool = False,
-    max_states: int = 50_000_000,
-    stop_at_first: bool = False,
-) -> Exploration[S]:
     t0 = time.perf_counter()
     states: list[S] = []
     index: dict[S, int] = {}

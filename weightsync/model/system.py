@@ -1250,12 +1250,7 @@ class Model:
             return -2 if x == j else (x if x <= 0 else -3)
 
         def rmsg(m: tuple[Any, ...]) -> tuple[Any, ...]:
-            k = m[0]
-            if k == "W" or k in _SENDER_LAST:
-                return (k, m[1], rel(m[2]))
-            if k == "FIRST_REQ":
-                return (k, rel(m[1]), m[2])
-            return m
+            return _rename(m, rel)
 
         def fifos(r: Rank) -> tuple[Any, ...]:
             return (tuple(tuple(rmsg(m) for m in q) for q in r.inq), tuple(rmsg(m) for m in r.outq))
@@ -1286,12 +1281,7 @@ class Model:
             return perm[x] if x >= 0 else x
 
         def fix_msg(m: tuple[Any, ...]) -> tuple[Any, ...]:
-            k = m[0]
-            if k == "W" or k in _SENDER_LAST:
-                return (k, m[1], ren(m[2]))
-            if k == "FIRST_REQ":
-                return (k, ren(m[1]), m[2])
-            return m
+            return _rename(m, ren)
 
         def fix_q(q: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
             return tuple(fix_msg(m) for m in q) if any(m[0] in _RANK_NAMING for m in q) else q
@@ -1302,6 +1292,16 @@ class Model:
             new_ranks[perm[old]] = Rank(r[0], r[1], r[2], r[3], inq, fix_q(r.outq), r[6], r[7], r[8], r[9])
         coord_q = tuple(fix_q(q) for q in s.coord_q)
         return G(tuple(r for r in new_ranks if r is not None), coord_q, *s[2:])
+
+
+def _rename(m: tuple[Any, ...], f: Callable[[int], int]) -> tuple[Any, ...]:
+    """Message ``m`` with the rank it names (see :data:`_RANK_NAMING`) mapped through ``f``."""
+    k = m[0]
+    if k == "W" or k in _SENDER_LAST:
+        return (k, m[1], f(m[2]))
+    if k == "FIRST_REQ":
+        return (k, f(m[1]), m[2])
+    return m
 
 
 def _names_a_rank(s: G) -> bool:
