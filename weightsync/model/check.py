@@ -575,7 +575,7 @@ def state_graph(
 
     def attrs(s: G) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "phase": int(s.ctrl[0]),
+            "phase": int(s.ctrl.phase),
             "end": model.is_end(s),
             "violation": bool(model.invariant(s)),
         }

@@ -242,9 +242,33 @@ class Rank(NamedTuple):
 _new_rank = tuple.__new__
 
 
-#: ``(phase, cycles_started, update_rounds, transfer_initialised, stray_used, repeat_used, failures_used,
-#: recovering, extra_used)``, see :class:`G`.
-Ctrl = tuple[int, int, int, bool, bool, bool, int, bool, int]
+class Ctrl(NamedTuple):
+    """The RL controller's state (see :class:`G`).
+
+    Attributes:
+        phase: the call it is making (IDLE, PAUSE, INIT, START, UPDATE, FINISH, RESUME).
+        cycles_started: pause/update/resume cycles begun.
+        update_rounds: successful rounds (a finish_weight_update fan-out every rank answered without
+            error); the version a finish carries is ``update_rounds + 1``.
+        transfer_initialised: init_weight_transfer_engine has been called.
+        stray_resume_used: the one resume no pause preceded was sent (``Bounds.stray_resume``).
+        repeat_resume_used: the one retried resume was sent (``Bounds.repeat_resume``).
+        failures_used: weight-transfer failures injected so far (``Bounds.failures``).
+        recovering: a round failed and no round has succeeded since.
+        extra_used: bits X_PAUSE / X_RESUME: the second pause / the resume during an update were sent.
+    """
+
+    phase: int
+    cycles_started: int
+    update_rounds: int
+    transfer_initialised: bool
+    stray_resume_used: bool
+    repeat_resume_used: bool
+    failures_used: int
+    recovering: bool
+    extra_used: int
+
+
 #: ``extra_used`` bits: the second pause and the resume during an update (Bounds flags) were sent.
 X_PAUSE, X_RESUME = 1, 2
 #: Messages to the coordinator whose last field is the sending rank.
@@ -354,7 +378,7 @@ class Model:
             ((),),
             (0, False),
             (0, False, 0, False, ()),
-            (IDLE, 0, 0, not self.init_transfer, False, False, 0, False, 0),
+            Ctrl(IDLE, 0, 0, not self.init_transfer, False, False, 0, False, 0),
             ("", NOT_SENT),
             (),
             (),
@@ -412,7 +436,7 @@ class Model:
                 if q:
                     out.append((("recv", i, f), self._recv(s, i, f)))
                     if (
-                        s.ctrl[6] < self.failures
+                        s.ctrl.failures_used < self.failures
                         and q[0][0] == "U"
                         and q[0][1] in ("start_weight_update", "finish_weight_update")
                         and (
@@ -432,7 +456,7 @@ class Model:
             and (k0 in DP_KINDS or (k0 in TRANSFER_KINDS and s.trainer[0] == k0))
         ):
             out.append((("done", k0), self._complete(s, k0)))
-            if k0 in TRANSFER_KINDS and s.ctrl[6] < self.failures:
+            if k0 in TRANSFER_KINDS and s.ctrl.failures_used < self.failures:
                 out.append((("done", k0, "fail"), self._complete(s, k0, fail=True)))
         self._timeouts(s, out)
         # coordinator
@@ -626,7 +650,7 @@ class Model:
             if eff in FAILABLE_EFFECTS:
                 if fail:
                     c = w.ctrl
-                    w.ctrl = (c[0], c[1], c[2], c[3], c[4], c[5], c[6] + 1, c[7], c[8])
+                    w.ctrl = c._replace(failures_used=c.failures_used + 1)
                     self._nested(w, i, RankEvent.TRANSFER_FAILED, (("phase", FAIL_PHASE[eff]),))
                     break
                 if eff == "finish_weight_update":
@@ -708,7 +732,7 @@ class Model:
             return rk._replace(status=REPLIED if rk.status == SENT else SPURIOUS)
         tracked = (
             rk.status == SENT
-            and w.ctrl[0] == PAUSE
+            and w.ctrl.phase == PAUSE
             and not any(m[0] == "U" and m[1] == "pause" and m[2] != RETRY for m in rk.inq[self.f_ctrl])
         )
         if rk.owed & OWE_PAUSE:
@@ -753,7 +777,7 @@ class Model:
             w.trainer = ("", (FAILED_REPLY if fail else REPLIED) if w.trainer[1] == SENT else SPURIOUS)
         if fail:
             c = w.ctrl
-            w.ctrl = (c[0], c[1], c[2], c[3], c[4], c[5], c[6] + 1, c[7], c[8])
+            w.ctrl = c._replace(failures_used=c.failures_used + 1)
         return w.freeze()
 
     # -- coordinator (vLLM DPCoordinator, reference section 5)
@@ -833,7 +857,7 @@ class Model:
     def _init_holds_front(self, s: G) -> bool:
         """An orchestrator that initialises the transfer engine before serving holds requests until the
         init returned."""
-        return s.ctrl[0] == INIT and s.ctrl[1] == 0 and not self._all_replied(s, INIT)
+        return s.ctrl.phase == INIT and s.ctrl.cycles_started == 0 and not self._all_replied(s, INIT)
 
     # -- controller and trainer
 
@@ -860,7 +884,7 @@ class Model:
         def to(ph: int, started_: int = started, rounds_: int = rounds, **kw: Any) -> tuple[int, Ctrl]:
             return (
                 ph,
-                (
+                Ctrl(
                     ph,
                     started_,
                     rounds_,
@@ -922,7 +946,7 @@ class Model:
             and not done
             and not self.variant.pause_in_front_end
         ):
-            ctrl3 = (phase, started, rounds, inited, stray, True, fails, recovering, xused)
+            ctrl3 = s.ctrl._replace(repeat_resume_used=True)
             out.append((("retry", PHASE_CALL[RESUME]), self._retry(s, ctrl3)))
         # a second pause, or a resume, while a round is in flight (its replies are not counted)
         if phase in (START, UPDATE, FINISH) and not self.variant.pause_in_front_end:
@@ -931,7 +955,7 @@ class Model:
                 (self.resume_during_update, X_RESUME, "resume"),
             ):
                 if flag and not xused & bit:
-                    ctrl4 = (phase, started, rounds, inited, stray, repeat, fails, recovering, xused | bit)
+                    ctrl4 = s.ctrl._replace(extra_used=xused | bit)
                     out.append((("extra", call), self._retry(s, ctrl4, call)))
 
     def _retry(self, s: G, ctrl: Ctrl, call: str = "resume") -> G:
@@ -989,7 +1013,7 @@ class Model:
         """Send the call of ``ctrl``'s phase to rank ``target`` (None: every rank at once, ``ordered``
         channels), or let the trainer join the weight-transfer collective (``trainer=True``)."""
         w = _Work(s)
-        phase = ctrl[0]
+        phase = ctrl.phase
         call = PHASE_CALL[phase]
         f = self.f_ctrl
         if new_phase:
@@ -998,7 +1022,9 @@ class Model:
             w.trainer = ("", NOT_SENT)
         w.ctrl = ctrl
         targets = [] if trainer else (list(range(self.n)) if target is None else [target])
-        arg = ctrl[2] + 1 if phase == FINISH else 0  # finish carries the version: successful rounds + 1
+        arg = (
+            ctrl.update_rounds + 1 if phase == FINISH else 0
+        )  # finish carries the version: successful rounds + 1
         for i in targets:
             rk = w.ranks[i].with_status(SENT, w.ranks[i].pz)
             w.ranks[i] = rk
@@ -1045,9 +1071,9 @@ class Model:
             bad.append("phase_bracketing")
         if not self._conserved(s):
             bad.append("request_conservation")
-        phase = s.ctrl[0]
+        phase = s.ctrl.phase
         if phase in (RESUME, FINISH) and self._all_replied(s, phase) and not self._phase_failed(s):
-            want = s.ctrl[2] + (1 if phase == FINISH else 0)
+            want = s.ctrl.update_rounds + (1 if phase == FINISH else 0)
             if any(r.vars.weight_version != want for r in ranks):
                 bad.append("version_agreement")
         if not self._coordinator_belief_right(s):
@@ -1156,7 +1182,7 @@ class Model:
     def is_end(self, s: G) -> bool:
         """A legitimate end: the controller finished its cycles, every request was sent and finished (or
         aborted), all channels are empty, nobody is blocked, and every rank is running and unpaused."""
-        phase, started = s.ctrl[0], s.ctrl[1]
+        phase, started = s.ctrl.phase, s.ctrl.cycles_started
         if started != self.C or not (phase == IDLE or self._all_replied(s, phase)):
             return False
         if phase not in (IDLE, RESUME):
@@ -1184,11 +1210,11 @@ class Model:
     # progress goals (reverse reachability)
     def goal_pause(self, s: G) -> bool:
         """No pause outstanding: the controller is not waiting for a pause reply."""
-        return s.ctrl[0] != PAUSE or self._all_replied(s, PAUSE)
+        return s.ctrl.phase != PAUSE or self._all_replied(s, PAUSE)
 
     def goal_resume(self, s: G) -> bool:
         """No resume outstanding."""
-        return s.ctrl[0] != RESUME or self._all_replied(s, RESUME)
+        return s.ctrl.phase != RESUME or self._all_replied(s, RESUME)
 
     def goal_requests(self, s: G) -> bool:
         """Every admitted request finished or was aborted."""
