@@ -406,6 +406,15 @@ def _peak_rss_mb() -> float:
     return max(own, kids) / 1024.0
 
 
+def worker_context() -> multiprocessing.context.BaseContext:
+    """Worker processes start from a fresh forkserver (with the model preloaded), never by forking the
+    caller: a caller that has started threads (torch, gloo, vLLM in a test session) can crash a forked
+    child (a segfault seen in the default suite)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["weightsync.model.check", "weightsync.model.mutation"])
+    return ctx
+
+
 def default_symmetry(ranks: int) -> bool:
     """Symmetry reduction is on by default from N=3 (at N=2 there is nothing to permute)."""
     return ranks >= 3
@@ -459,7 +468,7 @@ def check(
     else:
         # The largest exploration first, so the others share the remaining processes.
         order = sorted(range(len(jobs)), key=lambda k: _MODE_WEIGHT[jobs[k][2]])
-        ctx = multiprocessing.get_context("fork")
+        ctx = worker_context()
         with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
             futures = {k: pool.submit(_check_one, jobs[k]) for k in order}
             results = [futures[k].result() for k in range(len(jobs))]

@@ -209,9 +209,9 @@ def reachable_firings(
         for mode in (c.modes if c.modes is not None else tuple(PauseMode))
     ]
     if workers > 1:
-        import multiprocessing
+        from weightsync.model.check import worker_context
 
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        with worker_context().Pool(workers) as pool:
             results = pool.map(_unmutated_job, jobs, chunksize=1)
     else:
         results = [_unmutated_job(j) for j in jobs]
