@@ -416,7 +416,6 @@ _OLDER_WAVE = (
 #: mutant behaves differently somewhere reachable, and no property is violated. One line each; the slow
 #: test fails on a non-equivalent survivor missing here, so a new survivor cannot go unexplained.
 SURVIVOR_NOTES: dict[str, str] = {
-    "running/dp_sync_done#1: drop effect emit_wave_complete": _WAVE_COMPLETE,
     "pausing/dp_sync_done#0: drop effect emit_wave_complete": _WAVE_COMPLETE,
     "paused/dp_sync_done#0: drop effect emit_wave_complete": _WAVE_COMPLETE,
     "pausing/dp_sync_done#0: drop update set_ignore_start_dp_wave": _IGNORE_FLAG,
@@ -441,12 +440,6 @@ SURVIVOR_NOTES: dict[str, str] = {
     "paused/ADD#0: negate guard add_newer_wave": _OLDER_WAVE,
     "verified/ADD#0: negate guard add_newer_wave": _OLDER_WAVE,
     "updating/ADD#0: negate guard add_newer_wave": _OLDER_WAVE,
-    "running/resume#0: negate guard engines_running": (
-        "a resume reaches a running rank only in the stray-resume configuration, which has no requests (with "
-        "traffic a stray resume deadlocks even unmutated), so engines_running is always False there: the "
-        "original runs the resume barrier among idle ranks, the mutant replies at once; both leave every "
-        "rank running and idle"
-    ),
 }
 
 MUTATION_FILE = "mutation.json"
