@@ -28,23 +28,9 @@ RANKS = (2, 3)
 
 #: Rows under other bounds: (tag, variant, channels, N, bounds, expected verdict). They carry the claims the
 #: README makes about orchestrator inputs beyond the default bounds (issue: "a resume that is always safe").
+_STRAY_REPEAT = Bounds(stray_resume=True, repeat_resume=True)
 EXTRA_PROOFS: tuple[tuple[str, str, str, int, Bounds, str], ...] = (
-    (
-        "stray-repeat-resume",
-        "two-phase-epoch",
-        "per-socket",
-        2,
-        Bounds(stray_resume=True, repeat_resume=True),
-        "verified",
-    ),
-    (
-        "stray-repeat-resume",
-        "two-phase-epoch",
-        "per-socket",
-        3,
-        Bounds(stray_resume=True, repeat_resume=True),
-        "verified",
-    ),
+    *(("stray-repeat-resume", "two-phase-epoch", "per-socket", n, _STRAY_REPEAT, "verified") for n in RANKS),
     ("failures", "two-phase-epoch", "per-socket", 2, Bounds(failures=1, init_transfer=True), "verified"),
     ("stray-resume", "two-phase", "per-socket", 2, Bounds(stray_resume=True), "counterexample"),
     ("client-abort", "two-phase-epoch", "per-socket", 2, Bounds(client_aborts=1), "verified"),
