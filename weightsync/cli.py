@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -218,7 +219,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = add("repro", "replay the model's counterexample schedule for VARIANT on real processes")
     r.add_argument("variant")
-    r.add_argument("--timeout", type=_seconds, default=10.0, help="collective timeout, seconds")
+    r.add_argument(
+        "--timeout", type=_seconds, default=None, help="collective timeout, seconds (reference: 10, vllm: 30)"
+    )
+    r.add_argument(
+        "--engine",
+        choices=("reference", "vllm"),
+        default="reference",
+        help="reference: weightsync's DP engine; vllm: a real AsyncLLM(data_parallel_size=2) of a tiny MoE "
+        "(variant vllm-0.32; needs the vllm extra)",
+    )
+    r.add_argument("--fix", choices=("epoch",), default=None, help="(--engine vllm) install the fix in vLLM")
+    r.add_argument(
+        "--mode", choices=("keep", "wait", "abort"), default="keep", help="(--engine vllm) pause mode"
+    )
 
     rp = add("replay", "validate recorded traces against the model")
     rp.add_argument("traces", nargs="+")
@@ -495,8 +509,45 @@ HANDLERS["bench"] = _bench
 
 
 # --------------------------------------------------------------------------- repro / replay
+def _repro_vllm(args: argparse.Namespace) -> int:
+    """``repro vllm-0.32 --engine vllm [--fix epoch]``: :func:`weightsync.vllm.repro.run_vllm_repro`."""
+    if args.variant != "vllm-0.32":
+        msg = f"--engine vllm drives vLLM 0.32 as shipped: variant must be vllm-0.32, got {args.variant!r}"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
+    # vLLM logs to stdout by default (envs.py VLLM_LOGGING_STREAM); keep stdout for the JSON
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    try:
+        from weightsync.vllm.repro import run_vllm_repro
+    except ImportError as exc:
+        msg = f"--engine vllm needs vLLM ({exc}); install it with `make venv` (the vllm extra)"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
+    timeout = max(10, math.ceil(args.timeout)) if args.timeout is not None else 30
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.json else None
+    res = run_vllm_repro(args.variant, fix=args.fix, mode=args.mode, timeout_s=timeout, log=say)
+    out = res.as_dict()
+
+    def human() -> None:
+        print(f"{res.variant} on vLLM ({'fix ' + res.fix if res.fix else 'as shipped'}): {res.result}")
+        print(f"  followed {res.followed_steps} model steps; diverged at {res.diverged_at}; {res.reason}")
+        for r, w in sorted(res.ranks.items()):
+            print(f"  rank {r}: {'blocked in ' + w if w else 'idle'} {res.errors.get(r, '')}")
+
+    emit(out, args.json, human)
+    want = "completed" if args.fix else "reproduced"
+    return EXIT_OK if res.result == want else EXIT_VIOLATION
+
+
 def _repro(args: argparse.Namespace) -> int:
     from weightsync.impl.engine.repro import EXPECTED, repro, schedules_for
+
+    if args.engine == "vllm":
+        return _repro_vllm(args)
+    if args.fix is not None:
+        msg = "--fix applies to --engine vllm (the reference engine runs the fixed variants by name)"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
     from weightsync.model.check import check
 
     if args.variant not in EXPECTED:
@@ -519,7 +570,7 @@ def _repro(args: argparse.Namespace) -> int:
         else:
             model_errors[name] = "the model found no counterexample"
     model_seconds = time.monotonic() - t_model
-    runs = repro(args.variant, cxs, timeout_s=min(float(args.timeout), 10.0))
+    runs = repro(args.variant, cxs, timeout_s=min(float(args.timeout or 10.0), 10.0))
     expected = EXPECTED[args.variant]
     results = {r.result for r in runs}
     result = expected if results == {expected} else sorted(results - {expected})[0]

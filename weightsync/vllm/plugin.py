@@ -9,6 +9,11 @@ and left alone. Registration is by module path (vLLM imports the backend class l
 
 It also supplies, on vLLM 0.32.x only, the two collectives the CPU communicator lacks (MoE with data
 parallelism > 1 needs them: :mod:`weightsync.vllm.cpu_collectives`), since the plugin runs in every worker.
+
+Two opt-in hooks act only when their environment variable is set (the engine processes inherit the
+driver's environment): the resume-epoch fix (:mod:`weightsync.vllm.fix`, ``WEIGHTSYNC_VLLM_FIX=epoch``,
+vLLM 0.32.0 only) and then the protocol-event probe (:mod:`weightsync.vllm.probe`,
+``WEIGHTSYNC_VLLM_EVENTS=<dir>``), which wraps whichever methods are installed, patched or not.
 """
 
 from __future__ import annotations
@@ -56,19 +61,23 @@ def register() -> None:
     vLLM lacks them (:func:`weightsync.vllm.cpu_collectives.install`); calling it again is a no-op.
 
     Raises:
-        RuntimeError: another package already registered one of these names with its own class.
+        RuntimeError: another package already registered one of these names with its own class; or
+            ``WEIGHTSYNC_VLLM_FIX`` is set and the fix cannot be installed (:func:`weightsync.vllm.fix.install`).
+        ValueError: ``WEIGHTSYNC_VLLM_FIX`` or ``WEIGHTSYNC_VLLM_HOLD`` has a value the hooks do not know.
     """
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
     )
 
-    from weightsync.vllm import cpu_collectives
+    from weightsync.vllm import cpu_collectives, fix, probe
 
     for name, (emod, ecls, tmod, tcls) in _BACKENDS.items():
         _register_one(WeightTransferEngineFactory, name, emod, ecls)
         _register_one(WeightTransferTrainerFactory, name, tmod, tcls)
     cpu_collectives.install()
+    fix.install_from_env()
+    probe.install()
 
 
 __all__ = ["register"]

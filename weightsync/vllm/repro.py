@@ -1,0 +1,820 @@
+"""The resume-time race on a real vLLM 0.32 DP deployment (``weightsync repro vllm-0.32 --engine vllm``).
+
+A tiny Mixtral (MoE, so the DP ranks run in lockstep: ``DPEngineCoreProc``, ``v1/engine/core.py:1473-1478``)
+is served by a real ``AsyncLLM(data_parallel_size=2)`` on CPU, with vLLM's own coordinator. The model's
+shortest counterexample for the variant (``weightsync check --variant vllm-0.32 --ranks 2``, one pause
+mode) is compiled from its **labels and states** (the model's successor function replayed along the
+labels, :func:`weightsync.model.check.replay_labels`; no step text is parsed) into driver actions, one per
+model step, each followed by the observation that must appear:
+
+==============================  ==========================================================================
+model label                      driver action; observation that must follow
+==============================  ==========================================================================
+``send i``                       ``AsyncLLM.generate(..., data_parallel_rank=i)``; its ADD and (front-end
+                                 believing the engines idle) its FIRST_REQ are held in the driver
+``fan CALL -1``                  ``pause_generation(mode=...)`` / ``resume_generation()`` started; one
+                                 utility message per rank held in the driver
+``recv i f`` (ADD / call)        the oldest held message of that kind for rank i is sent; rank i records it
+``recv i f`` (START_DP_WAVE)     utility ``weightsync_release`` to rank i; rank i records the wave
+``step i``                       rank i records a forward (``has_work``, and whether it syncs)
+``done K``                       every rank records the collective's completion
+``coord i f`` / ``coord -1 f``   rank i's wave_complete / start_wave is already out: the coordinator's
+                                 published belief reaches the front-end; FIRST_REQ: released, and the
+                                 coordinator's START_DP_WAVE arrives (held) at the ranks it broadcast to
+``refresh``                      the front-end's belief (``current_wave``, ``engines_running``) is the
+                                 model's
+==============================  ==========================================================================
+
+Holding points (reference ``vllm-0.32.md`` section 5): the driver's per-rank input messages
+(``AsyncMPClient._send_input_message``, ``core_client.py:1250``) and the front-end's FIRST_REQ
+(``DPAsyncMPClient.add_request_async``, ``core_client.py:1592``); the engines' coordinator input through the
+plugin's probe (:mod:`weightsync.vllm.probe`, ``WEIGHTSYNC_VLLM_HOLD=START_DP_WAVE``). Every observation is
+a record of the probe in vLLM's engine process: vLLM's own variables right after (or, for a forward or a
+resume, right before) the event, compared field by field (:data:`COMPARED`) with the model's rank
+variables after (before) the step.
+
+Verdicts: ``"reproduced"`` when every step was followed (``diverged_at`` null), the ranks ended where the
+model's final state has them (a rank inside a DP collective, its peers idle) and that rank's collective
+raised the group's timeout (``distributed_timeout_seconds``, shortened) while no peer had entered a step.
+``"completed"`` (with ``--fix epoch``: the fix installed in the engines, :mod:`weightsync.vllm.fix`) when the
+engines followed the fix's model (``vllm-0.32-epoch``) up to the step the fix makes impossible, that step
+did not happen on the real engines either, the table rows that differ are named, and after releasing every
+held message every request finished. Anything else: ``"diverged"`` or ``"not reproduced"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from weightsync.model.check import build_model, check, replay_labels
+from weightsync.model.system import G, Model
+from weightsync.spec.states import RankEvent
+
+T = TypeVar("T")
+
+#: the rank variables vLLM has under the same name, compared between the model and the engine
+COMPARED = ("engines_running", "current_wave", "pending_pause", "ignore_start_dp_wave", "pause_state")
+#: observations taken before the event in vLLM (the probe records them on entry)
+BEFORE = frozenset({"step", "resume"})
+FIX_VARIANT = {"epoch": "vllm-0.32-epoch"}
+CALL_METHOD = {"pause": "pause_scheduler", "resume": "resume_scheduler"}
+#: the client->engine messages the driver holds (everything else, e.g. ``get_supported_tasks`` or the
+#: driver's own ``weightsync_release``, passes)
+HELD_KINDS = frozenset({"ADD", "ABORT", *CALL_METHOD.values()})
+
+
+@dataclass
+class Action:
+    """One compiled model step: what the driver does and which engine records must follow.
+
+    Attributes:
+        step: 1-based index of the model step.
+        label: the model's label (plain list).
+        text: the model's step text (for the report only).
+        kind: driver action: ``add``, ``call``, ``send``, ``release``, ``observe``, ``coord``, ``refresh``.
+        rank: the rank acted on (-1: none / every rank).
+        arg: the action's argument (the call, the held message kind, the collective).
+        expect: ``(rank, ev, fields)`` engine records that must follow, in order per rank.
+        model_vars: the model's compared variables per rank (after the step; before it for BEFORE events).
+        coord: the coordinator's (current_wave, engines_running) after the step.
+    """
+
+    step: int
+    label: list[Any]
+    text: str
+    kind: str
+    rank: int = -1
+    arg: Any = None
+    expect: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
+    model_vars: dict[int, dict[str, Any]] = field(default_factory=dict)
+    coord: tuple[int, bool] = (0, False)
+
+
+def _vars(rk: Any) -> dict[str, Any]:
+    v = rk.vars
+    return {k: (int(getattr(v, k)) if k == "pause_state" else getattr(v, k)) for k in COMPARED}
+
+
+def compile_schedule(model: Model, labels: list[Any], texts: list[str]) -> list[Action]:
+    """The driver actions of ``labels`` on ``model`` (see the module docstring), from the model's states.
+
+    Raises:
+        ValueError: a label is not an edge of ``model`` (name and index), or one the driver cannot drive.
+    """
+    states, bad = replay_labels(model, labels)
+    if bad is not None:
+        raise ValueError(f"label {bad + 1} {labels[bad]!r} is not an edge of {model.config.variant}")
+    out: list[Action] = []
+    for k, lab in enumerate(labels):
+        s, t = states[k], states[k + 1]
+        out.append(_action(model, k + 1, list(lab), texts[k] if k < len(texts) else "", s, t))
+    return out
+
+
+def _action(model: Model, step: int, lab: list[Any], text: str, s: G, t: G) -> Action:
+    kind = lab[0]
+    a = Action(step, lab, text, kind, coord=(int(t.coord[0]), bool(t.coord[1])))
+    if kind == "send":
+        a.kind, a.rank = "add", int(lab[1])
+        a.arg = {"first_req": not bool(s.front[1])}
+    elif kind == "fan":
+        if int(lab[2]) >= 0:
+            raise ValueError(f"step {step}: a fan-out to one rank ({lab!r}) is not driven on vLLM")
+        a.kind, a.arg = "call", str(lab[1])
+    elif kind == "recv":
+        i, f = int(lab[1]), int(lab[2])
+        m = s.ranks[i].inq[f][0]
+        a.rank = i
+        if m[0] == "W":
+            a.kind, a.arg = "release", "START_DP_WAVE"
+            a.expect = [(i, "START_DP_WAVE", {"wave": int(m[1]), "held": False})]
+        elif m[0] == "ADD":
+            a.kind, a.arg = "send", "ADD"
+            a.expect = [(i, "ADD", {})]
+        elif m[0] == "U" and m[1] in CALL_METHOD:
+            a.kind, a.arg = "send", CALL_METHOD[m[1]]
+            a.expect = [(i, "pause" if m[1] == "pause" else "resume", {})]
+        else:
+            raise ValueError(f"step {step}: rank {i} receives {m!r}, which the vLLM driver does not send")
+        ev = a.expect[0][1]
+        a.model_vars = {i: _vars(s.ranks[i] if ev in BEFORE else t.ranks[i])}
+    elif kind == "step":
+        i = int(lab[1])
+        a.kind, a.rank = "observe", i
+        a.expect = [
+            (
+                i,
+                "step",
+                {"has_work": bool(model._has_work(s.ranks[i])), "sync": t.ranks[i].blocked == "dp_sync"},
+            )
+        ]
+        a.model_vars = {i: _vars(s.ranks[i])}
+    elif kind == "done":
+        coll = str(lab[1])
+        a.kind, a.arg = "observe", coll
+        ev, fields = {
+            "dp_sync": ("step_done", {"synced": True}),
+            "dp_step": ("step_done", {"synced": False}),
+            "resume_barrier": ("resume_done", {"barrier": True}),
+        }.get(coll, ("", {}))
+        if not ev:
+            raise ValueError(f"step {step}: collective {coll} is not driven on vLLM")
+        a.expect = [(i, ev, fields) for i in range(model.n)]
+        a.model_vars = {i: _vars(t.ranks[i]) for i in range(model.n)}
+    elif kind == "coord":
+        src = int(lab[1])
+        a.kind, a.rank = "coord", src
+        if src < 0:
+            f = int(lab[2])
+            m = s.coord_q[f][0]
+            if m[0] != "FIRST_REQ":
+                raise ValueError(f"step {step}: the coordinator receives {m!r} from the front-end")
+            a.arg = "FIRST_REQ"
+            fw = model.f_wave
+            for j in range(model.n):
+                if len(t.ranks[j].inq[fw]) > len(s.ranks[j].inq[fw]):
+                    w = t.ranks[j].inq[fw][-1]
+                    a.expect.append((j, "START_DP_WAVE", {"wave": int(w[1]), "held": True}))
+        else:
+            a.arg = str(s.ranks[src].outq[0][0])
+    elif kind == "refresh":
+        a.kind = "refresh"
+        a.coord = (int(s.coord[0]), bool(s.coord[1]))
+    else:
+        raise ValueError(f"step {step}: label {lab!r} is not driven on vLLM")
+    return a
+
+
+def model_counterexample(variant: str, mode: str = "keep") -> dict[str, Any]:
+    """The model's shortest counterexample of ``variant`` with 2 ranks in ``mode`` (check's JSON).
+
+    Raises:
+        RuntimeError: the model finds none (the variant is verified).
+    """
+    res = check(variant, 2, mode=mode, workers=1, progress=False)
+    cx = res.get("counterexample")
+    if not cx:
+        raise RuntimeError(
+            f"{variant} ({mode}): the model finds no counterexample (verdict {res['verdict']})"
+        )
+    return dict(cx)
+
+
+def fix_divergence(buggy: Model, fixed: Model, labels: list[Any]) -> dict[str, Any]:
+    """Where the fix's model leaves the buggy schedule: the first label that is no edge of ``fixed``
+    (``impossible_step``, 1-based) and the table rows that fired differently before it (``fix_rows``:
+    step, rank, event, the buggy row's guard and the fix's)."""
+    _, bad = replay_labels(fixed, labels)
+    good = labels if bad is None else labels[:bad]
+    sb, _ = replay_labels(buggy, good)
+    sf, _ = replay_labels(fixed, good)
+    rows: list[dict[str, Any]] = []
+    for k in range(len(good)):
+        for i in range(buggy.n):
+            vb0, vb1 = sb[k].ranks[i].vars, sb[k + 1].ranks[i].vars
+            vf0, vf1 = sf[k].ranks[i].vars, sf[k + 1].ranks[i].vars
+            if vb0 == vb1 and vf0 == vf1:
+                continue
+            if _vars(sb[k + 1].ranks[i]) != _vars(sf[k + 1].ranks[i]) or vb1.state != vf1.state:
+                rows.append(
+                    {
+                        "step": k + 1,
+                        "rank": i,
+                        "label": list(good[k]),
+                        "buggy": {c: _jsonable(getattr(vb1, c)) for c in COMPARED},
+                        "fix": {c: _jsonable(getattr(vf1, c)) for c in COMPARED},
+                        "fix_row": _row_name(fixed, sf[k], good[k], i),
+                    }
+                )
+    return {"impossible_step": None if bad is None else bad + 1, "fix_rows": rows}
+
+
+def _jsonable(x: Any) -> Any:
+    return int(x) if isinstance(x, int) and not isinstance(x, bool) else x
+
+
+def _row_name(model: Model, s: G, label: Any, rank: int) -> str:
+    """The guard of the table row rank ``rank`` fired on edge ``label`` from ``s`` ("" if none of its)."""
+    lab = list(label)
+    rk = s.ranks[rank]
+    kind = lab[0]
+    if kind == "recv" and int(lab[1]) == rank:
+        m = rk.inq[int(lab[2])][0]
+        if m[0] == "W":
+            ev, extra = RankEvent.START_DP_WAVE, (("exclude", m[2]), ("wave", m[1]))
+        elif m[0] == "ADD":
+            ev, extra = RankEvent.ADD, (("wave", m[2]),)
+        else:
+            ev = RankEvent.PAUSE if m[1] == "pause" else RankEvent.RESUME
+            extra = model.call_extra(rk, ev)
+    elif kind == "done" and lab[1] == "resume_barrier":
+        ev = RankEvent.RESUME_BARRIER_DONE
+        ranks = s.ranks
+        from weightsync.spec.states import unfinished_for_sync
+
+        mu = max(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
+        extra = (("max_unfinished", mu), ("max_wave", max(r.vars.current_wave for r in ranks)))
+    else:
+        return ""
+    tr, _ = model.fire(rank, rk.vars, ev, extra)
+    return f"{model.config.variant}: {rk.vars.state.value} --{ev.value}--> [{tr.guard}]" if tr else ""
+
+
+# --------------------------------------------------------------------------------------------- the driver
+class _Driver:
+    """An ``AsyncLLM`` on its own event-loop thread, with the driver-side holds installed."""
+
+    def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.llm = llm
+        self.loop = loop
+        self.client = llm.engine_core
+        self.held: dict[tuple[int, str], deque[tuple[Any, Any]]] = {}
+        self.log: list[str] = []
+        self.holding = True
+        send = self.client._send_input_message
+        self._send = send
+        import msgspec
+
+        def held_send(message: tuple[Any, ...], engine: Any) -> Any:
+            kind = _kind(message, msgspec)
+            rank = int.from_bytes(bytes(engine), "little")
+            if not self.holding or kind not in HELD_KINDS:
+                return send(message, engine)
+            self.held.setdefault((rank, kind), deque()).append((message, engine))
+            self.log.append(f"held {kind} for rank {rank}")
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            fut.set_result(None)
+            return fut
+
+        self.client._send_input_message = held_send
+        sock = self.client.first_req_send_socket
+        self.first_req: deque[Any] = deque()
+        driver = self
+
+        class HeldSocket:
+            async def send(self, msg: Any, *a: Any, **kw: Any) -> Any:
+                if not driver.holding:
+                    return await sock.send(msg, *a, **kw)
+                driver.first_req.append((msg, a, kw))
+                driver.log.append("held FIRST_REQ")
+                return None
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(sock, name)
+
+        self._sock = sock
+        self.client.first_req_send_socket = HeldSocket()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def count(self, rank: int, kind: str) -> int:
+        return len(self.held.get((rank, kind), ()))
+
+    def release(self, rank: int, kind: str) -> None:
+        q = self.held.get((rank, kind))
+        if not q:
+            raise RuntimeError(f"no held {kind} for rank {rank}")
+        message, engine = q.popleft()
+
+        async def go() -> None:
+            await self._send(message, engine)
+
+        self.run(go(), 30)
+
+    def release_first_req(self) -> None:
+        msg, a, kw = self.first_req.popleft()
+
+        async def go() -> None:
+            await self._sock.send(msg, *a, **kw)
+
+        self.run(go(), 30)
+
+    def utility(self, rank: int, method: str, timeout: float = 30) -> Any:
+        engine = rank.to_bytes(2, "little")
+        return self.run(self.client._call_utility_async(method, engine=engine), timeout)
+
+    def release_everything(self) -> None:
+        """Stop holding and send every held message, FIRST_REQs first, in the order held."""
+        self.holding = False
+        while self.first_req:
+            self.release_first_req()
+        for (rank, kind), q in list(self.held.items()):
+            while q:
+                self.release(rank, kind)
+
+
+def _kind(message: tuple[Any, ...], msgspec: Any) -> str:
+    """ADD / ABORT / the utility's method name for a client->engine message (``core_client.py:1250``)."""
+    head = bytes(message[0])
+    if head == b"\x00":
+        return "ADD"
+    if head == b"\x01":
+        return "ABORT"
+    if head == b"\x03":
+        try:
+            return str(msgspec.msgpack.decode(bytes(message[1]))[2])
+        except Exception:
+            return "OTHER"
+    return "OTHER"
+
+
+@dataclass
+class VllmReproResult:
+    """The JSON of ``weightsync repro VARIANT --engine vllm``."""
+
+    variant: str
+    engine: str
+    fix: str | None
+    result: str
+    followed_steps: int
+    diverged_at: int | None
+    ranks: dict[str, str]
+    seconds: float
+    mode: str = "keep"
+    property: str = ""
+    reason: str = ""
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    fix_rows: list[dict[str, Any]] = field(default_factory=list)
+    impossible_step: int | None = None
+    requests_finished: dict[str, int] = field(default_factory=dict)
+    timeout_s: int = 0
+    errors: dict[str, str] = field(default_factory=dict)
+    events: dict[str, list[str]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Observer:
+    """Matches the probe's engine records against the schedule's expectations, per rank, in order."""
+
+    def __init__(self, directory: Path, n: int) -> None:
+        self.dir = directory
+        self.n = n
+        self.pos = [0] * n
+
+    def records(self) -> dict[int, list[dict[str, Any]]]:
+        from weightsync.vllm.probe import read_events
+
+        return read_events(self.dir)
+
+    def wait(self, rank: int, ev: str, fields: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        """The next record ``ev`` of ``rank`` (skipping records that no model step names), or None."""
+        deadline = time.monotonic() + timeout
+        while True:
+            recs = self.records().get(rank, [])
+            k = self.pos[rank]
+            while k < len(recs):
+                rec = recs[k]
+                k += 1
+                if rec["ev"] in _UNSTEPPED:
+                    continue
+                if rec["ev"] == ev and all(rec.get(f) == x for f, x in fields.items()):
+                    self.pos[rank] = k
+                    return rec
+                self.pos[rank] = k - 1
+                return {"unexpected": rec}
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+
+#: probe records that are no model step of their own (an effect of one, or the driver's own utility)
+_UNSTEPPED = frozenset({"wave_complete", "start_wave", "pause_done", "released", "rpc"})
+
+
+def run_vllm_repro(
+    variant: str = "vllm-0.32",
+    fix: str | None = None,
+    mode: str = "keep",
+    timeout_s: int = 30,
+    step_s: float = 20.0,
+    workdir: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> VllmReproResult:
+    """Drive a real ``AsyncLLM(data_parallel_size=2)`` of a tiny Mixtral through the model's shortest
+    counterexample of ``variant`` in ``mode`` (see the module docstring). ``timeout_s``: the DP group's
+    collective timeout (seconds; vLLM's ``distributed_timeout_seconds`` and
+    ``cpu_distributed_timeout_seconds``); ``step_s``: how long each observation may take.
+
+    Raises:
+        ValueError: ``fix`` is not a known fix, or ``variant`` is not a vLLM 0.32 variant.
+        RuntimeError: the model has no counterexample for ``variant`` (nothing to drive).
+    """
+    if variant != "vllm-0.32":
+        raise ValueError(
+            f"--engine vllm drives vLLM 0.32 as shipped: variant must be vllm-0.32, got {variant!r}"
+        )
+    if fix is not None and fix not in FIX_VARIANT:
+        raise ValueError(f"--fix {fix!r}: the fixes are {', '.join(FIX_VARIANT)}")
+    say = log or (lambda _m: None)
+    t0 = time.monotonic()
+    cx = model_counterexample(variant, mode)
+    labels = [list(x) for x in cx["labels"]]
+    buggy = build_model(variant, 2, mode)
+    target = build_model(FIX_VARIANT[fix], 2, mode) if fix else buggy
+    div = fix_divergence(buggy, target, labels) if fix else {"impossible_step": None, "fix_rows": []}
+    impossible = div["impossible_step"]
+    driven = labels if impossible is None else labels[: impossible - 1]
+    actions = compile_schedule(target, driven, list(cx.get("steps", [])))
+    if impossible is not None:  # the step the fix makes impossible: driven on the buggy model's terms
+        states, _ = replay_labels(buggy, labels[:impossible])
+        actions.append(
+            _action(
+                buggy, impossible, labels[impossible - 1], cx["steps"][impossible - 1], states[-2], states[-1]
+            )
+        )
+    res = VllmReproResult(variant, "vllm", fix, "not reproduced", 0, None, {}, 0.0, mode, str(cx["property"]))
+    res.timeout_s = timeout_s
+    res.fix_rows = list(div["fix_rows"])
+    res.impossible_step = impossible
+    with tempfile.TemporaryDirectory(prefix="weightsync-vllm-repro-") as tmp:
+        work = Path(workdir or tmp)
+        events = work / "events"
+        served = _serve(work, events, fix, timeout_s, say)
+        try:
+            _drive(served, actions, events, res, step_s, impossible, say)
+            _finish(served, events, res, buggy, labels, impossible, timeout_s, step_s, say)
+        finally:
+            served.close()
+    res.seconds = round(time.monotonic() - t0, 3)
+    return res
+
+
+class _Served:
+    def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+        self.llm = llm
+        self.loop = loop
+        self.thread = thread
+        self.driver = _Driver(llm, loop)
+        self.outputs: dict[str, Any] = {}
+
+    def close(self) -> None:
+        try:
+            self.llm.shutdown()
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _serve(work: Path, events: Path, fix: str | None, timeout_s: int, say: Callable[[str], None]) -> _Served:
+    from weightsync.vllm import fix as fix_mod
+    from weightsync.vllm import probe
+    from weightsync.vllm.models import build_tiny_mixtral
+
+    model_dir = work / "tiny-mixtral"
+    build_tiny_mixtral(model_dir)
+    os.environ[probe.ENV_EVENTS] = str(events)
+    os.environ[probe.ENV_HOLD] = "START_DP_WAVE"
+    if fix:
+        fix_mod.patched_core_source()  # fails here, with the reason, before any engine starts
+        os.environ[fix_mod.ENV_FIX] = fix
+    else:
+        os.environ.pop(fix_mod.ENV_FIX, None)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=str(model_dir),
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        disable_log_stats=True,
+        data_parallel_size=2,
+        distributed_timeout_seconds=timeout_s,
+        cpu_distributed_timeout_seconds=timeout_s,
+    )
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="vllm-repro-loop", daemon=True)
+    thread.start()
+
+    async def start() -> Any:
+        return AsyncLLM.from_engine_args(args)
+
+    t0 = time.monotonic()
+    llm = asyncio.run_coroutine_threadsafe(start(), loop).result(600)
+    say(f"AsyncLLM(data_parallel_size=2) of a tiny Mixtral up in {time.monotonic() - t0:.1f} s")
+    for k in (probe.ENV_EVENTS, probe.ENV_HOLD, fix_mod.ENV_FIX):
+        os.environ.pop(k, None)
+    return _Served(llm, loop, thread)
+
+
+def _compare(a: Action, rank: int, rec: dict[str, Any]) -> str:
+    want = a.model_vars.get(rank)
+    if want is None:
+        return ""
+    got = {k: rec["vllm"][k] for k in COMPARED}
+    bad = {k: (got[k], want[k]) for k in COMPARED if got[k] != want[k]}
+    if not bad:
+        return ""
+    return ", ".join(f"{k}: vLLM {g}, model {w}" for k, (g, w) in bad.items())
+
+
+def _drive(
+    served: _Served,
+    actions: list[Action],
+    events: Path,
+    res: VllmReproResult,
+    step_s: float,
+    impossible: int | None,
+    say: Callable[[str], None],
+) -> None:
+    d = served.driver
+    llm = served.llm
+    obs = _Observer(events, 2)
+    calls: list[Any] = []
+    from vllm import SamplingParams
+
+    for a in actions:
+        why = ""
+        if a.kind == "add":
+            rid = f"req-{len(served.outputs)}"
+            served.outputs[rid] = []
+            before = len(d.first_req)
+
+            async def gen(rid: str = rid, rank: int = a.rank) -> None:
+                sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+                async for out in llm.generate(
+                    {"prompt_token_ids": [1, 5, 6]}, sp, rid, data_parallel_rank=rank
+                ):
+                    served.outputs[rid].append(out)
+
+            calls.append(d.spawn(gen()))
+            ok = _until(
+                lambda: d.count(a.rank, "ADD") >= 1 and len(d.first_req) >= before + int(a.arg["first_req"]),
+                step_s,
+            )
+            why = "" if ok else (
+                f"the ADD (and FIRST_REQ: {a.arg['first_req']}) did not reach the driver's hold "
+                f"(held: {sorted(d.held)}, FIRST_REQ {len(d.first_req)}, generate: {_state(calls[-1])})"
+            )
+        elif a.kind == "call":
+            method = CALL_METHOD[a.arg]
+            coro = llm.pause_generation(mode=res.mode) if a.arg == "pause" else llm.resume_generation()
+            calls.append(d.spawn(coro))
+            ok = _until(lambda: all(d.count(r, method) >= 1 for r in range(2)), step_s)
+            why = "" if ok else f"{method} did not reach the driver's hold for every rank"
+        elif a.kind == "send":
+            d.release(a.rank, a.arg)
+        elif a.kind == "release":
+            try:
+                d.utility(a.rank, "weightsync_release", timeout=step_s)
+            except Exception as exc:
+                why = f"weightsync_release on rank {a.rank}: {type(exc).__name__}: {exc}"
+        elif a.kind == "coord":
+            if a.arg == "FIRST_REQ":
+                d.release_first_req()
+            else:
+                ok = _until(
+                    lambda: (int(d.client.current_wave), bool(d.client.engines_running)) == a.coord, step_s
+                )
+                why = (
+                    ""
+                    if ok
+                    else (
+                        f"the front-end never saw the coordinator at (wave, running)={a.coord}: "
+                        f"({d.client.current_wave}, {d.client.engines_running})"
+                    )
+                )
+        elif a.kind == "refresh":
+            ok = _until(
+                lambda: (int(d.client.current_wave), bool(d.client.engines_running)) == a.coord, step_s
+            )
+            why = (
+                ""
+                if ok
+                else f"front-end believes ({d.client.current_wave}, {d.client.engines_running}), model {a.coord}"
+            )
+        for rank, ev, fields in a.expect if not why else []:
+            rec = obs.wait(rank, ev, fields, step_s)
+            if rec is None:
+                why = f"rank {rank} recorded no {ev} {fields} within {step_s:.0f} s"
+            elif "unexpected" in rec:
+                got = rec["unexpected"]
+                why = f"rank {rank} recorded {got['ev']} {_brief(got)}, the model expects {ev} {fields}"
+            else:
+                why = _compare(a, rank, rec)
+                if why:
+                    why = f"rank {rank} after {ev}: {why}"
+            if why:
+                break
+        entry = {"step": a.step, "label": a.label, "model": a.text, "followed": not why}
+        if why:
+            entry["why"] = why
+        res.steps.append(entry)
+        say(f"step {a.step}: {'ok' if not why else 'DIVERGED: ' + why}  [{a.text}]")
+        if why:
+            res.diverged_at = a.step
+            res.reason = why
+            return
+        res.followed_steps += 1
+    served.__dict__["calls"] = calls
+
+
+def _state(fut: Any) -> str:
+    if not fut.done():
+        return "running"
+    exc = fut.exception()
+    return f"{type(exc).__name__}: {exc}" if exc else "returned"
+
+
+def _brief(rec: dict[str, Any]) -> str:
+    return str({k: v for k, v in rec.items() if k not in ("t", "rank", "ev", "vllm")})
+
+
+def _until(pred: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _blocked(recs: list[dict[str, Any]]) -> tuple[str, dict[str, Any] | None]:
+    """What a rank was blocked in at the end of its log, and the error that ended it (if any)."""
+    last_step: dict[str, Any] | None = None
+    for rec in recs:
+        if rec["ev"] == "step":
+            last_step = rec
+        elif rec["ev"] == "step_done":
+            last_step = None
+        elif rec["ev"] == "step_error" and last_step is not None:
+            return ("dp_sync" if last_step.get("sync") else "dp_step"), rec
+    if last_step is not None:
+        return ("dp_sync" if last_step.get("sync") else "dp_step"), None
+    return "", None
+
+
+def _finish(
+    served: _Served,
+    events: Path,
+    res: VllmReproResult,
+    buggy: Model,
+    labels: list[Any],
+    impossible: int | None,
+    timeout_s: int,
+    step_s: float,
+    say: Callable[[str], None],
+) -> None:
+    from weightsync.vllm.probe import read_events
+
+    d = served.driver
+    if res.fix is None:
+        states, _ = replay_labels(buggy, labels)
+        final = states[-1]
+        want = {str(i): final.ranks[i].blocked for i in range(buggy.n)}
+        if res.diverged_at is None:  # wait for the group's timeout to end the one-sided collective
+            _until(lambda: any(_blocked(r)[1] for r in read_events(events).values()), timeout_s + step_s)
+        recs = read_events(events)
+        got: dict[str, str] = {}
+        for r, rr in recs.items():
+            where, err = _blocked(rr)
+            got[str(r)] = where
+            if err is not None:
+                res.errors[str(r)] = str(err.get("error", ""))
+        res.ranks = got
+        res.events = {str(r): [_line(x) for x in rr[-8:]] for r, rr in recs.items()}
+        if res.diverged_at is not None:
+            res.result = "diverged"
+            return
+        if got != want:
+            res.reason = f"ranks ended in {got}, the model's final state has {want}"
+            return
+        stuck = [r for r, w in want.items() if w]
+        timed_out = all(
+            "timed out" in res.errors.get(r, "").lower() or "timeout" in res.errors.get(r, "").lower()
+            for r in stuck
+        )
+        peers_idle = all(not got[r] for r in want if r not in stuck)
+        if stuck and timed_out and peers_idle:
+            res.result = "reproduced"
+            res.reason = (
+                f"rank(s) {', '.join(stuck)} in {', '.join(want[r] for r in stuck)} until the {timeout_s} s "
+                "collective timeout; peers idle"
+            )
+        else:
+            res.reason = f"stuck={stuck}, timeout errors={res.errors}, peers idle={peers_idle}"
+        return
+    # the fix: the impossible step must not have happened; then everything flows and finishes
+    if res.diverged_at is None or res.diverged_at != impossible:
+        res.result = "diverged" if res.diverged_at is not None else "not reproduced"
+        if res.diverged_at is None:
+            res.reason = f"the real engines took step {impossible}, which the fix's model makes impossible"
+        res.ranks = {str(r): _blocked(rr)[0] for r, rr in read_events(events).items()}
+        return
+    say(f"step {impossible} did not happen (the fix's model has no such edge); releasing every held message")
+    d.release_everything()
+    for r in range(2):
+        while True:
+            try:
+                if int(d.utility(r, "weightsync_held", timeout=step_s)) == 0:
+                    break
+                d.utility(r, "weightsync_release", timeout=step_s)
+            except Exception as exc:
+                res.errors[str(r)] = f"{type(exc).__name__}: {exc}"
+                break
+    for fut in served.__dict__.get("calls", []):
+        try:
+            fut.result(step_s * 3)
+        except Exception as exc:
+            res.errors["driver"] = f"{type(exc).__name__}: {exc}"
+    # one more request per rank after the cycle: the engines serve normally
+    from vllm import SamplingParams
+
+    async def one(rid: str, rank: int) -> None:
+        sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        served.outputs[rid] = []
+        async for out in served.llm.generate(
+            {"prompt_token_ids": [1, 7, 8]}, sp, rid, data_parallel_rank=rank
+        ):
+            served.outputs[rid].append(out)
+
+    for r in range(2):
+        try:
+            d.run(one(f"after-{r}", r), step_s * 3)
+        except Exception as exc:
+            res.errors[f"after-{r}"] = f"{type(exc).__name__}: {exc}"
+    fin = {
+        rid: len(outs[-1].outputs[0].token_ids) if outs and outs[-1].finished else -1
+        for rid, outs in served.outputs.items()
+    }
+    res.requests_finished = fin
+    recs = read_events(events)
+    res.ranks = {str(r): _blocked(rr)[0] for r, rr in recs.items()}
+    res.events = {str(r): [_line(x) for x in rr[-8:]] for r, rr in recs.items()}
+    if all(v > 0 for v in fin.values()) and not res.errors and not any(res.ranks.values()):
+        res.result = "completed"
+        res.reason = (
+            f"step {impossible} is impossible under the fix ({res.fix_rows[0]['fix_row'] if res.fix_rows else ''}); "
+            "after releasing every held message every request finished"
+        )
+    else:
+        res.reason = f"requests {fin}, errors {res.errors}, ranks {res.ranks}"
+
+
+def _line(rec: dict[str, Any]) -> str:
+    v = rec.get("vllm", {})
+    extra = _brief(rec)
+    return (
+        f"{rec['ev']} {extra} -> running={v.get('engines_running')} wave={v.get('current_wave')} "
+        f"pending={v.get('pending_pause')} ignore={v.get('ignore_start_dp_wave')} pause={v.get('pause_state')}"
+    )
+
+
+__all__ = ["COMPARED", "Action", "VllmReproResult", "compile_schedule", "fix_divergence", "run_vllm_repro"]
