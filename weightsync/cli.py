@@ -236,10 +236,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = add("replay", "validate recorded traces against the model")
     rp.add_argument("traces", nargs="+")
+    rp.add_argument(
+        "--variant", default=None, help="replay against this variant's table (default: the header's)"
+    )
+
+    rc = add("record", "record a protocol trace from real engines (pause/update/resume cycles with traffic)")
+    rc.add_argument(
+        "--engine", choices=("vllm",), default="vllm", help="vllm: AsyncLLM(data_parallel_size=2), MoE"
+    )
+    rc.add_argument("--cycles", type=POSITIVE, default=20, help="controller cycles")
+    rc.add_argument("--seed", type=SEED, default=0, help="seed of the request traffic and pause modes")
+    rc.add_argument("--out", default="traces/vllm-0.32-cycles.jsonl", help="trace file (JSONL)")
     return p
 
 
-for _name in ("variants", "check", "export", "prove", "mutate", "bench", "demo", "repro", "replay"):
+for _name in ("variants", "check", "export", "prove", "mutate", "bench", "demo", "repro", "replay", "record"):
     HANDLERS[_name] = _not_built(_name)
 
 
@@ -619,7 +630,7 @@ def _replay(args: argparse.Namespace) -> int:
     for path in args.traces:
         try:  # table edges (impl) + the model's composition check (collective outcomes, blocked ranks)
             checkers.append(TraceChecker())
-            results.append(replay_trace(path, checkers[-1]))
+            results.append(replay_trace(path, checkers[-1], variant=args.variant))
         except (OSError, ValueError) as exc:
             err = {"error": str(exc)}
             emit(err, args.json, lambda err=err: print(err["error"], file=sys.stderr))  # type: ignore[misc]
@@ -657,6 +668,32 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 HANDLERS["replay"] = _replay
+
+
+def _record(args: argparse.Namespace) -> int:
+    """``record --engine vllm``: :func:`weightsync.vllm.trace.record_cycles`."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    try:
+        from weightsync.vllm.trace import record_cycles
+    except ImportError as exc:
+        msg = f"--engine vllm needs vLLM ({exc}); install it with `make venv` (the vllm extra)"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.json else None
+    out = record_cycles(args.out, cycles=args.cycles, seed=args.seed, log=say)
+
+    def human() -> None:
+        print(
+            f"{out['cycles']} cycles, {out['requests']} requests ({out['finished']} finished, {out['aborted']} "
+            f"aborted), modes {out['modes']}: {out['lines']} trace lines -> {out['path']} ({out['seconds']:.0f} s)"
+        )
+        print(f"check it: weightsync replay --variant vllm-0.32 {out['path']}")
+
+    emit(out, args.json, human)
+    return EXIT_OK
+
+
+HANDLERS["record"] = _record
 
 
 # --------------------------------------------------------------------------- demo

@@ -342,8 +342,28 @@ class ReplayResult:
 StepValidator = Callable[[int, dict[str, Any], list[RankMachine]], str | None]
 
 
-def replay_trace(path: str | Path, validate: StepValidator | None = None) -> ReplayResult:
+def _observed_differs(observed: Any, v: RankVars, when: str) -> str:
+    """Why the engine's reported variables ``observed`` (a partial :func:`vars_to_dict`) differ from the
+    table's ``v`` (``""`` when they agree or nothing was reported)."""
+    if not observed:
+        return ""
+    table = vars_to_dict(v)
+    bad = {k: (x, table.get(k, "<no such variable>")) for k, x in dict(observed).items() if table.get(k) != x}
+    if not bad:
+        return ""
+    shown = ", ".join(f"{k}: engine {g!r}, table {w!r}" for k, (g, w) in sorted(bad.items()))
+    return f"the engine reported {when} the event {shown}"
+
+
+def replay_trace(
+    path: str | Path, validate: StepValidator | None = None, variant: str | None = None
+) -> ReplayResult:
     """Validate one JSONL trace (see the module docstring). Ranks interleave in file order.
+
+    ``variant``: replay against this variant's table instead of the header's. A record may carry
+    ``observed_before`` / ``observed``: some of the rank's variables as the engine itself reported them
+    before / after the event (a real vLLM engine, :mod:`weightsync.vllm.trace`); each must equal the
+    table's value there, field by field.
 
     Raises:
         ValueError: the file has no header line or a line is not JSON (input error, not a divergence).
@@ -366,7 +386,7 @@ def replay_trace(path: str | Path, validate: StepValidator | None = None) -> Rep
         recs.append((i, obj))
     if header is None:
         raise ValueError(f"{p}: no header line (kind=header with variant, dp_size, sync_interval)")
-    variant = str(header["variant"])
+    variant = str(header["variant"]) if variant is None else variant
     n = int(header["dp_size"])
     k = int(header["sync_interval"])
     table = get_variant(variant).table
@@ -399,6 +419,9 @@ def replay_trace(path: str | Path, validate: StepValidator | None = None) -> Rep
         before = m.vars
         if "vars_before" in rec and dict(rec["vars_before"]) != vars_to_dict(before):
             return diverge(line, step, r, event.value, f"recorded state {rec['vars_before']} differs", before)
+        why = _observed_differs(rec.get("observed_before"), before, "before")
+        if why:
+            return diverge(line, step, r, event.value, why, before)
         kind = _DONE_OF.get(event.value)
         if kind is not None:
             seq = int(rec.get("coll_seq", 0)) - 1  # the DONE record carries the next sequence number
@@ -431,7 +454,13 @@ def replay_trace(path: str | Path, validate: StepValidator | None = None) -> Rep
                 f"table gives {vars_to_dict(m.vars)}, trace says {rec['vars_after']}",
                 before,
             )
+        why = _observed_differs(rec.get("observed"), m.vars, "after")
+        if why:
+            return diverge(line, step, r, event.value, why, before)
         coll = str(rec.get("collective", ""))
+        if coll and rec.get("observed") is not None and coll != m.vars.collective:  # engine-reported
+            why = f"the engine entered {coll}, the table {m.vars.collective or 'no collective'}"
+            return diverge(line, step, r, event.value, why, before)
         if coll in _DP_KINDS:
             entered[r][int(rec.get("coll_seq", 0))] = coll
             res.collectives += 1

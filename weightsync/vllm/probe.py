@@ -23,13 +23,14 @@ scheduler's ``waiting`` / ``running`` counts, ``scheduler.get_request_counts()``
 ``pause``          ``pause_scheduler`` returned (``:2061-2103``): ``mode``, ``clear_cache``, ``running`` (the
                    scheduler's running count before the call), ``done`` (it completed synchronously)
 ``pause_done``     the pause's idle callback ran (``_finish_pause``): phase 2's consensus was reached
-``resume``         ``resume_scheduler`` entered (``:2250-2273``), before its barrier
+``resume``         ``resume_scheduler`` entered (``:2250-2273``), before its barrier: ``has_unfinished`` (the
+                   scheduler's ``has_unfinished_requests()``, the barrier's input)
 ``resume_done``    ``resume_scheduler`` returned: ``barrier`` (it entered the MAX all-reduce: vLLM's
                    ``EngineCore.resume_scheduler`` ran, ``:2262``), ``error``
 ``step``           a forward is about to run: ``execute_dummy_batch`` (``has_work`` false) or the executor's
                    ``execute_model`` (``has_work`` true), ``sync``: whether this step ends with the DP sync
                    all-reduce (vLLM's ``step_counter + 1 == 1`` or ``% dp_sync_interval == 0``,
-                   ``:2410-2414``)
+                   ``:2410-2414``), ``dp_sync_interval``
 ``step_done``      ``_has_global_unfinished_reqs`` returned (``:2408-2427``), recorded at the top of the next
                    loop iteration so that ``vllm`` includes the wave change (``:2366-2386``): ``synced``,
                    ``has_unfinished`` (the rank's input), ``pending_pause`` (its input), ``result``
@@ -45,7 +46,8 @@ scheduler's ``waiting`` / ``running`` counts, ``scheduler.get_request_counts()``
 Holding: with :data:`ENV_HOLD` = ``START_DP_WAVE`` every START_DP_WAVE a rank receives is kept in the
 probe (recorded ``held``) instead of reaching vLLM's handler; the utility call ``weightsync_release`` (sent
 by the driver to that engine: ``AsyncMPClient._call_utility_async(..., engine=...)``) hands the oldest one
-to vLLM's handler on the busy-loop thread, where vLLM would have handled it. This is how a schedule makes a
+to vLLM's handler on the busy-loop thread, where vLLM would have handled it; ``weightsync_release_all``
+releases every held message and stops holding on that engine. This is how a schedule makes a
 rank take a START_DP_WAVE after its resume (reference ``vllm-0.32.md`` section 5: the engine input).
 """
 
@@ -150,7 +152,13 @@ def _syncs_next(engine: Any) -> bool:
 
 def _record_step(engine: Any, log: _Log, has_work: bool) -> None:
     _flush_done(engine, log)
-    log.write(engine, "step", has_work=has_work, sync=_syncs_next(engine))
+    log.write(
+        engine,
+        "step",
+        has_work=has_work,
+        sync=_syncs_next(engine),
+        dp_sync_interval=int(engine.dp_sync_interval),
+    )
 
 
 def _flush_done(engine: Any, log: _Log) -> None:
@@ -203,7 +211,7 @@ def install() -> bool:
         log = _log(self)
         if request_type == EngineCoreRequestType.START_DP_WAVE:
             wave, exclude = int(request[0]), request[1]
-            if "START_DP_WAVE" in hold:
+            if "START_DP_WAVE" in hold and not self.__dict__.get("_weightsync_hold_off"):
                 self._weightsync_held.append((request_type, request))
                 log.write(self, "START_DP_WAVE", wave=wave, exclude=exclude, held=True)
                 return
@@ -228,6 +236,17 @@ def install() -> bool:
         log.write(self, "START_DP_WAVE", wave=int(request[0]), exclude=request[1], held=False)
         return f"START_DP_WAVE(wave={int(request[0])})"
 
+    def weightsync_release_all(self: Any) -> int:
+        """Stop holding on this engine and hand every held message to vLLM, oldest first (a utility call of
+        the driver); returns how many were held."""
+        _log(self)
+        self.__dict__["_weightsync_hold_off"] = True
+        n = 0
+        while self._weightsync_held:
+            weightsync_release(self)
+            n += 1
+        return n
+
     def weightsync_held(self: Any) -> int:
         """How many messages the probe holds for this engine (a utility call of the driver)."""
         _log(self)
@@ -250,7 +269,7 @@ def install() -> bool:
     def resume_scheduler(self: Any) -> Any:
         log = _log(self)
         self.__dict__["_weightsync_barrier"] = False
-        log.write(self, "resume")
+        log.write(self, "resume", has_unfinished=bool(self.scheduler.has_unfinished_requests()))
         try:
             out = orig["resume_scheduler"](self)
         except Exception as exc:
@@ -318,6 +337,7 @@ def install() -> bool:
         collective_rpc,
         _process_input_queue,
         weightsync_release,
+        weightsync_release_all,
         weightsync_held,
     ):
         setattr(cls, fn.__name__, fn)

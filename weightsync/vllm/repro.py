@@ -599,9 +599,13 @@ def _drive(
                 lambda: d.count(a.rank, "ADD") >= 1 and len(d.first_req) >= before + int(a.arg["first_req"]),
                 step_s,
             )
-            why = "" if ok else (
-                f"the ADD (and FIRST_REQ: {a.arg['first_req']}) did not reach the driver's hold "
-                f"(held: {sorted(d.held)}, FIRST_REQ {len(d.first_req)}, generate: {_state(calls[-1])})"
+            why = (
+                ""
+                if ok
+                else (
+                    f"the ADD (and FIRST_REQ: {a.arg['first_req']}) did not reach the driver's hold "
+                    f"(held: {sorted(d.held)}, FIRST_REQ {len(d.first_req)}, generate: {_state(calls[-1])})"
+                )
             )
         elif a.kind == "call":
             method = CALL_METHOD[a.arg]
@@ -701,6 +705,14 @@ def _blocked(recs: list[dict[str, Any]]) -> tuple[str, dict[str, Any] | None]:
     return "", None
 
 
+def _idle(recs: list[dict[str, Any]]) -> bool:
+    """The rank's last step ended its wave (its sync found no work anywhere) and no collective failed."""
+    if any(r["ev"] == "step_error" for r in recs):
+        return False
+    steps = [r for r in recs if r["ev"] in ("step", "step_done")]
+    return bool(steps) and steps[-1]["ev"] == "step_done" and not steps[-1]["result"]
+
+
 def _finish(
     served: _Served,
     events: Path,
@@ -759,16 +771,12 @@ def _finish(
         res.ranks = {str(r): _blocked(rr)[0] for r, rr in read_events(events).items()}
         return
     say(f"step {impossible} did not happen (the fix's model has no such edge); releasing every held message")
+    for r in range(2):  # the engines first: a START_DP_WAVE sent from now on is not held
+        try:
+            d.utility(r, "weightsync_release_all", timeout=step_s)
+        except Exception as exc:  # noqa: BLE001 - reported, and the run is not "completed"
+            res.errors[str(r)] = f"weightsync_release_all: {type(exc).__name__}: {exc}"
     d.release_everything()
-    for r in range(2):
-        while True:
-            try:
-                if int(d.utility(r, "weightsync_held", timeout=step_s)) == 0:
-                    break
-                d.utility(r, "weightsync_release", timeout=step_s)
-            except Exception as exc:
-                res.errors[str(r)] = f"{type(exc).__name__}: {exc}"
-                break
     for fut in served.__dict__.get("calls", []):
         try:
             fut.result(step_s * 3)
@@ -790,6 +798,8 @@ def _finish(
             d.run(one(f"after-{r}", r), step_s * 3)
         except Exception as exc:
             res.errors[f"after-{r}"] = f"{type(exc).__name__}: {exc}"
+    # the wave ends (the ranks' next sync finds no work) and every rank goes idle
+    _until(lambda: all(_idle(rr) for rr in read_events(events).values()), step_s * 3)
     fin = {
         rid: len(outs[-1].outputs[0].token_ids) if outs and outs[-1].finished else -1
         for rid, outs in served.outputs.items()
@@ -798,7 +808,7 @@ def _finish(
     recs = read_events(events)
     res.ranks = {str(r): _blocked(rr)[0] for r, rr in recs.items()}
     res.events = {str(r): [_line(x) for x in rr[-8:]] for r, rr in recs.items()}
-    if all(v > 0 for v in fin.values()) and not res.errors and not any(res.ranks.values()):
+    if all(v > 0 for v in fin.values()) and not res.errors and all(_idle(rr) for rr in recs.values()):
         res.result = "completed"
         res.reason = (
             f"step {impossible} is impossible under the fix ({res.fix_rows[0]['fix_row'] if res.fix_rows else ''}); "
