@@ -23,12 +23,12 @@ scheduler's ``waiting`` / ``running`` counts, ``scheduler.get_request_counts()``
 ``pause``          ``pause_scheduler`` returned (``:2061-2103``): ``mode``, ``clear_cache``, ``running`` (the
                    scheduler's running count before the call), ``done`` (it completed synchronously)
 ``pause_done``     the pause's idle callback ran (``_finish_pause``): phase 2's consensus was reached
-``resume``         ``resume_scheduler`` entered (``:2250-2273``), before its barrier: ``has_unfinished`` (the
-                   scheduler's ``has_unfinished_requests()``, the barrier's input)
+``resume``         ``resume_scheduler`` entered (``:2250-2273``), before its barrier
 ``resume_done``    ``resume_scheduler`` returned: ``barrier`` (it entered the MAX all-reduce: vLLM's
-                   ``EngineCore.resume_scheduler`` ran, ``:2262``), ``error``
+                   ``EngineCore.resume_scheduler`` ran, ``:2262``), ``has_unfinished`` (the barrier's input:
+                   ``has_unfinished_requests()`` once unpaused), ``error``
 ``step``           a forward is about to run: ``execute_dummy_batch`` (``has_work`` false) or the executor's
-                   ``execute_model`` (``has_work`` true), ``sync``: whether this step ends with the DP sync
+                   ``execute_model`` with a non-empty batch (``has_work`` true), ``sync``: whether this step ends with the DP sync
                    all-reduce (vLLM's ``step_counter + 1 == 1`` or ``% dp_sync_interval == 0``,
                    ``:2410-2414``), ``dp_sync_interval``
 ``step_done``      ``_has_global_unfinished_reqs`` returned (``:2408-2427``), recorded at the top of the next
@@ -122,7 +122,14 @@ def _hook_instance(engine: Any, log: _Log) -> None:
     execute_model = executor.execute_model
 
     def traced_execute_model(*args: Any, **kwargs: Any) -> Any:
-        _record_step(engine, log, has_work=True)
+        # vLLM calls execute_model with an empty batch too (finished requests not yet returned): that is no
+        # step of the DP loop, which then runs a dummy batch (EngineCore.step's model_executed flag,
+        # core.py:687: total_num_scheduled_tokens > 0)
+        scheduled = getattr(
+            args[0] if args else kwargs.get("scheduler_output"), "total_num_scheduled_tokens", 1
+        )
+        if scheduled > 0:
+            _record_step(engine, log, has_work=True)
         try:
             return execute_model(*args, **kwargs)
         except Exception as exc:
@@ -269,7 +276,7 @@ def install() -> bool:
     def resume_scheduler(self: Any) -> Any:
         log = _log(self)
         self.__dict__["_weightsync_barrier"] = False
-        log.write(self, "resume", has_unfinished=bool(self.scheduler.has_unfinished_requests()))
+        log.write(self, "resume")
         try:
             out = orig["resume_scheduler"](self)
         except Exception as exc:
@@ -277,12 +284,22 @@ def install() -> bool:
                 self, "resume_done", barrier=self._weightsync_barrier, error=f"{type(exc).__name__}: {exc}"
             )
             raise
-        log.write(self, "resume_done", barrier=self._weightsync_barrier, error="")
+        log.write(
+            self,
+            "resume_done",
+            barrier=self._weightsync_barrier,
+            has_unfinished=self.__dict__.get("_weightsync_barrier_input"),
+            error="",
+        )
         return out
 
     def base_resume_scheduler(self: Any) -> Any:
         self.__dict__["_weightsync_barrier"] = True  # the barrier follows (core.py:2262-2270)
-        return base_resume(self)
+        out = base_resume(self)
+        # the barrier's input, read as vLLM reads it: after the scheduler is unpaused (under PAUSED_ALL
+        # get_num_unfinished_requests() is 0, v1/core/sched/scheduler.py:2803-2811)
+        self.__dict__["_weightsync_barrier_input"] = bool(self.scheduler.has_unfinished_requests())
+        return out
 
     def _has_global_unfinished_reqs(self: Any, local_unfinished: bool) -> bool:
         log = _log(self)

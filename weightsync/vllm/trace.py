@@ -19,7 +19,7 @@ probe record             trace line(s)
 ``pause``                ``pause`` (``mode``, ``clear_cache``, ``running``)
 ``resume``               ``resume``; when it entered the barrier, ``collective`` ``resume_barrier``
 ``resume_done``          ``resume_barrier_done`` (``max_unfinished``: MAX of the members'
-                         ``has_unfinished``; ``max_wave``: MAX of their waves at entry)
+                         barrier inputs ``has_unfinished``; ``max_wave``: MAX of their waves at entry)
 ``step``                 ``step`` (``has_work``), ``collective`` ``dp_sync`` or ``dp_step``
 ``step_done``            ``dp_sync_done`` (``sum_unfinished``, ``sum_pending_pause``: SUMs of the
                          members' real inputs) or ``dp_step_done``; ``has_work``: the scheduler's
@@ -132,7 +132,7 @@ def to_replay_trace(
             }
         elif kind == "resume_barrier":
             args = {
-                "max_unfinished": max(int(colls[r][seq][1]["has_unfinished"]) for r in ranks),
+                "max_unfinished": max(int(bool(colls[r][seq][2]["has_unfinished"])) for r in ranks),
                 "max_wave": max(int(colls[r][seq][1]["vllm"]["current_wave"]) for r in ranks),
             }
         else:
@@ -226,7 +226,8 @@ def record_cycles(
 ) -> dict[str, Any]:
     """Run ``cycles`` pause / weight round / resume cycles with random request traffic on a real
     ``AsyncLLM(data_parallel_size=2)`` of a tiny Mixtral (CPU), record the engines' protocol events, and
-    write the replay trace to ``out`` (see the module docstring). Returns a summary: ``cycles``,
+    write the replay trace to ``out`` (see the module docstring) and the probe's raw engine logs to
+    ``<out>.engines/``. Returns a summary: ``cycles``,
     ``requests``, ``finished``, ``aborted``, ``modes`` (count per mode), ``versions`` (vLLM's
     ``get_weight_version()`` after each cycle), ``seconds``, and :func:`to_replay_trace`'s fields.
 
@@ -318,7 +319,7 @@ def record_cycles(
                             one(rid, rng.randrange(2), rng.randrange(2, 9)), loop
                         )
                     )
-                time.sleep(rng.uniform(0.0, 0.6))
+                time.sleep(rng.uniform(0.0, 0.3))
                 mode = rng.choice(modes)
                 mode_count[mode] = mode_count.get(mode, 0) + 1
                 run(llm.pause_generation(mode=mode), 300)
@@ -337,6 +338,11 @@ def record_cycles(
             thread.join(10)
         events = probe.read_events(events_dir)
         summary = to_replay_trace(events, out)
+        raw = Path(str(out) + ".engines")
+        raw.mkdir(parents=True, exist_ok=True)
+        for f in events_dir.glob("engine-*.jsonl"):
+            (raw / f.name).write_text(f.read_text(encoding="utf-8"), encoding="utf-8")
+        summary["engine_logs"] = str(raw)
     errors = {rid: r for rid, r in outcomes.items() if r not in ("length", "stop", "abort")}
     if errors:
         raise RuntimeError(f"requests ended with errors: {errors}")

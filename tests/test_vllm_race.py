@@ -1,0 +1,67 @@
+"""The resume-time race on a real vLLM 0.32 DP deployment, and real vLLM traces replayed by the model.
+
+Each test starts a real ``AsyncLLM(data_parallel_size=2)`` of a tiny Mixtral (MoE: lockstep
+``DPEngineCoreProc`` ranks) on CPU, 50-70 s on this machine, so they are ``slow``; ``.ci/run`` runs them
+once (``make test-vllm-race``).
+
+- ``weightsync repro vllm-0.32 --engine vllm``: vLLM as shipped follows every step of the model's
+  shortest counterexample, rank 0 ends inside its DP step and rank 1 idle, and rank 0's collective raises
+  gloo's timeout (shortened to 30 s); with ``--fix epoch`` (the patch grafted into the engines by the
+  plugin) the engines follow the fix's model up to the step it makes impossible, that step does not
+  happen, and after every held message is released every request finishes.
+- ``weightsync record --engine vllm --cycles 20``: 20 pause / weight round / resume cycles with random
+  traffic; ``weightsync replay --variant vllm-0.32`` accepts the engines' trace (every recorded event an
+  edge of the table, vLLM's variables equal to the table's after each, collective outcomes equal to the
+  model's arithmetic).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from vllm_util import require_vllm
+
+require_vllm()
+
+from weightsync.impl.checked import replay_trace  # noqa: E402
+from weightsync.model.replay import TraceChecker  # noqa: E402
+from weightsync.vllm.repro import run_vllm_repro  # noqa: E402
+from weightsync.vllm.trace import record_cycles  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_the_race_reproduces_on_vllm_as_shipped() -> None:
+    res = run_vllm_repro("vllm-0.32", timeout_s=30)
+    d = res.as_dict()
+    print(
+        json.dumps(
+            {k: d[k] for k in ("result", "followed_steps", "diverged_at", "ranks", "seconds", "reason")}
+        )
+    )
+    assert res.result == "reproduced", (res.reason, res.steps[-3:], res.events)
+    assert res.diverged_at is None and res.followed_steps == len(res.steps) == 17
+    assert res.ranks == {"0": "dp_sync", "1": ""}
+    assert "timed out" in res.errors["0"].lower()
+    assert set(res.errors) == {"0"}
+
+
+def test_the_fix_makes_the_same_schedule_complete() -> None:
+    res = run_vllm_repro("vllm-0.32", fix="epoch", timeout_s=30)
+    assert res.result == "completed", (res.reason, res.steps[-3:], res.events)
+    assert res.impossible_step == res.diverged_at == 17 and res.followed_steps == 16
+    assert any("[barrier_idle]" in r["fix_row"] for r in res.fix_rows)
+    assert res.requests_finished and all(n > 0 for n in res.requests_finished.values())
+    assert res.ranks == {"0": "", "1": ""} and not res.errors
+
+
+def test_twenty_real_cycles_replay_on_the_model(tmp_path: Path) -> None:
+    out = tmp_path / "vllm-20.jsonl"
+    summary = record_cycles(out, cycles=20, seed=1)
+    assert summary["versions"][-1] == "step-20" and summary["requests"] > 0
+    checker = TraceChecker()
+    res = replay_trace(out, checker, variant="vllm-0.32")
+    assert res.ok, res.divergence
+    assert res.collectives > 40 and checker.outcomes_checked > 20 and checker.has_work_checked > 40
