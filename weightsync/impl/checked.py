@@ -419,9 +419,9 @@ def replay_trace(
         before = m.vars
         if "vars_before" in rec and dict(rec["vars_before"]) != vars_to_dict(before):
             return diverge(line, step, r, event.value, f"recorded state {rec['vars_before']} differs", before)
-        why = _observed_differs(rec.get("observed_before"), before, "before")
-        if why:
-            return diverge(line, step, r, event.value, why, before)
+        differs = _observed_differs(rec.get("observed_before"), before, "before")
+        if differs:
+            return diverge(line, step, r, event.value, differs, before)
         kind = _DONE_OF.get(event.value)
         if kind is not None:
             seq = int(rec.get("coll_seq", 0)) - 1  # the DONE record carries the next sequence number
@@ -454,13 +454,13 @@ def replay_trace(
                 f"table gives {vars_to_dict(m.vars)}, trace says {rec['vars_after']}",
                 before,
             )
-        why = _observed_differs(rec.get("observed"), m.vars, "after")
-        if why:
-            return diverge(line, step, r, event.value, why, before)
+        differs = _observed_differs(rec.get("observed"), m.vars, "after")
+        if differs:
+            return diverge(line, step, r, event.value, differs, before)
         coll = str(rec.get("collective", ""))
-        if coll and rec.get("observed") is not None and coll != m.vars.collective:  # engine-reported
-            why = f"the engine entered {coll}, the table {m.vars.collective or 'no collective'}"
-            return diverge(line, step, r, event.value, why, before)
+        if coll and rec.get("observed_before") is not None and coll != m.vars.collective:  # engine-reported
+            differs = f"the engine entered {coll}, the table {m.vars.collective or 'no collective'}"
+            return diverge(line, step, r, event.value, differs, before)
         if coll in _DP_KINDS:
             entered[r][int(rec.get("coll_seq", 0))] = coll
             res.collectives += 1

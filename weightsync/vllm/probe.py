@@ -142,7 +142,7 @@ def _hook_instance(engine: Any, log: _Log) -> None:
 
     def traced_put_nowait(item: Any) -> None:
         put_nowait(item)
-        outputs = item[1] if isinstance(item, tuple) and len(item) == 2 else None
+        outputs: Any = item[1] if isinstance(item, tuple) and len(item) == 2 else None
         if getattr(outputs, "wave_complete", None) is not None:
             log.write(engine, "wave_complete", wave=int(outputs.wave_complete))
         elif getattr(outputs, "start_wave", None) is not None:

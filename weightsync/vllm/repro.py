@@ -247,6 +247,7 @@ def _row_name(model: Model, s: G, label: Any, rank: int) -> str:
     lab = list(label)
     rk = s.ranks[rank]
     kind = lab[0]
+    extra: tuple[tuple[str, Any], ...]
     if kind == "recv" and int(lab[1]) == rank:
         m = rk.inq[int(lab[2])][0]
         if m[0] == "W":

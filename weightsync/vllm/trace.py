@@ -28,7 +28,7 @@ probe record             trace line(s)
                          ``finish_done`` (or ``transfer_failed`` when it raised)
 =======================  ========================================================================
 
-Every line carries ``observed`` (or, for ``step`` and ``resume``, recorded on entry, ``observed_before``):
+Every line carries ``t`` (the engine record's stamp) and ``observed`` (or, for ``step`` and ``resume``, recorded on entry, ``observed_before``):
 vLLM's ``engines_running``, ``current_wave``, ``pending_pause``, ``ignore_start_dp_wave`` and
 ``pause_state``, which replay compares with the table's variables field by field, and the scheduler's
 ``waiting`` / ``running`` counts. The header's ``sync_interval`` is the engines' ``dp_sync_interval``.
@@ -125,6 +125,7 @@ def to_replay_trace(
         if len(kinds) > 1:
             raise ValueError(f"DP collective #{seq}: the ranks entered {sorted(kinds)} (not matched)")
         kind = kinds.pop()
+        args: dict[str, Any]
         if kind == "dp_sync" and all(colls[r][seq][2] is not None for r in ranks):
             args = {
                 "sum_unfinished": sum(int(colls[r][seq][2]["has_unfinished"]) for r in ranks),
@@ -153,8 +154,8 @@ def to_replay_trace(
         for rec in events[r]:
             ev = rec["ev"]
             counts = {"waiting": rec["vllm"]["waiting"], "running": rec["vllm"]["running"]}
-            base = {"rank": r, **counts}
             t = float(rec["t"])
+            base = {"rank": r, "t": t, **counts}
             if ev == "step_error":
                 break
             if ev == "ADD":
