@@ -109,9 +109,15 @@ def install(fix: str = "epoch") -> list[str]:
             continue
         mine = cls.__dict__.get(name)
         if isinstance(value, types.FunctionType):
-            if isinstance(mine, types.FunctionType) and mine.__code__.co_code == value.__code__.co_code:
-                if mine.__code__.co_consts == value.__code__.co_consts:
-                    continue
+            same = isinstance(mine, types.FunctionType) and (
+                mine.__code__.co_code,
+                mine.__code__.co_consts,
+            ) == (
+                value.__code__.co_code,
+                value.__code__.co_consts,
+            )
+            if same:
+                continue
             setattr(cls, name, _rebind(value, core.__dict__, cls))
             names.append(name)
         elif mine is None and not callable(value):

@@ -1,4 +1,5 @@
-"""The compiler behind ``weightsync repro vllm-0.32 --engine vllm`` (no engine started: the model only).
+"""The compiler behind ``weightsync repro vllm-0.32 --engine vllm`` (:mod:`weightsync.schedule`; no engine is
+started: the model only).
 
 - The model's shortest vllm-0.32 counterexample compiles, from its labels and the states the successor
   function gives along them, into driver actions: the ADD and FIRST_REQ held, the pause and resume
@@ -15,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from weightsync.model.check import build_model
-from weightsync.vllm.repro import compile_schedule, fix_divergence, model_counterexample
+from weightsync.schedule import compile_schedule, fix_divergence, model_counterexample
 
 
 @pytest.fixture(scope="module")
