@@ -58,6 +58,11 @@ pytestmark = pytest.mark.timeout(60)
             ["repro", "two-phase", "--timeout", "nan"],
             "argument --timeout: must be a positive finite number of seconds, got nan",
         ),
+        (["record", "--cycles", "0"], "argument --cycles: must be an integer >= 1, got 0"),
+        (
+            ["record", "--seed", "-4"],
+            "argument --seed: must be an integer in [0, 9223372036854775807], got -4",
+        ),
     ],
 )
 def test_bad_numbers_exit_2_naming_flag_and_value(
@@ -88,3 +93,23 @@ def test_check_negative_max_states_is_a_usage_error_not_a_bug_found() -> None:
     assert proc.returncode == 2, proc
     assert "weightsync check: error: argument --max-states: must be an integer >= 1, got -5" in proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["repro", "two-phase", "--engine", "vllm"],
+            "--engine vllm drives vLLM 0.32 as shipped: variant must be vllm-0.32, got 'two-phase'",
+        ),
+        (
+            ["repro", "two-phase-epoch", "--fix", "epoch"],
+            "--fix applies to --engine vllm (the reference engine runs the fixed variants by name)",
+        ),
+    ],
+)
+def test_repro_engine_and_fix_misuse_exit_2_before_anything_starts(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main([*argv, "--json"]) == 2
+    assert json.loads(capsys.readouterr().out) == {"error": message}
