@@ -216,6 +216,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--timeout", type=_seconds, default=60.0, help="collective timeout, seconds")
     d.add_argument("--trace", default=None, help="trace file (JSONL); default under ./traces/")
     d.add_argument("--no-check", action="store_true", help="turn the runtime checker off")
+    d.add_argument(
+        "--engine",
+        choices=("reference", "vllm"),
+        default="reference",
+        help="reference: weightsync's DP engines; vllm: a real AsyncLLM(data_parallel_size=2) (the vllm extra)",
+    )
+    d.add_argument("--moe", action="store_true", help="(--engine vllm) serve a tiny Mixtral (DP waves run)")
+    d.add_argument(
+        "--no-moe-reload-fix",
+        action="store_true",
+        help="(--engine vllm --moe) without weightsync's MoE reload fix: the checks must fail",
+    )
 
     r = add("repro", "replay the model's counterexample schedule for VARIANT on real processes")
     r.add_argument("variant")
@@ -698,9 +710,52 @@ HANDLERS["record"] = _record
 
 # --------------------------------------------------------------------------- demo
 def _demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return _demo_vllm(args)
+    if args.moe or args.no_moe_reload_fix:
+        msg = "--moe and --no-moe-reload-fix apply to --engine vllm"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
     from weightsync.impl.demo import demo_command
 
     return demo_command(args)
+
+
+def _demo_vllm(args: argparse.Namespace) -> int:
+    """``demo --engine vllm``: :func:`weightsync.vllm.demo.run_vllm_demo` (2 DP engines)."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if args.ranks != 2 or args.transport != "broadcast" or args.model or args.no_check:
+        msg = "--engine vllm runs 2 DP engines with the broadcast backend, the built-in policy and the checks"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
+    try:
+        from weightsync.vllm.demo import VllmDemoConfig, run_vllm_demo
+    except ImportError as exc:
+        msg = f"--engine vllm needs vLLM ({exc}); install it with `make venv` (the vllm extra)"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
+    cfg = VllmDemoConfig(
+        steps=args.steps,
+        moe=args.moe,
+        mode=args.mode,
+        seed=args.seed,
+        timeout_s=max(args.timeout, 120.0),
+        moe_reload_fix=False if args.no_moe_reload_fix else None,
+        trace=args.trace,
+    )
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.json else None
+    out = run_vllm_demo(cfg, log=say)
+
+    def human() -> None:
+        print(
+            f"vLLM demo ({out['model']}): {out['steps']} steps, reward {out['reward_first']} -> "
+            f"{out['reward_last']}; greedy_equal={out['greedy_equal']} max_logprob_diff="
+            f"{out['max_logprob_diff']:.2e} lost_requests={out['lost_requests']} versions_ok={out['versions_ok']}; "
+            f"trace {out['trace']} replays: {out['trace_ok']} ({out['seconds']:.0f} s)"
+        )
+
+    emit(out, args.json, human)
+    return EXIT_OK if out["ok"] else EXIT_VIOLATION
 
 
 HANDLERS["demo"] = _demo

@@ -45,12 +45,24 @@ def _info(layer: torch.nn.Module) -> Any:
     return LAYERWISE_INFO.get(layer)
 
 
+def _loadable_numel(layer: torch.nn.Module, name: str, p: torch.Tensor, numel: Any) -> int:
+    """Elements of parameter ``name`` of ``layer`` that a checkpoint can fill: vLLM's
+    ``get_tensor_load_numel`` (padding its weight creator declares), and for a vocabulary-parallel
+    embedding or LM head the real rows only: vLLM pads the vocabulary to a multiple of 64
+    (``vocab_parallel_embedding.py:95`` ``pad_vocab_size``) without declaring it, and its reload processes
+    such a layer at the end (``reload/layerwise.py:268-274``, "did not load all elements")."""
+    si = getattr(layer, "shard_indices", None)
+    if si is not None and name == "weight" and p.dim() == 2:
+        return (int(si.num_org_elements) + int(si.num_added_elements)) * int(p.shape[1])
+    return int(numel(p))
+
+
 def incomplete_parameters(model: torch.nn.Module) -> list[str]:
     """Parameters of layers still waiting for weights in the current layerwise reload.
 
     A layer counts when vLLM's reload still holds it (``info.can_load()``: not yet processed) and it has
     parameters (``_parameters``, except the never-loaded ``SKIP_LOAD_TENSORS``) whose loadable elements
-    were not all received; buffers never count (rotary caches are not in checkpoints). Each entry is the
+    (:func:`_loadable_numel`: a padded vocabulary's padding rows excluded) were not all received; buffers never count (rotary caches are not in checkpoints). Each entry is the
     parameter's qualified name, with ``(partial: loaded/total elements)`` when some of it arrived.
     """
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
@@ -62,7 +74,7 @@ def incomplete_parameters(model: torch.nn.Module) -> list[str]:
         if info is None or not info.can_load():
             continue
         params = {n: p for n, p in layer._parameters.items() if p is not None and n not in SKIP_LOAD_TENSORS}
-        want = sum(int(get_tensor_load_numel(p)) for p in params.values())
+        want = sum(_loadable_numel(layer, n, p, get_tensor_load_numel) for n, p in params.items())
         got = int(info.load_numel)
         if want == 0 or got >= want:
             continue
