@@ -17,7 +17,7 @@ export VLLM_CPU_OMP_THREADS_BIND ?= nobind
 export VLLM_TARGET_DEVICE ?= cpu
 endif
 
-.PHONY: venv demo test test-vllm-race lint prove-check ci clean
+.PHONY: venv demo test test-vllm-slow lint prove-check ci clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -54,10 +54,10 @@ demo: $(STAMP)
 test: $(VLLM_STAMP)
 	WEIGHTSYNC_REQUIRE_VLLM=$(if $(filter none,$(VLLM)),0,1) $(BIN)/python -m pytest -q -m "not slow and not gpu"
 
-# The real-vLLM race and conformance runs (tests/test_vllm_race.py, `slow`: each starts a MoE DP=2 AsyncLLM,
-# about 2 minutes apiece on 2 cores); .ci/run runs them once after the default suite.
-test-vllm-race: $(VLLM_STAMP)
-	WEIGHTSYNC_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -m slow tests/test_vllm_race.py
+# The real-vLLM race, conformance and demo runs (tests/test_vllm_race.py, tests/test_vllm_demo.py, `slow`:
+# each starts a DP=2 AsyncLLM, 1-2 minutes apiece on 2 cores); .ci/run runs them once after the default suite.
+test-vllm-slow: $(VLLM_STAMP)
+	WEIGHTSYNC_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -m slow tests/test_vllm_race.py tests/test_vllm_demo.py
 
 lint: $(STAMP)
 	$(BIN)/mypy --strict weightsync
@@ -70,7 +70,7 @@ lint: $(STAMP)
 prove-check: $(STAMP)
 	$(BIN)/weightsync prove --check --allow-stale-mutation
 
-ci: test test-vllm-race lint prove-check
+ci: test test-vllm-slow lint prove-check
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -2,7 +2,7 @@
 
 Each test starts a real ``AsyncLLM(data_parallel_size=2)`` of a tiny Mixtral (MoE: lockstep
 ``DPEngineCoreProc`` ranks) on CPU, 50-70 s on this machine, so they are ``slow``; ``.ci/run`` runs them
-once (``make test-vllm-race``).
+once (``make test-vllm-slow``).
 
 - ``weightsync repro vllm-0.32 --engine vllm``: vLLM as shipped follows every step of the model's
   shortest counterexample, rank 0 ends inside its DP step and rank 1 idle, and rank 0's collective raises
