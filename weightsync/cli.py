@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     b = add("bench", "benchmarks with ratios against a baseline measured in the same run")
-    b.add_argument("what", choices=["transfer", "explorer", "pause"])
+    b.add_argument("what", choices=["transfer", "explorer", "pause", "vllm"])
     b.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
 
     d = add("demo", "the main job: an asynchronous RL loop syncing a causal LM into DP engines")
@@ -513,7 +513,24 @@ BENCHES["transfer"] = _bench_transfer
 BENCH_HUMAN: dict[str, Callable[[dict[str, Any]], None]] = {"transfer": _human_transfer}
 
 
+def _bench_vllm(args: argparse.Namespace) -> int:
+    """``bench vllm``: :func:`weightsync.vllm.bench.run_vllm_bench` (needs the vllm extra)."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the JSON
+    try:
+        from weightsync.vllm.bench import human_summary, run_vllm_bench
+    except ImportError as exc:
+        msg = f"bench vllm needs vLLM ({exc}); install it with `make venv` (the vllm extra)"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.json else None
+    out = run_vllm_bench(quick=bool(args.quick), log=say)
+    emit(out, args.json, lambda: print(human_summary(out)))
+    return EXIT_OK if out["ok"] else EXIT_VIOLATION
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.what == "vllm":
+        return _bench_vllm(args)
     fn = BENCHES.get(args.what)
     if fn is None:
         code: int = _not_built(f"bench {args.what}")(args)
