@@ -28,7 +28,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _demo(capsys: Any, tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
-    rc = main(["demo", "--engine", "vllm", "--steps", "3", "--trace", str(tmp_path / "t.jsonl"), "--json", *flags])
+    rc = main(
+        ["demo", "--engine", "vllm", "--steps", "3", "--trace", str(tmp_path / "t.jsonl"), "--json", *flags]
+    )
     return rc, json.loads(capsys.readouterr().out)
 
 
