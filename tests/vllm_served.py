@@ -8,8 +8,6 @@ Import only after ``vllm_util.require_vllm()``.
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -17,11 +15,10 @@ import torch
 from transfer_procs import free_port
 from vllm import SamplingParams
 from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
-from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.v1.engine.async_llm import AsyncLLM
 
 from weightsync.vllm.clients import AsyncLLMWeightSyncClient
 from weightsync.vllm.models import build_tiny_llama
+from weightsync.vllm.serving import LoopThread, start_async_llm
 from weightsync.vllm.trainer import WeightsyncBroadcastTrainer, WeightsyncTrainerInitInfo
 
 T = TypeVar("T")
@@ -41,27 +38,10 @@ class Served:
         builder: Callable[[str], Any] = build_tiny_llama,
     ) -> None:
         self.dp = dp
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
-        self.thread.start()
+        self.lt = LoopThread("vllm-loop")
+        self.loop = self.lt.loop
         self.hf = builder(model_dir)
-        args = AsyncEngineArgs(
-            model=model_dir,
-            enforce_eager=True,
-            dtype="float32",
-            max_model_len=max_model_len,
-            max_num_seqs=8,
-            disable_log_stats=True,
-            weight_transfer_config={"backend": "weightsync"},
-            data_parallel_size=dp,
-        )
-
-        async def start() -> Any:
-            return AsyncLLM.from_engine_args(args)
-
-        t0 = time.monotonic()
-        self.llm = self.run(start())
-        self.start_s = time.monotonic() - t0
+        self.llm, self.start_s = start_async_llm(self.lt, model_dir, dp=dp, max_model_len=max_model_len)
         self.client = AsyncLLMWeightSyncClient(self.llm, self.loop, timeout_s=120)
         self.trainer: WeightsyncBroadcastTrainer | None = None
         self.n = 0
@@ -133,8 +113,7 @@ class Served:
         if self.trainer is not None:
             self.trainer.shutdown()
         self.llm.shutdown()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.lt.close()
 
 
 def hf_greedy(model: Any, prompt: list[int]) -> list[int]:

@@ -8,6 +8,7 @@ prints. Every command takes ``--json`` (one JSON object on stdout). Exit codes: 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -513,18 +514,31 @@ BENCHES["transfer"] = _bench_transfer
 BENCH_HUMAN: dict[str, Callable[[dict[str, Any]], None]] = {"transfer": _human_transfer}
 
 
+def _vllm_module(args: argparse.Namespace, module: str, what: str) -> Any:
+    """``weightsync.vllm.<module>`` for a command that runs the real vLLM, or None after the usage error
+    (naming ``make venv``) when vLLM cannot be imported. vLLM logs to stdout by default
+    (``vllm/envs.py`` ``VLLM_LOGGING_STREAM``): stdout is kept for the JSON."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    try:
+        return importlib.import_module(f"weightsync.vllm.{module}")
+    except ImportError as exc:
+        msg = f"{what} needs vLLM ({exc}); install it with `make venv` (the vllm extra)"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return None
+
+
+def _progress(args: argparse.Namespace) -> Callable[[str], None] | None:
+    """Progress lines on stderr, unless ``--json``."""
+    return None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+
+
 def _bench_vllm(args: argparse.Namespace) -> int:
     """``bench vllm``: :func:`weightsync.vllm.bench.run_vllm_bench` (needs the vllm extra)."""
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the JSON
-    try:
-        from weightsync.vllm.bench import human_summary, run_vllm_bench
-    except ImportError as exc:
-        msg = f"bench vllm needs vLLM ({exc}); install it with `make venv` (the vllm extra)"
-        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+    mod = _vllm_module(args, "bench", "bench vllm")
+    if mod is None:
         return EXIT_USAGE
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.json else None
-    out = run_vllm_bench(quick=bool(args.quick), log=say)
-    emit(out, args.json, lambda: print(human_summary(out)))
+    out = mod.run_vllm_bench(quick=bool(args.quick), log=_progress(args))
+    emit(out, args.json, lambda: print(mod.human_summary(out)))
     return EXIT_OK if out["ok"] else EXIT_VIOLATION
 
 
@@ -555,17 +569,13 @@ def _repro_vllm(args: argparse.Namespace) -> int:
         msg = f"--engine vllm drives vLLM 0.32 as shipped: variant must be vllm-0.32, got {args.variant!r}"
         emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
         return EXIT_USAGE
-    # vLLM logs to stdout by default (envs.py VLLM_LOGGING_STREAM); keep stdout for the JSON
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    try:
-        from weightsync.vllm.repro import run_vllm_repro
-    except ImportError as exc:
-        msg = f"--engine vllm needs vLLM ({exc}); install it with `make venv` (the vllm extra)"
-        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+    mod = _vllm_module(args, "repro", "--engine vllm")
+    if mod is None:
         return EXIT_USAGE
     timeout = max(10, math.ceil(args.timeout)) if args.timeout is not None else 30
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.json else None
-    res = run_vllm_repro(args.variant, fix=args.fix, mode=args.mode, timeout_s=timeout, log=say)
+    res = mod.run_vllm_repro(
+        args.variant, fix=args.fix, mode=args.mode, timeout_s=timeout, log=_progress(args)
+    )
     out = res.as_dict()
 
     def human() -> None:
@@ -701,15 +711,10 @@ HANDLERS["replay"] = _replay
 
 def _record(args: argparse.Namespace) -> int:
     """``record --engine vllm``: :func:`weightsync.vllm.trace.record_cycles`."""
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    try:
-        from weightsync.vllm.trace import record_cycles
-    except ImportError as exc:
-        msg = f"--engine vllm needs vLLM ({exc}); install it with `make venv` (the vllm extra)"
-        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+    mod = _vllm_module(args, "trace", "--engine vllm")
+    if mod is None:
         return EXIT_USAGE
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.json else None
-    out = record_cycles(args.out, cycles=args.cycles, seed=args.seed, log=say)
+    out = mod.record_cycles(args.out, cycles=args.cycles, seed=args.seed, log=_progress(args))
 
     def human() -> None:
         print(
@@ -740,18 +745,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _demo_vllm(args: argparse.Namespace) -> int:
     """``demo --engine vllm``: :func:`weightsync.vllm.demo.run_vllm_demo` (2 DP engines)."""
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if args.ranks != 2 or args.transport != "broadcast" or args.model or args.no_check:
         msg = "--engine vllm runs 2 DP engines with the broadcast backend, the built-in policy and the checks"
         emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
         return EXIT_USAGE
-    try:
-        from weightsync.vllm.demo import VllmDemoConfig, run_vllm_demo
-    except ImportError as exc:
-        msg = f"--engine vllm needs vLLM ({exc}); install it with `make venv` (the vllm extra)"
-        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+    mod = _vllm_module(args, "demo", "--engine vllm")
+    if mod is None:
         return EXIT_USAGE
-    cfg = VllmDemoConfig(
+    cfg = mod.VllmDemoConfig(
         steps=args.steps,
         moe=args.moe,
         mode=args.mode,
@@ -760,8 +761,7 @@ def _demo_vllm(args: argparse.Namespace) -> int:
         moe_reload_fix=False if args.no_moe_reload_fix else None,
         trace=args.trace,
     )
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.json else None
-    out = run_vllm_demo(cfg, log=say)
+    out = mod.run_vllm_demo(cfg, log=_progress(args))
 
     def human() -> None:
         print(

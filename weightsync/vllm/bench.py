@@ -72,7 +72,6 @@ import math
 import os
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -81,7 +80,6 @@ from typing import Any, TypeVar
 
 import torch
 import vllm
-from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
 from weightsync.impl.engine.client import free_port
 from weightsync.impl.transfer.base import DTYPES, RendezvousInitInfo, dtype_name
@@ -90,7 +88,8 @@ from weightsync.impl.transfer.broadcast import BroadcastGroup, join_group
 from weightsync.impl.transfer.packing import as_bytes, crc32
 from weightsync.vllm.clients import AsyncLLMWeightSyncClient
 from weightsync.vllm.models import build_tiny_llama
-from weightsync.vllm.trainer import WeightsyncBroadcastTrainer, WeightsyncTrainerInitInfo
+from weightsync.vllm.serving import LoopThread, connect_trainer, start_async_llm
+from weightsync.vllm.trainer import WeightsyncBroadcastTrainer
 
 T = TypeVar("T")
 
@@ -341,52 +340,30 @@ class _Bench:
     """The engine on its loop thread, the weightsync trainer, the baseline group and the methods."""
 
     def __init__(self, model_dir: Path, hf: torch.nn.Module, bucket: int, buffers: int, timeout_s: float):
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         self.hf = hf
         self.params = [(n, p) for n, p in hf.named_parameters()]
         self.nbytes = {n: p.numel() * p.element_size() for n, p in self.params}
         self.model_bytes = sum(self.nbytes.values())
         self.timeout_s = timeout_s
         self.rounds = 0
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-vllm-loop", daemon=True)
-        self.thread.start()
+        self.lt = LoopThread("bench-vllm-loop")
+        self.loop = self.lt.loop
         self.llm: Any = None
         self.trainer: WeightsyncBroadcastTrainer | None = None
         self.group: BroadcastGroup | None = None
         self.worker_ready = False
-        args = AsyncEngineArgs(
-            model=str(model_dir),
-            enforce_eager=True,
-            dtype="float32",
-            max_model_len=128,
-            max_num_seqs=4,
-            disable_log_stats=True,
-            weight_transfer_config={"backend": "weightsync"},
-            data_parallel_size=1,
-        )
-
-        async def start() -> Any:
-            return AsyncLLM.from_engine_args(args)
-
-        t0 = time.perf_counter()
-        self.llm = self._run(start(), 600.0, "AsyncLLM start")
-        self.start_s = time.perf_counter() - t0
+        self.llm, self.start_s = start_async_llm(self.lt, model_dir, dp=1, max_num_seqs=4)
         self.flat = torch.empty(self.model_bytes, dtype=torch.uint8)
         self.flat.fill_(0)
-        info = WeightsyncTrainerInitInfo(
-            master_address="127.0.0.1",
-            master_port=free_port(),
-            world_size=2,
-            rank=0,
+        client = AsyncLLMWeightSyncClient(self.llm, self.loop, timeout_s=timeout_s)
+        tr = connect_trainer(
+            self.llm,
+            hf,
+            client=client,
             packed_buffer_size_bytes=bucket,
             packed_num_buffers=buffers,
             timeout_s=timeout_s,
         )
-        client = AsyncLLMWeightSyncClient(self.llm, self.loop, timeout_s=timeout_s)
-        tr = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(hf))
         assert isinstance(tr, WeightsyncBroadcastTrainer)
         self.trainer = tr
         rinfo = {
@@ -544,8 +521,7 @@ class _Bench:
         for step in steps:
             with contextlib.suppress(Exception):
                 step()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.lt.close()
 
 
 @contextlib.contextmanager

@@ -21,11 +21,12 @@ batch's requests already in flight: ``pause_generation(mode=...)``, a weightsync
 - no request lost: every submitted request finishes with ``length`` or ``stop`` (kept requests too).
 
 Every controller and trainer call goes through :class:`~weightsync.impl.checked.CheckedEngine` around the
-``AsyncLLM`` (:mod:`weightsync.vllm.checked`, table ``vllm-0.32``), which records ``trace``. With ``moe``
+``AsyncLLM`` (:mod:`weightsync.vllm.checked`, weightsync's default table: an illegal call is refused before
+vLLM sees it), which records ``trace``. With ``moe``
 the engines run vLLM's DP protocol, and their own events, recorded by the plugin's probe
 (:mod:`weightsync.vllm.probe`), become ``engine_trace`` (:mod:`weightsync.vllm.trace`; a dense model's DP
-engines are independent and run no DP protocol). The run replays both against ``vllm-0.32``
-(``trace_ok``). ``moe_reload_fix=False`` runs the MoE policy without weightsync's fix for vLLM 0.32's CPU
+engines are independent and run no DP protocol). The run replays both (``trace_ok``; the engines' trace
+against ``vllm-0.32``). ``moe_reload_fix=False`` runs the MoE policy without weightsync's fix for vLLM 0.32's CPU
 MoE reload (``weightsync.vllm.reload``): the checks then fail, which shows that they bite.
 """
 
@@ -35,19 +36,18 @@ import asyncio
 import math
 import os
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from weightsync.impl.rl_task import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, DigitPatternTask, Prompt, Sample
 from weightsync.spec.errors import WeightSyncError
+from weightsync.vllm.serving import LoopThread
 
-T = TypeVar("T")
 MAX_LOGPROB_DIFF = 1e-4
 PROBE_TOKENS = 6
 
@@ -117,25 +117,6 @@ def _trainer_reference(model: Any, prompts: list[list[int]]) -> tuple[list[list[
     return greedy, lps
 
 
-class _Loop:
-    """The AsyncLLM on its own event-loop thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-demo-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def spawn(self, coro: Coroutine[Any, Any, T]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 def run_vllm_demo(cfg: VllmDemoConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the loop (see the module docstring) and return the result: ``engine``, ``model``, ``steps``,
     ``syncs`` (per sync: ``version``, ``greedy_equal``, ``max_logprob_diff``, ``weight_versions``,
@@ -150,31 +131,19 @@ def run_vllm_demo(cfg: VllmDemoConfig, log: Callable[[str], None] | None = None)
     cfg.validate()
     say = log or (lambda _m: None)
     t0 = time.monotonic()
-    from weightsync.impl.engine.client import free_port
-    from weightsync.impl.trainer import Trainer, TrainerConfig, probe_prompt_tokens
     from weightsync.vllm import probe
     from weightsync.vllm.trace import to_replay_trace
 
     trace = Path(cfg.trace or f"traces/vllm-demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl")
+    trace.unlink(missing_ok=True)  # CheckedEngine appends: this run's trace is the whole file
     with tempfile.TemporaryDirectory(prefix="weightsync-vllm-demo-") as tmp:
         model_dir = Path(tmp) / "policy"
         model = _policy(cfg, model_dir)
         events_dir = Path(tmp) / "events"
         os.environ[probe.ENV_EVENTS] = str(events_dir)
-        loop = _Loop()
+        loop = LoopThread("vllm-demo-loop")
         try:
-            result = _run(
-                cfg,
-                trace,
-                model,
-                model_dir,
-                loop,
-                say,
-                free_port,
-                Trainer,
-                TrainerConfig,
-                probe_prompt_tokens,
-            )
+            result = _run(cfg, trace, model, model_dir, loop, say)
         finally:
             os.environ.pop(probe.ENV_EVENTS, None)
             loop.close()
@@ -188,10 +157,13 @@ def run_vllm_demo(cfg: VllmDemoConfig, log: Callable[[str], None] | None = None)
     result["trace"] = str(trace)
     result["engine_trace"] = str(engine_trace) if events else None
     oks = []
-    for key, path in (("trace", trace), ("engine_trace", engine_trace if events else None)):
+    for key, path, variant in (
+        ("trace", trace, None),
+        ("engine_trace", engine_trace if events else None, "vllm-0.32"),
+    ):
         if path is None:
             continue
-        rp = replay_trace(path, TraceChecker(), variant="vllm-0.32")
+        rp = replay_trace(path, TraceChecker(), variant=variant)
         oks.append(rp.ok)
         result[f"{key}_steps"] = rp.steps
         if rp.divergence is not None:
@@ -213,44 +185,22 @@ def _run(
     checked_trace: Path,
     model: Any,
     model_dir: Path,
-    loop: _Loop,
+    loop: LoopThread,
     say: Callable[[str], None],
-    free_port: Callable[[], int],
-    trainer_cls: Any,
-    trainer_cfg_cls: Any,
-    probe_prompt_tokens: Callable[[], list[list[int]]],
 ) -> dict[str, Any]:
     from vllm import SamplingParams
-    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
 
+    from weightsync.impl.trainer import Trainer, TrainerConfig, probe_prompt_tokens
     from weightsync.vllm.checked import CheckedWeightSyncClient, checked_async_llm
     from weightsync.vllm.models import checkpoint_state
-    from weightsync.vllm.trainer import WeightsyncTrainerInitInfo
+    from weightsync.vllm.serving import connect_trainer, start_async_llm
 
-    args = AsyncEngineArgs(
-        model=str(model_dir),
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=max(16, cfg.prompts_per_step * cfg.group_size),
-        disable_log_stats=True,
-        weight_transfer_config={"backend": "weightsync"},
-        data_parallel_size=2,
-        seed=cfg.seed,
+    llm, start_s = start_async_llm(
+        loop, model_dir, dp=2, max_num_seqs=max(16, cfg.prompts_per_step * cfg.group_size), seed=cfg.seed
     )
-
-    async def start() -> Any:
-        return AsyncLLM.from_engine_args(args)
-
-    t0 = time.monotonic()
-    llm = loop.run(start(), 600)
-    say(
-        f"AsyncLLM(data_parallel_size=2) of the {'MoE' if cfg.moe else 'dense'} policy up in {time.monotonic() - t0:.1f} s"
-    )
+    say(f"AsyncLLM(data_parallel_size=2) of the {'MoE' if cfg.moe else 'dense'} policy up in {start_s:.1f} s")
     task = DigitPatternTask(seed=cfg.seed)
-    trainer = trainer_cls(model, task, trainer_cfg_cls(lr=cfg.lr))
+    trainer = Trainer(model, task, TrainerConfig(lr=cfg.lr))
     probes = probe_prompt_tokens()
     outcomes: dict[str, str] = {}
     n_req = [0]
@@ -328,21 +278,15 @@ def _run(
     rewards: list[float] = []
     trainer_tr: Any = None
     try:
-        info = WeightsyncTrainerInitInfo(
-            master_address="127.0.0.1",
-            master_port=free_port(),
-            world_size=3,
-            rank=0,
+        # every controller and trainer call goes through CheckedEngine: weightsync's table (the default
+        # variant) refuses an illegal call before vLLM sees it
+        checked = checked_async_llm(llm, loop.loop, trace_path=checked_trace, timeout_s=cfg.timeout_s)
+        trainer_tr = connect_trainer(
+            llm,
+            model,
+            client=CheckedWeightSyncClient(checked),
             timeout_s=cfg.timeout_s,
             moe_reload_fix=cfg.moe_reload_fix,
-        )
-        # every controller and trainer call goes through CheckedEngine (the table of vLLM 0.32 as shipped)
-        checked = checked_async_llm(
-            llm, loop.loop, trace_path=checked_trace, variant="vllm-0.32", timeout_s=cfg.timeout_s
-        )
-        client = CheckedWeightSyncClient(checked)
-        trainer_tr = WeightTransferTrainerFactory.trainer_init(
-            info, client=client, source=ModuleSource(model)
         )
         first = check(str(loop.run(llm.get_weight_version(), 60)))
         say(f"initial: greedy_equal={first['greedy_equal']} max_logprob_diff={first['max_logprob_diff']:.2e}")

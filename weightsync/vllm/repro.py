@@ -49,7 +49,6 @@ import contextlib
 import functools
 import os
 import tempfile
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -70,6 +69,7 @@ from weightsync.schedule import (
     fix_divergence,
     model_counterexample,
 )
+from weightsync.vllm.serving import LoopThread, start_async_llm
 
 T = TypeVar("T")
 
@@ -78,9 +78,9 @@ T = TypeVar("T")
 class _Driver:
     """An ``AsyncLLM`` on its own event-loop thread, with the driver-side holds installed."""
 
-    def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, llm: Any, loop: LoopThread) -> None:
         self.llm = llm
-        self.loop = loop
+        self.lt = loop
         self.client = llm.engine_core
         self.held: dict[tuple[int, str], deque[tuple[Any, Any]]] = {}
         self.log: list[str] = []
@@ -120,10 +120,10 @@ class _Driver:
         self.client.first_req_send_socket = HeldSocket()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.lt.run(coro, timeout)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return self.lt.spawn(coro)
 
     def count(self, rank: int, kind: str) -> int:
         return len(self.held.get((rank, kind), ()))
@@ -300,18 +300,16 @@ def run_vllm_repro(
 
 
 class _Served:
-    def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    def __init__(self, llm: Any, loop: LoopThread) -> None:
         self.llm = llm
-        self.loop = loop
-        self.thread = thread
+        self.lt = loop
         self.driver = _Driver(llm, loop)
         self.outputs: dict[str, Any] = {}
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # the engines may be dead already (the hang's timeout)
             self.llm.shutdown()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.lt.close()
 
 
 def _serve(work: Path, events: Path, fix: str | None, timeout_s: int, say: Callable[[str], None]) -> _Served:
@@ -328,33 +326,21 @@ def _serve(work: Path, events: Path, fix: str | None, timeout_s: int, say: Calla
         os.environ[fix_mod.ENV_FIX] = fix
     else:
         os.environ.pop(fix_mod.ENV_FIX, None)
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    args = AsyncEngineArgs(
-        model=str(model_dir),
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        disable_log_stats=True,
-        data_parallel_size=2,
-        distributed_timeout_seconds=timeout_s,
-        cpu_distributed_timeout_seconds=timeout_s,
-    )
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="vllm-repro-loop", daemon=True)
-    thread.start()
-
-    async def start() -> Any:
-        return AsyncLLM.from_engine_args(args)
-
-    t0 = time.monotonic()
-    llm = asyncio.run_coroutine_threadsafe(start(), loop).result(600)
-    say(f"AsyncLLM(data_parallel_size=2) of a tiny Mixtral up in {time.monotonic() - t0:.1f} s")
-    for k in (probe.ENV_EVENTS, probe.ENV_HOLD, fix_mod.ENV_FIX):
-        os.environ.pop(k, None)
-    return _Served(llm, loop, thread)
+    lt = LoopThread("vllm-repro-loop")
+    try:
+        llm, start_s = start_async_llm(
+            lt,
+            model_dir,
+            dp=2,
+            max_num_seqs=4,
+            distributed_timeout_seconds=timeout_s,
+            cpu_distributed_timeout_seconds=timeout_s,
+        )
+    finally:
+        for k in (probe.ENV_EVENTS, probe.ENV_HOLD, fix_mod.ENV_FIX):
+            os.environ.pop(k, None)
+    say(f"AsyncLLM(data_parallel_size=2) of a tiny Mixtral up in {start_s:.1f} s")
+    return _Served(llm, lt)
 
 
 def _compare(a: Action, rank: int, rec: dict[str, Any]) -> str:

@@ -40,12 +40,10 @@ resume) with random requests on random DP ranks, some in flight across the pause
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import random
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -244,62 +242,32 @@ def record_cycles(
     say = log or (lambda _m: None)
     rng = random.Random(seed)
     t0 = time.monotonic()
-    from weightsync.impl.engine.client import free_port
     from weightsync.vllm import probe
     from weightsync.vllm.models import build_tiny_mixtral, checkpoint_state, perturbed_state
+    from weightsync.vllm.serving import LoopThread, connect_trainer, start_async_llm
 
     with tempfile.TemporaryDirectory(prefix="weightsync-vllm-trace-") as tmp:
         events_dir = Path(tmp) / "events"
         hf = build_tiny_mixtral(Path(tmp) / "tiny-mixtral")
         os.environ[probe.ENV_EVENTS] = str(events_dir)
         from vllm import SamplingParams
-        from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         from weightsync.vllm.clients import AsyncLLMWeightSyncClient
-        from weightsync.vllm.trainer import WeightsyncTrainerInitInfo
 
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="vllm-trace-loop", daemon=True)
-        thread.start()
-
-        def run(coro: Any, timeout: float = 300) -> Any:
-            return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
-
-        args = AsyncEngineArgs(
-            model=str(Path(tmp) / "tiny-mixtral"),
-            enforce_eager=True,
-            dtype="float32",
-            max_model_len=128,
-            max_num_seqs=8,
-            disable_log_stats=True,
-            weight_transfer_config={"backend": "weightsync"},
-            data_parallel_size=2,
-        )
-
-        async def start() -> Any:
-            return AsyncLLM.from_engine_args(args)
-
-        llm = run(start(), 600)
-        os.environ.pop(probe.ENV_EVENTS, None)
-        say(f"AsyncLLM(data_parallel_size=2) up in {time.monotonic() - t0:.1f} s")
+        lt = LoopThread("vllm-trace-loop")
+        try:
+            llm, start_s = start_async_llm(lt, Path(tmp) / "tiny-mixtral", dp=2)
+        finally:
+            os.environ.pop(probe.ENV_EVENTS, None)
+        say(f"AsyncLLM(data_parallel_size=2) up in {start_s:.1f} s")
         outcomes: dict[str, str] = {}
         tasks: list[Any] = []
         mode_count: dict[str, int] = {}
         versions: list[str] = []
         trainer: Any = None
         try:
-            info = WeightsyncTrainerInitInfo(
-                master_address="127.0.0.1",
-                master_port=free_port(),
-                world_size=3,
-                rank=0,
-                packed_buffer_size_bytes=96 << 10,
-                timeout_s=60,
-            )
-            client = AsyncLLMWeightSyncClient(llm, loop, timeout_s=120)
-            trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(hf))
+            client = AsyncLLMWeightSyncClient(llm, lt.loop, timeout_s=120)
+            trainer = connect_trainer(llm, hf, client=client, packed_buffer_size_bytes=96 << 10, timeout_s=60)
 
             async def one(rid: str, rank: int, max_tokens: int) -> None:
                 sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -315,19 +283,15 @@ def record_cycles(
                 for _ in range(rng.randrange(0, 4)):
                     rid = f"c{c}-r{n_req}"
                     n_req += 1
-                    tasks.append(
-                        asyncio.run_coroutine_threadsafe(
-                            one(rid, rng.randrange(2), rng.randrange(2, 9)), loop
-                        )
-                    )
+                    tasks.append(lt.spawn(one(rid, rng.randrange(2), rng.randrange(2, 9))))
                 time.sleep(rng.uniform(0.0, 0.3))
                 mode = rng.choice(modes)
                 mode_count[mode] = mode_count.get(mode, 0) + 1
-                run(llm.pause_generation(mode=mode), 300)
+                lt.run(llm.pause_generation(mode=mode), 300)
                 hf.load_state_dict(perturbed_state(hf, seed=seed * 1000 + c, scale=0.02))
                 trainer.send_weights(checkpoint_state(hf), weight_version=f"step-{c + 1}")
-                run(llm.resume_generation(), 300)
-                versions.append(str(run(llm.get_weight_version(), 60)))
+                lt.run(llm.resume_generation(), 300)
+                versions.append(str(lt.run(llm.get_weight_version(), 60)))
                 say(f"cycle {c + 1}/{cycles}: pause({mode}), round, resume; version {versions[-1]}")
             for fut in tasks:
                 fut.result(300)
@@ -335,8 +299,7 @@ def record_cycles(
             if trainer is not None:
                 trainer.shutdown()
             llm.shutdown()
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
+            lt.close()
         events = probe.read_events(events_dir)
         summary = to_replay_trace(events, out)
         raw = Path(str(out) + ".engines")
