@@ -17,7 +17,7 @@ export VLLM_CPU_OMP_THREADS_BIND ?= nobind
 export VLLM_TARGET_DEVICE ?= cpu
 endif
 
-.PHONY: venv demo test test-vllm-slow lint prove-check ci clean
+.PHONY: venv demo demo-vllm test test-vllm-slow lint prove-check ci clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,6 +49,10 @@ venv: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/weightsync demo
+
+# the same loop on a real vLLM (AsyncLLM, 2 DP engines): installs the vllm extra first
+demo-vllm: $(VLLM_STAMP)
+	$(BIN)/weightsync demo --engine vllm
 
 # with vLLM installed its tests must run: a broken `import vllm` fails them instead of skipping
 test: $(VLLM_STAMP)
