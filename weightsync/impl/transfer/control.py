@@ -138,9 +138,11 @@ class ControlPlane:
         seen: list[dict[str, Any]] = []
         mismatch_at: float | None = None
         try:
+            # the claim before the ticket: a rank that has read every ticket then reads every claim (one
+            # client's store operations are applied in order), so a duplicate rank is seen on every rank
+            s.add(f"claim/{self.rank}", 1)
             ticket = s.add("arrivals", 1)
             s.set(f"ticket/{ticket}", json.dumps({"rank": self.rank, "world_size": self.world_size}))
-            s.add(f"claim/{self.rank}", 1)
             while True:
                 self._read_tickets(seen)
                 now = time.monotonic()
