@@ -7,6 +7,7 @@ B4 (vLLM PR #37334: a never-loaded buffer must not block completeness).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -355,3 +356,68 @@ def test_contiguous_run_of_a_flat_trainer_equals_packing() -> None:
     assert not noncontig[2].is_contiguous() and contiguous_run(b, noncontig) is None
     with pytest.raises(ValueError, match="flat buffer"):
         flat_views(flat[:-1], metas)
+
+
+def test_gloo_binds_the_address_on_the_route_to_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightsync.impl.transfer.broadcast import gloo_device_choice, local_address_towards
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert gloo_device_choice("127.0.0.1") == [{"hostname": "127.0.0.1"}]
+    assert gloo_device_choice("localhost") == [{"hostname": "127.0.0.1"}]
+    assert local_address_towards("127.0.0.1") == "127.0.0.1"
+    assert local_address_towards("no-such-host.invalid") is None
+    assert gloo_device_choice("no-such-host.invalid") == []  # gloo's default device
+    # a non-loopback store: the source address the kernel routes towards it (TEST-NET-1, never answered)
+    local = local_address_towards("192.0.2.1")
+    assert gloo_device_choice("192.0.2.1") == ([] if local is None else [{"hostname": local}])
+    assert local is None or not local.startswith("127.")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9,lo")  # torch's convention wins
+    assert gloo_device_choice("192.0.2.1") == [{"interface": "eth9"}, {"interface": "lo"}]
+
+
+class _SilentStore:
+    """A store whose answers never come (a cut link): every call that waits for one blocks until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.sets: list[str] = []
+
+    def _block(self, *args: Any) -> Any:
+        self.release.wait()
+        raise RuntimeError("released")
+
+    wait = check = multi_get = add = get = delete_key = _block
+
+    def set(self, key: str, value: str) -> None:
+        self.sets.append(key)
+
+
+def test_a_store_that_stops_answering_is_a_timeout_naming_rank_0_never_a_hang() -> None:
+    from weightsync.impl.transfer.control import STORE_GRACE_S, ControlPlane
+    from weightsync.spec.errors import TransferTimeoutError
+
+    store = _SilentStore()
+    cp = ControlPlane(store, 1, 2, 0.5, "timeout 0.5 s: init_info['timeout_s']")  # type: ignore[arg-type]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeoutError) as ei:
+            cp.exchange("r1/b0", {"ok": True}, 1, "update_weights/bucket")
+        waited = time.monotonic() - t0
+        assert 0.5 + STORE_GRACE_S - 0.05 <= waited < 0.5 + STORE_GRACE_S + 1.0, waited
+        e = ei.value
+        assert (e.phase, e.missing_ranks) == ("update_weights/bucket", (0,))
+        assert "waiting for rank(s) 0 (rank 0's TCPStore (the trainer hosts it) did not answer rank 1" in str(
+            e
+        )
+        assert "timeout 0.5 s: init_info['timeout_s']" in str(e)
+        assert store.sets == ["r1/b0/1"]
+        # the blocked call still owns the connection: nothing more is sent, every later call fails at once
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeoutError, match=r"update_weights/bucket: .*rank\(s\) 0"):
+            cp.exchange("r1/b1", {"ok": True}, 1, "update_weights/bucket")
+        cp.settle("r1/b1")  # never raises
+        cp.cleanup(5)
+        assert time.monotonic() - t0 < 0.5 and store.sets == ["r1/b0/1"]
+    finally:
+        store.release.set()
+        cp.close()

@@ -13,18 +13,13 @@ round's version. Then the server is stopped (SIGTERM to its process group; SIGKI
 from __future__ import annotations
 
 import importlib.metadata
-import os
-import pathlib
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from transfer_procs import free_port
-from vllm_util import CPU_ENV, require_vllm
+from vllm_util import require_vllm
 
 require_vllm()
 
@@ -35,91 +30,13 @@ from vllm.distributed.weight_transfer import (  # noqa: E402
     WeightTransferTrainerFactory,
 )
 from vllm_served import BUFFER, PROBES, hf_greedy  # noqa: E402
+from vllm_server import Server  # noqa: E402
 
 from weightsync.vllm import serve  # noqa: E402
 from weightsync.vllm.models import build_tiny_llama, perturbed_state  # noqa: E402
 from weightsync.vllm.trainer import WeightsyncTrainerInitInfo  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-START_S = 240
-
-
-class Server:
-    """``python -m weightsync.vllm.serve MODEL ...`` in its own process group, logging to a file."""
-
-    def __init__(self, model_dir: pathlib.Path, log: pathlib.Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model = str(model_dir)
-        self.log_path = log
-        env = {**os.environ, **CPU_ENV, "VLLM_SERVER_DEV_MODE": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-        argv = [
-            sys.executable,
-            "-m",
-            "weightsync.vllm.serve",
-            self.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "128",
-            "--max-num-seqs",
-            "4",
-        ]
-        self.log = log.open("wb")
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        self.wait_healthy(t0)
-        self.start_s = time.monotonic() - t0
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def wait_healthy(self, t0: float) -> None:
-        while time.monotonic() - t0 < START_S:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"no /health within {START_S} s:\n{self.tail()}")
-
-    def post(self, path: str, **kw: Any) -> Any:
-        r = requests.post(f"{self.url}{path}", timeout=60, **kw)
-        assert r.status_code == 200, (path, r.status_code, r.text)
-        return r.json()
-
-    def greedy(self, prompt: list[int]) -> list[int]:
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": 8,
-            "temperature": 0.0,
-            "return_token_ids": True,
-        }
-        return [int(t) for t in self.post("/v1/completions", json=body)["choices"][0]["token_ids"]]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
-        return int(self.proc.returncode)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,10 @@ Rules:
 
 1. **Own group.** The trainer (rank 0) hosts a TCPStore; every rank joins (``control.ControlPlane.join``)
    and then builds a process group directly on a ``PrefixStore`` of it: ``ProcessGroupNCCL`` for CUDA
-   tensors, ``ProcessGroupGloo`` for CPU tensors. ``torch.distributed``'s default group is never
-   initialised or used (vLLM's stateless group, reference section 2).
+   tensors, ``ProcessGroupGloo`` for CPU tensors, bound to the local address on the route to
+   ``master_address`` (or ``GLOO_SOCKET_IFNAME``'s interfaces: :func:`gloo_device_choice`), so ranks on
+   different hosts (or network namespaces) reach each other. ``torch.distributed``'s default group is
+   never initialised or used (vLLM's stateless group, reference section 2).
 2. **Ranks.** Engine workers use ``rank_offset + dp_index * (tp*pp) + local_rank`` (vLLM PR #36940).
 3. **One update.** Wire agreement, then per bucket: status exchange, broadcast, unpack into views, load
    (``rounds`` rules 1-3). Bucket boundaries come from ``packing.plan_buckets`` on both sides.
@@ -22,8 +24,11 @@ Rules:
    load does (earlier buckets were loaded); the engine stays paused until a round completes.
 6. **Deadlines.** Every broadcast is waited for with ``Work.wait(timeout)`` and every store exchange with
    the store's timeout; a miss is a :class:`~weightsync.spec.errors.TransferTimeoutError` that says how
-   the deadline was sized. The deadline is the round's (``rounds`` rule 0): ``init_info['timeout_s']``, or
-   without it a floor plus the round's bytes at a conservative bandwidth.
+   the deadline was sized and names the missing ranks: a store exchange the ranks whose value never came,
+   or rank 0 when its store stopped answering (``control`` rule 5: a cut link); a broadcast the
+   broadcast's other ranks (:attr:`BroadcastGroup.peers`: exact with one worker, gloo and NCCL do not
+   say which of several peers stalled). The deadline is the round's (``rounds`` rule 0):
+   ``init_info['timeout_s']``, or without it a floor plus the round's bytes at a conservative bandwidth.
 7. **Trainer failure.** A weight iterator that raises is reported to every engine through the wire
    agreement (``rounds`` rule 1), or, for a stream of declared metadata (:meth:`BroadcastTrainer.send_stream`),
    through the status of the bucket being pulled (``rounds`` rule 4), so they fail at once naming the
@@ -36,6 +41,7 @@ import collections
 import concurrent.futures
 import contextlib
 import datetime
+import os
 import socket
 import threading
 import time
@@ -91,14 +97,52 @@ def _resolve_backend(name: str) -> str:
     return name
 
 
-def _gloo_device(address: str) -> Any:
+def local_address_towards(address: str) -> str | None:
+    """This host's IPv4 address that the kernel's routing table picks to reach ``address`` (resolved with
+    ``gethostbyname``), or None if it cannot be resolved or has no route. A route lookup only: the UDP
+    ``connect`` sends no packet."""
+    try:
+        ip = socket.gethostbyname(address)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def gloo_device_choice(address: str) -> list[dict[str, str]]:
+    """The keyword arguments of ``ProcessGroupGloo.create_device``, one per device, that a rank of a group
+    whose store is at ``address`` binds and advertises to its peers (rule 1); ``[]``: gloo's default
+    device. In order of precedence:
+
+    1. ``GLOO_SOCKET_IFNAME`` (comma-separated interface names), when set: torch's own convention, which
+       its ``ProcessGroupGloo(store, rank, size, timeout)`` constructor honours and explicit devices
+       would otherwise bypass;
+    2. ``127.0.0.1`` when ``address`` is a loopback address;
+    3. the local address on the route to ``address`` (:func:`local_address_towards`; the trainer, which
+       hosts the store there, gets ``address`` itself), so every peer that reaches the store reaches this
+       rank too. gloo's default (the address the hostname resolves to, else loopback) is wrong on a host
+       whose hostname names another interface or network namespace: the peers would be told to connect
+       to an address they cannot reach, and the group would never form;
+    4. ``[]`` when ``address`` does not resolve or has no route.
+    """
+    ifnames = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    if ifnames:
+        return [{"interface": n} for n in ifnames]
     try:
         ip = socket.gethostbyname(address)
     except OSError:
-        ip = ""
+        return []
     if ip.startswith("127."):
-        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-    return dist.ProcessGroupGloo.create_default_device()
+        return [{"hostname": "127.0.0.1"}]
+    local = local_address_towards(ip)
+    return [] if local is None else [{"hostname": local}]
+
+
+def gloo_devices(address: str) -> list[Any]:
+    """The gloo devices of :func:`gloo_device_choice` (gloo's default device where it chose none)."""
+    gloo: Any = dist.ProcessGroupGloo
+    return [gloo.create_device(**kw) for kw in gloo_device_choice(address)] or [gloo.create_default_device()]
 
 
 @dataclass
@@ -145,12 +189,20 @@ class BroadcastGroup:
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
         return self.pg.broadcast([t], opts)
 
+    @property
+    def peers(self) -> list[int]:
+        """The ranks a broadcast of this rank waits on (rule 6): every other rank. With one peer (a trainer
+        and one worker) that is exactly the missing rank; with more, gloo and NCCL do not say which peer
+        stalled a collective, so a broadcast's timeout names them all."""
+        return [r for r in range(self.world_size) if r != self.rank]
+
     def wait(self, work: Any, phase: str) -> None:
         """Wait for ``work`` at most ``timeout_s``.
 
         Raises:
-            TransferTimeoutError: the deadline passed (the text says how it was sized).
-            PeerFailedError: the collective failed (e.g. a peer's connection closed).
+            TransferTimeoutError: the deadline passed, naming :attr:`peers` (the text says how it was
+                sized and who sends: rank 0).
+            PeerFailedError: the collective failed (e.g. a peer's connection closed), naming :attr:`peers`.
         """
         t0 = time.monotonic()
         try:
@@ -158,10 +210,12 @@ class BroadcastGroup:
         except Exception as exc:
             waited = time.monotonic() - t0
             text = str(exc)
+            first = text.splitlines()[0] if text else type(exc).__name__
+            what = f"rank {self.rank}'s part of a broadcast from rank 0 (the trainer) to rank(s) 1..{self.world_size - 1}"
             if "timed out" in text.lower() or "timeout" in text.lower() or waited >= self.timeout_s * 0.99:
-                first = text.splitlines()[0] if text else ""
-                raise TransferTimeoutError(phase, [], waited, f"{self.cp.timeout_basis}; {first}") from None
-            raise PeerFailedError([], phase, text.splitlines()[0] if text else type(exc).__name__) from None
+                detail = f"{what}; {self.cp.timeout_basis}; {first}"
+                raise TransferTimeoutError(phase, self.peers, waited, detail) from None
+            raise PeerFailedError(self.peers, phase, f"{what}: {first}") from None
 
     def close(self) -> None:
         """Drop the process group, buffers and packing thread (idempotent)."""
@@ -170,6 +224,7 @@ class BroadcastGroup:
         self.closed = True
         if self.rank == 0:
             self.cp.wait_seen(self.ok_seq, self.timeout_s)
+        self.cp.close()
         self.pool.clear()
         if self.packer is not None:
             self.packer.shutdown(wait=False, cancel_futures=True)
@@ -206,7 +261,7 @@ def join_group(info: RendezvousInitInfo, rank: int) -> BroadcastGroup:
                 gloo: Any = dist.ProcessGroupGloo
                 opts = gloo._Options()
                 opts._timeout = timeout
-                opts._devices = [_gloo_device(info.master_address)]
+                opts._devices = gloo_devices(info.master_address)
                 pg: Any = gloo(pg_store, rank, info.world_size, opts)
                 device = torch.device("cpu")
             else:  # pragma: no cover - needs CUDA
@@ -626,4 +681,12 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         group.send(iterator, args)
 
 
-__all__ = ["BroadcastGroup", "BroadcastTrainer", "BroadcastWeightTransferEngine", "join_group"]
+__all__ = [
+    "BroadcastGroup",
+    "BroadcastTrainer",
+    "BroadcastWeightTransferEngine",
+    "gloo_device_choice",
+    "gloo_devices",
+    "join_group",
+    "local_address_towards",
+]

@@ -20,16 +20,29 @@ Rules:
 4. An exchange writes ``<key>/<rank>`` and waits for every rank's value; on timeout the ranks whose value is
    absent are named, with how the deadline was sized (:attr:`ControlPlane.timeout_basis`). Each rank
    deletes its own keys two rounds later, so the store does not grow.
+5. **Bounded store calls.** A ``TCPStore`` client call that waits for the store's answer has no deadline of
+   its own once the network goes silent (a cut link, a host that vanished without closing its sockets):
+   after ``wait``'s own timeout the client cancels and then blocks in ``recv`` for the cancel's answer,
+   and ``get``, ``check``, ``multi_get``, ``add`` and ``delete_key`` block the same way, until TCP gives up
+   (minutes, or never when nothing is left to retransmit). So on every rank but 0 (which hosts the store in
+   its own process) each such call runs on the control plane's own thread and is waited for at most its
+   deadline plus :data:`STORE_GRACE_S`; a miss raises
+   :class:`~weightsync.spec.errors.TransferTimeoutError` naming rank 0 (the store's host) and the phase,
+   and leaves the control plane unusable (its thread is still blocked): every later call raises the same
+   error at once, and the group must be joined again.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import json
+import queue
+import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store, TCPStore
@@ -40,7 +53,12 @@ from weightsync.spec.errors import PeerFailedError, TransferTimeoutError, WireMi
 #: After a rank sees the ranks disagree on ``world_size``, how long it waits at most for the ranks that claim
 #: a larger group to arrive before it reports (rule 3), seconds.
 MISMATCH_GRACE_S = 1.0
+#: How much longer than a store call's own deadline a rank other than 0 waits for the store's answer before
+#: it gives the store's host up (rule 5), seconds: the store answers a cancelled ``wait`` in milliseconds
+#: when the link is alive.
+STORE_GRACE_S = 1.0
 _POLL_S = 0.005
+T = TypeVar("T")
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -83,6 +101,35 @@ def open_store(info: RendezvousInitInfo, rank: int) -> TCPStore:
         ) from None
 
 
+class _Caller:
+    """One daemon thread running store calls in order (rule 5): a daemon, so that a call blocked on a dead
+    link never holds up the process's exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]] | None
+        ]
+        self._jobs = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="weightsync-store", daemon=True).start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:
+                    fut.set_exception(exc)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
 class ControlPlane:
     """JSON exchanges over a TCPStore for one transfer group.
 
@@ -103,6 +150,42 @@ class ControlPlane:
         self.timeout_s = timeout_s
         self.timeout_basis = timeout_basis or f"timeout {timeout_s:g} s"
         self._own_keys: dict[int, list[str]] = {}
+        # rule 5: rank 0 hosts the store in this process; every other rank bounds its calls on this thread
+        self._caller = None if rank == 0 else _Caller()
+        #: why the store is given up (rule 5), or None while it answers
+        self.lost: str | None = None
+        self._lost_after_s = 0.0
+
+    def call(self, phase: str, seconds: float, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, one store call whose own deadline is ``seconds``, bounded on ranks other than 0
+        (rule 5): its result, or the exception it raised.
+
+        Raises:
+            TransferTimeoutError: naming ``phase`` and rank 0 (the store's host), if the store did not answer
+                within ``seconds + STORE_GRACE_S``, or did not an earlier call (:attr:`lost`).
+        """
+        if self._caller is None:
+            return fn(*args)
+        if self.lost is not None:
+            raise TransferTimeoutError(phase, [0], self._lost_after_s, self.lost)
+        fut = self._caller.submit(fn, *args)
+        limit = seconds + STORE_GRACE_S
+        try:
+            return fut.result(timeout=limit)
+        except concurrent.futures.TimeoutError:
+            self.lost = (
+                f"rank 0's TCPStore (the trainer hosts it) did not answer rank {self.rank} within {limit:.1f} s: "
+                f"the link to the trainer or the trainer is gone; {self.timeout_basis}"
+            )
+            self._lost_after_s = limit
+            self._caller.close()
+            raise TransferTimeoutError(phase, [0], limit, self.lost) from None
+
+    def close(self) -> None:
+        """Release the control plane's thread (idempotent; a call still blocked keeps it until it returns)."""
+        if self._caller is not None:
+            self._caller.close()
+            self.lost = self.lost or f"rank {self.rank}'s control plane is closed"
 
     def set_deadline(self, timeout_s: float, basis: str) -> None:
         """Use ``timeout_s`` seconds for every following wait (e.g. sized to an update round)."""
@@ -112,13 +195,13 @@ class ControlPlane:
     # ------------------------------------------------------------------------------------- rendezvous
     def _read_tickets(self, seen: list[dict[str, Any]]) -> None:
         """Append to ``seen`` every published ticket after the ones already read (in ticket order)."""
-        s = self.store
-        n = s.add("arrivals", 0)
+        s, ask, phase = self.store, self.call, "rendezvous"
+        n = ask(phase, self.timeout_s, s.add, "arrivals", 0)
         while len(seen) < n:
             key = f"ticket/{len(seen) + 1}"
-            if not s.check([key]):  # taken but not yet written: read it on the next poll
+            if not ask(phase, self.timeout_s, s.check, [key]):  # taken, not yet written: read it next poll
                 return
-            t = json.loads(s.get(key))
+            t = json.loads(ask(phase, self.timeout_s, s.get, key))
             seen.append({"rank": int(t["rank"]), "world_size": int(t["world_size"])})
 
     def join(self) -> None:
@@ -137,11 +220,12 @@ class ControlPlane:
         t0 = time.monotonic()
         seen: list[dict[str, Any]] = []
         mismatch_at: float | None = None
+        ask, phase = self.call, "rendezvous"
         try:
             # the claim before the ticket: a rank that has read every ticket then reads every claim (one
             # client's store operations are applied in order), so a duplicate rank is seen on every rank
-            s.add(f"claim/{self.rank}", 1)
-            ticket = s.add("arrivals", 1)
+            ask(phase, self.timeout_s, s.add, f"claim/{self.rank}", 1)
+            ticket = ask(phase, self.timeout_s, s.add, "arrivals", 1)
             s.set(f"ticket/{ticket}", json.dumps({"rank": self.rank, "world_size": self.world_size}))
             while True:
                 self._read_tickets(seen)
@@ -171,7 +255,10 @@ class ControlPlane:
                     )
                 time.sleep(_POLL_S)
             claims = {
-                r: s.add(f"claim/{r}", 0) if s.check([f"claim/{r}"]) else 0 for r in range(self.world_size)
+                r: ask(phase, self.timeout_s, s.add, f"claim/{r}", 0)
+                if ask(phase, self.timeout_s, s.check, [f"claim/{r}"])
+                else 0
+                for r in range(self.world_size)
             }
         except dist.DistNetworkError as exc:
             raise PeerFailedError(
@@ -204,19 +291,20 @@ class ControlPlane:
     def settle(self, key: str, expected: int | None = None, seconds: float = 5.0) -> None:
         """Every rank says it has read what it needs under ``key``; rank 0, which hosts the store, waits
         until ``expected`` other ranks (default all) said so, at most ``min(seconds, timeout_s)``, so that
-        it never tears the store down under a peer still reading an error verdict. Never raises."""
+        it never tears the store down under a peer still reading an error verdict. Never raises (a rank
+        other than 0 waits at most ``min(seconds, timeout_s) + STORE_GRACE_S``, rule 5)."""
         want = self.world_size - 1 if expected is None else expected
         end = time.monotonic() + min(seconds, self.timeout_s)
-        with contextlib.suppress(dist.DistError):
+        with contextlib.suppress(dist.DistError, TransferTimeoutError):
             if self.rank != 0:
-                self.store.add(f"{key}/settled", 1)
+                self.call(key, min(seconds, self.timeout_s), self.store.add, f"{key}/settled", 1)
                 return
             while self.store.add(f"{key}/settled", 0) < want and time.monotonic() < end:
                 time.sleep(0.002)
 
     def mark_seen(self, seq: int) -> None:
         """A worker says it has read everything of round ``seq`` (overwrites one key: no growth)."""
-        if self.rank != 0:
+        if self.rank != 0 and self.lost is None:
             with contextlib.suppress(dist.DistError):
                 self.store.set(f"seen/{self.rank}", str(seq))
 
@@ -235,8 +323,15 @@ class ControlPlane:
                     time.sleep(0.005)
 
     # --------------------------------------------------------------------------------------- exchange
-    def post(self, key: str, value: Any, seq: int) -> None:
-        """Write this rank's JSON ``value`` at ``<key>/<rank>`` (remembered for cleanup under ``seq``)."""
+    def post(self, key: str, value: Any, seq: int, phase: str | None = None) -> None:
+        """Write this rank's JSON ``value`` at ``<key>/<rank>`` (remembered for cleanup under ``seq``).
+
+        Raises:
+            TransferTimeoutError: naming ``phase`` (default ``key``) and rank 0, if the store was given up
+                (:attr:`lost`, rule 5).
+        """
+        if self.lost is not None:  # the blocked call still owns the store's socket
+            raise TransferTimeoutError(phase or key, [0], self._lost_after_s, self.lost)
         k = f"{key}/{self.rank}"
         self.store.set(k, json.dumps(value, separators=(",", ":")))
         self._own_keys.setdefault(seq, []).append(k)
@@ -245,22 +340,27 @@ class ControlPlane:
         """Wait for ``<key>/<r>`` of every rank in ``ranks`` (default all) and return the parsed values.
 
         Raises:
-            TransferTimeoutError: naming ``phase`` and the ranks whose value never appeared.
+            TransferTimeoutError: naming ``phase`` and the ranks whose value never appeared, or rank 0 if
+                its store stopped answering (rule 5).
+            PeerFailedError: naming rank 0, the store's connection failed.
         """
         rs = list(range(self.world_size)) if ranks is None else list(ranks)
         keys = [f"{key}/{r}" for r in rs]
         t0 = time.monotonic()
+        s, ask = self.store, self.call
         try:
-            self.store.wait(keys, _td(self.timeout_s))
+            ask(phase, self.timeout_s, s.wait, keys, _td(self.timeout_s))
         except dist.DistNetworkError as exc:
             raise PeerFailedError(
                 [0], phase, f"lost the trainer's TCPStore: {str(exc).splitlines()[0]}"
             ) from None
         except dist.DistError:
-            missing = [r for r, k in zip(rs, keys, strict=True) if not self.store.check([k])]
+            missing = [
+                r for r, k in zip(rs, keys, strict=True) if not ask(phase, self.timeout_s, s.check, [k])
+            ]
             raise TransferTimeoutError(phase, missing, time.monotonic() - t0, self.timeout_basis) from None
         try:
-            raw = self.store.multi_get(keys)
+            raw = ask(phase, self.timeout_s, s.multi_get, keys)
         except dist.DistNetworkError as exc:
             raise PeerFailedError(
                 [0], phase, f"lost the trainer's TCPStore: {str(exc).splitlines()[0]}"
@@ -269,7 +369,7 @@ class ControlPlane:
 
     def exchange(self, key: str, value: Any, seq: int, phase: str) -> list[Any]:
         """:meth:`post` then :meth:`collect` from every rank; returns values in rank order."""
-        self.post(key, value, seq)
+        self.post(key, value, seq, phase)
         return self.collect(key, phase)
 
     def get(self, key: str, phase: str, rank: int) -> Any:
@@ -285,8 +385,8 @@ class ControlPlane:
         for seq in [s for s in self._own_keys if s < before_seq]:
             for k in self._own_keys.pop(seq):
                 try:
-                    self.store.delete_key(k)
-                except dist.DistError:  # pragma: no cover - the store went away
+                    self.call("cleanup", self.timeout_s, self.store.delete_key, k)
+                except (dist.DistError, TransferTimeoutError):  # pragma: no cover - the store went away
                     return
 
 

@@ -685,6 +685,8 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         """Drop mappings and the store connection (idempotent)."""
         self._mapped.clear()
         self._shared.clear()
+        if self.cp is not None:
+            self.cp.close()
         self.cp = None
         self._store = None
 
