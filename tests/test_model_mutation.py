@@ -155,3 +155,30 @@ def test_mutation_full_matches_the_checked_in_report() -> None:
     saved = json.loads((Path(__file__).resolve().parents[1] / "proofs" / "mutation.json").read_text())
     assert r["killed_by"] == saved["killed_by"] and r["equivalent"] == saved["equivalent"]
     assert r["score"] >= 0.9, r["score"]
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """Verdicts are appended to a checkpoint as they arrive; a run of the same table skips the mutants
+    it already holds (their verdicts are kept), another table's checkpoint is ignored, and a last line cut
+    by the interruption is dropped."""
+    from weightsync.model.mutation import checkpoint_writer, mutation_digest, read_checkpoint, run_mutation
+
+    ckpt = tmp_path / "m.jsonl"
+    write = checkpoint_writer(ckpt, mutation_digest())
+    first = run_mutation(limit=2, configs=MUTATION_BOUNDS[:1], on_result=write)
+    assert first["mutants"] == 2
+    with ckpt.open("a") as f:
+        f.write('{"mutant": "cut sho')  # the process died mid-line
+    decided = read_checkpoint(ckpt, mutation_digest())
+    assert len(decided) == 2
+    assert read_checkpoint(ckpt, "another table") == {}
+    seen: list[str] = []
+    again = run_mutation(
+        limit=3, configs=MUTATION_BOUNDS[:1], decided=decided, on_result=lambda n, _w: seen.append(n)
+    )
+    names = [m.name for m, _ in mutants(get_variant("two-phase-epoch").table)][:3]
+    assert seen == names[2:]  # only the third mutant was checked
+    assert again["mutants"] == 3
+    for n in names[:2]:
+        assert (n in again["killed_by"]) == (n in first["killed_by"])
+        assert again["killed_by"].get(n) == first["killed_by"].get(n)

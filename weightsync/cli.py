@@ -396,11 +396,14 @@ def _mutate(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from weightsync.model.mutation import (
+        CHECKPOINT_FILE,
         MUTATION_FILE,
         annotate,
+        checkpoint_writer,
         mutants,
         mutation_digest,
         mutation_report,
+        read_checkpoint,
         report_markdown,
         write_report,
     )
@@ -423,9 +426,20 @@ def _mutate(args: argparse.Namespace) -> int:
         annotate(rep)
     else:
         total = sum(1 for _ in mutants(get_variant("two-phase-epoch").table))
+        # every verdict is appended to a checkpoint as it arrives; a run of the same table resumes from it
+        ckpt = Path.cwd() / "proofs" / CHECKPOINT_FILE
+        decided = read_checkpoint(ckpt, mutation_digest())
+        write = checkpoint_writer(ckpt, mutation_digest())
         with Progress(disable=args.json, transient=True) as bar:
-            task = bar.add_task("mutants", total=total)
-            rep = mutation_report(workers=args.workers, on_result=lambda _n, _w: bar.advance(task))
+            task = bar.add_task("mutants", total=total, completed=len(decided))
+
+            def on_result(name: str, why: str | None) -> None:
+                write(name, why)
+                bar.advance(task)
+
+            rep = mutation_report(workers=args.workers, on_result=on_result, decided=decided)
+        if args.write:
+            ckpt.unlink(missing_ok=True)  # the report now holds every verdict
     if args.write:
         write_report(Path.cwd(), rep)
     emit(rep, args.json, lambda: print(report_markdown(rep)))

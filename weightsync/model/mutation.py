@@ -306,6 +306,7 @@ def run_mutation(
     workers: int = 1,
     on_result: Callable[[str, str | None], None] | None = None,
     firings: list[Firings] | None = None,
+    decided: Mapping[str, str | None] | None = None,
     **kw: Any,
 ) -> dict[str, Any]:
     """Check every ``every``-th mutant (at most ``limit``) of ``variant``'s table, in ``workers``
@@ -316,6 +317,8 @@ def run_mutation(
     (:func:`reachable_firings`) and a mutant that fires identically on all of them is not re-checked: its
     transition system is the original's, so it survives as ``equivalent`` (the unmutated table verifies
     under every configuration; the slow test checks that). ``firings`` passes lookups already computed.
+    ``decided``: verdicts already known (by mutant name, from an interrupted run of the same table:
+    :func:`read_checkpoint`); those mutants are not re-checked and ``on_result`` is not called for them.
 
     Returns ``{"mutants": n, "killed": k, "survivors": [names], "killed_by": {name: "config:mode:property"},
     "unbounded": [names], "equivalent": [names], "seconds": wall time}``.
@@ -334,12 +337,14 @@ def run_mutation(
         if limit is not None and len(picked) >= limit:
             break
         picked.append((idx, mut))
-    jobs = [(variant, idx, kw) for idx, _ in picked]
-    results: list[str | None] = []
+    known = dict(decided or {})
+    todo = [(idx, mut) for idx, mut in picked if mut.name not in known]
+    jobs = [(variant, idx, kw) for idx, _ in todo]
+    verdicts: dict[str, str | None] = {mut.name: known[mut.name] for _, mut in picked if mut.name in known}
 
     def collect(it: Iterator[str | None]) -> None:
-        for (_, mut), why in zip(picked, it, strict=False):
-            results.append(why)
+        for (_, mut), why in zip(todo, it, strict=False):
+            verdicts[mut.name] = why
             if on_result is not None:
                 on_result(mut.name, why)
 
@@ -356,7 +361,8 @@ def run_mutation(
     killed_by: dict[str, str] = {}
     survivors: list[str] = []
     equivalent: list[str] = []
-    for (_, mut), why in zip(picked, results, strict=True):
+    for _, mut in picked:
+        why = verdicts[mut.name]
         if why is None or why == EQUIVALENT:
             survivors.append(mut.name)
             if why == EQUIVALENT:
@@ -373,6 +379,51 @@ def run_mutation(
         "equivalent": equivalent,
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def read_checkpoint(path: Path, digest: str) -> dict[str, str | None]:
+    """The verdicts in checkpoint ``path`` (JSON lines: a header ``{"table_digest": ...}``, then one
+    ``{"mutant": name, "why": verdict}`` per checked mutant, appended as they arrive) when its header's
+    digest is ``digest``; ``{}`` when the file is missing or belongs to another table. A last line cut
+    short by an interrupted run is ignored.
+
+    Raises:
+        ValueError: a line other than the last is not JSON.
+    """
+    if not path.is_file():
+        return {}
+    lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    if not lines or json.loads(lines[0]).get("table_digest") != digest:
+        return {}
+    out: dict[str, str | None] = {}
+    for k, line in enumerate(lines[1:], 2):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if k == len(lines):
+                break
+            raise ValueError(f"{path}:{k}: not JSON: {exc}") from exc
+        out[str(rec["mutant"])] = rec["why"]
+    return out
+
+
+def checkpoint_writer(path: Path, digest: str) -> Callable[[str, str | None], None]:
+    """An ``on_result`` that appends each verdict to checkpoint ``path`` (see :func:`read_checkpoint`),
+    starting the file with its header unless it already belongs to ``digest``."""
+    if not path.is_file() or not _header_is(path, digest):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"table_digest": digest}) + "\n", encoding="utf-8")
+
+    def write(name: str, why: str | None) -> None:
+        with path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"mutant": name, "why": why}) + "\n")
+
+    return write
+
+
+def _header_is(path: Path, digest: str) -> bool:
+    first = path.read_text(encoding="utf-8").splitlines()[:1]
+    return bool(first) and json.loads(first[0]).get("table_digest") == digest
 
 
 # ------------------------------------------------------------------------------------ the report
@@ -443,6 +494,8 @@ SURVIVOR_NOTES: dict[str, str] = {
 }
 
 MUTATION_FILE = "mutation.json"
+#: verdicts of an unfinished run, one JSON line each (:func:`read_checkpoint`); removed by ``--write``
+CHECKPOINT_FILE = "mutation.checkpoint.jsonl"
 MUTATION_MD = "MUTATION.md"
 
 
@@ -462,8 +515,10 @@ def mutation_report(
     *,
     workers: int = 1,
     on_result: Callable[[str, str | None], None] | None = None,
+    decided: Mapping[str, str | None] | None = None,
 ) -> dict[str, Any]:
-    """The full mutation run under :data:`MUTATION_BOUNDS` plus the survivors' classification.
+    """The full mutation run under :data:`MUTATION_BOUNDS` plus the survivors' classification
+    (``decided``: verdicts of an interrupted run of the same table, see :func:`run_mutation`).
 
     Returns :func:`run_mutation`'s fields plus ``equivalent`` (survivor names proved equivalent by
     :func:`first_difference`), ``classes`` (per survivor: equivalent, row_fires, first_difference, note),
@@ -474,7 +529,12 @@ def mutation_report(
 
     firings = reachable_firings(variant, MUTATION_BOUNDS, workers=workers)
     out = run_mutation(
-        variant, workers=workers, on_result=on_result, firings=firings, configs=MUTATION_BOUNDS
+        variant,
+        workers=workers,
+        on_result=on_result,
+        firings=firings,
+        decided=decided,
+        configs=MUTATION_BOUNDS,
     )
     t0 = time.perf_counter()
     classes = classify_survivors(variant, out["survivors"], firings=firings)
