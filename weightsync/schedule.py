@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.model.check import check, replay_labels
-from weightsync.model.system import G, Model
+from weightsync.model.system import G, Model, message_event
 from weightsync.spec.states import RankEvent, unfinished_for_sync
 
 #: the rank variables vLLM has under the same name, compared between the model and the engine
@@ -211,14 +211,7 @@ def _row_name(model: Model, s: G, label: Any, rank: int) -> str:
     kind = lab[0]
     extra: tuple[tuple[str, Any], ...]
     if kind == "recv" and int(lab[1]) == rank:
-        m = rk.inq[int(lab[2])][0]
-        if m[0] == "W":
-            ev, extra = RankEvent.START_DP_WAVE, (("exclude", m[2]), ("wave", m[1]))
-        elif m[0] == "ADD":
-            ev, extra = RankEvent.ADD, (("wave", m[2]),)
-        else:
-            ev = RankEvent.PAUSE if m[1] == "pause" else RankEvent.RESUME
-            extra = model.call_extra(rk, ev)
+        ev, extra = message_event(model, rk, rk.inq[int(lab[2])][0])
     elif kind == "done" and lab[1] == "resume_barrier":
         ev = RankEvent.RESUME_BARRIER_DONE
         ranks = s.ranks

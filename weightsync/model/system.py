@@ -1424,6 +1424,20 @@ def _lane_of_sender(m: tuple[Any, ...]) -> str:
     return {"ADD": "front-end", "ABORT": "front-end", "W": "coordinator", "U": "controller"}.get(m[0], "")
 
 
+def message_event(
+    model: Model, rk: Rank, m: tuple[Any, ...]
+) -> tuple[RankEvent, tuple[tuple[str, Any], ...]]:
+    """The table event and its arguments when a rank whose slice is ``rk`` receives message ``m``."""
+    if m[0] == "ADD":
+        return RankEvent.ADD, (("wave", m[2]),)
+    if m[0] == "ABORT":
+        return RankEvent.ABORT, ()
+    if m[0] == "W":
+        return RankEvent.START_DP_WAVE, (("exclude", m[2]), ("wave", m[1]))
+    ev = CALL_EVENT[m[1]]
+    return ev, model.call_extra(rk, ev)
+
+
 def describe(model: Model, s: G, label: Label, t: G) -> Step:
     """The :class:`Step` record of the edge ``s --label--> t`` (a successor of ``model``)."""
     kind = label[0]
@@ -1447,16 +1461,7 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
     if kind == "recv":
         i, f = label[1], label[2]
         m = s.ranks[i].inq[f][0]
-        extra: tuple[tuple[str, Any], ...]
-        if m[0] == "ADD":
-            ev, extra = RankEvent.ADD, (("wave", m[2]),)
-        elif m[0] == "ABORT":
-            ev, extra = RankEvent.ABORT, ()
-        elif m[0] == "W":
-            ev, extra = RankEvent.START_DP_WAVE, (("exclude", m[2]), ("wave", m[1]))
-        else:
-            ev = CALL_EVENT[m[1]]
-            extra = model.call_extra(s.ranks[i], ev)
+        ev, extra = message_event(model, s.ranks[i], m)
         d = rank_detail(i, ev, extra)
         if t.ranks[i].blocked and not s.ranks[i].blocked:
             d += f"; enters {t.ranks[i].blocked}"
