@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from weightsync.impl.transfer.base import ParallelInfo
-from weightsync.impl.transfer.ipc import IPCWeightTransferEngine as Engine
+from weightsync.impl.transfer.ipc import IPCTrainer
 from weightsync.impl.transfer.worker import WeightTransferWorker
 
 ROWS, COLS = 4096, 65536  # 512 MiB of bf16 per tensor
@@ -55,22 +55,22 @@ class Model(nn.Module):
 
 
 def _info(port: int) -> dict[str, Any]:
+    # vLLM 0.32's init_info: the packing parameters travel here, fixed for the group
     return {
         "master_address": "127.0.0.1",
         "master_port": port,
         "rank_offset": 1,
         "world_size": 2,
         "timeout_s": 120.0,
+        "packed": True,
+        "packed_buffer_size_bytes": 1 << 30,
+        "packed_num_buffers": 2,
     }
-
-
-def _packing() -> dict[str, Any]:
-    return {"packed": True, "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}
 
 
 def producer(port: int, n: int, repeats: int, q: Any) -> None:
     try:
-        tr = Engine.trainer_init(_info(port), device="cuda")
+        tr = IPCTrainer(_info(port), device="cuda")  # the data plane of IPCTrainerEngine.send_weights
         g = torch.Generator(device="cuda").manual_seed(0)
         pairs = [
             (
@@ -83,7 +83,7 @@ def producer(port: int, n: int, repeats: int, q: Any) -> None:
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
-            Engine.trainer_send_weights(iter(pairs), {"group": tr, **_packing()})
+            tr.send(iter(pairs))
             times.append(time.perf_counter() - t0)
         checksum = float(sum(t.float().sum().item() for _, t in pairs))
         tr.close()
@@ -101,7 +101,6 @@ def consumer(port: int, n: int, repeats: int, q: Any) -> None:
             "names": [f"w.{i}" for i in range(n)],
             "dtype_names": ["bfloat16"] * n,
             "shapes": [[ROWS, COLS]] * n,
-            **_packing(),
         }
         for _ in range(repeats + 1):
             w.start_weight_update()

@@ -22,8 +22,8 @@ from transfer_procs import (
     update_info_for,
 )
 
-from weightsync.impl.transfer.base import RendezvousInitInfo, UpdateInfo, WeightTransferEngine
-from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine
+from weightsync.impl.transfer.base import InitInfo, UpdateInfo, WeightTransferEngine, WireArgs
+from weightsync.impl.transfer.broadcast import BroadcastTrainer, BroadcastWeightTransferEngine
 from weightsync.impl.transfer.packing import (
     ALIGN,
     BufferPool,
@@ -67,10 +67,10 @@ GOOD_UPDATE = {"names": ["a", "b"], "dtype_names": ["float32", "bfloat16"], "sha
             r"shapes'\]\[0\]=\[2, -3\] \(for 'a'\) has negative dimension -3",
         ),
         ({**GOOD_UPDATE, "names": ["a", "a"]}, "lists 'a' twice"),
-        ({**GOOD_UPDATE, "packed": "yes"}, r"\['packed'\] must be a bool"),
+        ({**GOOD_UPDATE, "verify": "yes"}, r"\['verify'\] must be a bool"),
         ({**GOOD_UPDATE, "check_finite": 1}, r"\['check_finite'\] must be a bool, got int 1"),
-        ({**GOOD_UPDATE, "packed_buffer_size_bytes": 0}, r"packed_buffer_size_bytes'\]=0 must be >= 1"),
-        ({**GOOD_UPDATE, "packed_num_buffers": 0}, r"packed_num_buffers'\]=0 must be >= 1"),
+        # vLLM 0.32: the packing parameters are init_info's, not update_info's
+        ({**GOOD_UPDATE, "packed": True}, "unknown field 'packed'"),
         ({**GOOD_UPDATE, "shapes": [[2, 3.0], [4]]}, "must contain only ints"),
         ({**GOOD_UPDATE, "typo": 1}, "unknown field 'typo'"),
         (["names"], "update_info must be a dict, got list"),
@@ -83,13 +83,16 @@ def test_update_info_rejects_malformed(bad: Any, match: str) -> None:
 
 def test_update_info_defaults_and_round_trip() -> None:
     info = UpdateInfo.parse(GOOD_UPDATE)
-    assert (info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers) == (False, 1 << 30, 2)
+    assert (info.verify, info.check_finite) == (None, False)
+    assert info.to_dict() == GOOD_UPDATE  # vLLM's three fields only: the optional ones when set
     assert UpdateInfo.parse(info.to_dict()) == info
     assert info.check_finite is False  # opt-in; local to the worker, not part of the wire description
     checked = UpdateInfo.parse({**GOOD_UPDATE, "check_finite": True})
     assert checked.check_finite and UpdateInfo.parse(checked.to_dict()) == checked
-    assert wire_description(checked) == wire_description(info)
-    assert UpdateInfo.parse({"names": [], "dtype_names": [], "shapes": []}).names == ()  # empty is valid
+    wire = WireArgs()
+    assert wire_description(checked.metas(), wire) == wire_description(info.metas(), wire)
+    assert wire.for_round(UpdateInfo.parse({**GOOD_UPDATE, "verify": True})).verify is True
+    assert UpdateInfo.parse({"names": [], "dtype_names": [], "shapes": []}).names == []  # empty is valid
 
 
 @pytest.mark.parametrize(
@@ -104,7 +107,14 @@ def test_update_info_defaults_and_round_trip() -> None:
         ({**init_info(1, 2), "rank_offset": 0}, r"rank_offset'\]=0 must be >= 1"),
         ({**init_info(1, 2), "world_size": 1}, r"world_size'\]=1 must be >= 2"),
         ({**init_info(1, 2), "timeout_s": -1}, "positive finite number of seconds"),
-        ({**init_info(1, 2), "backend": "mpi"}, "must be one of 'auto', 'gloo', 'nccl'"),
+        ({**init_info(1, 2), "group_backend": "mpi"}, "must be one of 'auto', 'gloo', 'nccl'"),
+        ({**init_info(1, 2), "packed": "yes"}, r"\['packed'\] must be a bool"),
+        ({**init_info(1, 2), "packed_buffer_size_bytes": 0}, r"packed_buffer_size_bytes'\]=0 must be >= 1"),
+        ({**init_info(1, 2), "packed_num_buffers": 0}, r"packed_num_buffers'\]=0 must be >= 1"),
+        ({**init_info(1, 2), "layout": "dense"}, r"\['layout'\]='dense' must be 'aligned'"),
+        ({**init_info(1, 2), "is_checkpoint_format": 0}, r"\['is_checkpoint_format'\] must be a bool"),
+        ({**init_info(1, 2), "nccl_unique_id_b64": "AAAA"}, "rendezvous on the trainer's TCPStore"),
+        ({**init_info(1, 2), "backend": "gloo"}, "unknown field 'backend'"),
     ],
 )
 def test_init_info_rejects_malformed(bad: Any, match: str) -> None:
@@ -162,8 +172,9 @@ def test_b5_both_sides_compute_identical_partitions_only_with_equal_buffers() ->
     assert [len(b.members) for b in plan_buckets(sizes, 64 << 20)] == [3, 2]
     assert [len(b.members) for b in plan_buckets(sizes, 32 << 20)] == [1] * 5
     info = update_info_for([(f"w{i}", torch.empty(1, dtype=torch.uint8).expand(20 << 20)) for i in range(5)])
-    d64 = wire_description(UpdateInfo.parse({**info, "packed": True, "packed_buffer_size_bytes": 64 << 20}))
-    d32 = wire_description(UpdateInfo.parse({**info, "packed": True, "packed_buffer_size_bytes": 32 << 20}))
+    metas = UpdateInfo.parse(info).metas()
+    d64 = wire_description(metas, WireArgs(packed=True, packed_buffer_size_bytes=64 << 20))
+    d32 = wire_description(metas, WireArgs(packed=True, packed_buffer_size_bytes=32 << 20))
     assert first_difference(d64, d32) == "packed_buffer_size_bytes: 67108864 vs 33554432"
 
 
@@ -192,17 +203,18 @@ def test_pack_unpack_bit_exact_and_pool_does_not_grow() -> None:
 class _Pair:
     """A trainer and one worker in one process (two threads), for quick worker-level tests."""
 
-    def __init__(self, model: DictModel, **worker_kw: Any) -> None:
+    def __init__(self, model: DictModel, init_kw: dict[str, Any] | None = None, **worker_kw: Any) -> None:
+        init_kw = init_kw or {}
         self.port = free_port()
         self.worker = WeightTransferWorker(model, "nccl", **worker_kw)
         out: dict[str, Any] = {}
 
         def trainer() -> None:
-            out["t"] = BroadcastWeightTransferEngine.trainer_init(init_info(self.port, 2, 10.0))
+            out["t"] = BroadcastTrainer(init_info(self.port, 2, 10.0))
 
         th = threading.Thread(target=trainer)
         th.start()
-        self.worker.init_weight_transfer_engine(init_info(self.port, 2, 10.0))
+        self.worker.init_weight_transfer_engine(init_info(self.port, 2, 10.0, **init_kw))
         th.join(10)
         self.trainer = out["t"]
 
@@ -211,7 +223,7 @@ class _Pair:
 
         def send() -> None:
             try:
-                BroadcastWeightTransferEngine.trainer_send_weights(iter(pairs), {"group": self.trainer})
+                self.trainer.send(iter(pairs))
             except BaseException as exc:
                 errors.append(exc)
 
@@ -243,7 +255,7 @@ def test_out_of_order_calls_raise_local_protocol_error_before_side_effects() -> 
         w2.init_weight_transfer_engine(init_info(1, 2))
 
     w3 = WeightTransferWorker(model, "nccl")
-    with pytest.raises(ValueError, match="missing required field 'master_port'"):
+    with pytest.raises(ValueError, match="needs both master_address and master_port"):
         w3.init_weight_transfer_engine({"master_address": "x", "rank_offset": 1, "world_size": 2})
     assert w3.state is WorkerState.READY  # bad input changes nothing
     with pytest.raises(LocalProtocolError, match="update_weights"):
@@ -255,7 +267,7 @@ def test_round_completeness_b4_buffers_kernel_format_and_incomplete() -> None:
     p = _Pair(model)
     w = p.worker
     try:
-        w.start_weight_update(True)
+        w.start_weight_update()
         with pytest.raises(LocalProtocolError, match="init_weight_transfer_engine"):
             w.init_weight_transfer_engine(init_info(p.port, 2))  # re-init mid-round is rejected (weightsync)
         assert w.state is WorkerState.ERROR  # sticky until shutdown: use a fresh pair for the rest
@@ -268,7 +280,7 @@ def test_round_completeness_b4_buffers_kernel_format_and_incomplete() -> None:
     try:
         # B4: a checkpoint round with every parameter but never the inv_freq buffer completes
         pairs = make_tensors(1)
-        w.start_weight_update(True)
+        w.start_weight_update()
         half = len(pairs) // 2
         p.round(pairs[:half])
         with pytest.raises(IncompleteUpdateError) as ei:
@@ -288,8 +300,18 @@ def test_round_completeness_b4_buffers_kernel_format_and_incomplete() -> None:
         for name, t in pairs:
             assert bytes_equal(model.weights()[name], t.contiguous())
 
-        # kernel format: exact parameter names, dtype and shape checked before the collective
-        w.start_weight_update(False)
+        w.shutdown()
+    finally:
+        p.close()
+
+    # kernel format (init_info is_checkpoint_format=False): exact parameter names, dtype and shape
+    # checked before the collective
+    model = DictModel(model_spec())
+    p = _Pair(model, {"is_checkpoint_format": False})
+    w = p.worker
+    try:
+        w.start_weight_update()
+        assert w.machine.vars.is_checkpoint_format is False
         kp = [(n, t.contiguous()) for n, t in model.named_parameters()]
         bad = update_info_for(kp[:1])
         bad["shapes"][0] = [1, 2]
@@ -302,7 +324,7 @@ def test_round_completeness_b4_buffers_kernel_format_and_incomplete() -> None:
         new = [(n, torch.ones_like(t)) for n, t in kp]
         p.round(new)
         w.finish_weight_update()
-        assert w.weight_version == 2 and stats["expected_bytes"] == 0
+        assert w.weight_version == 1 and stats["expected_bytes"] == 0
         assert w.round_stats()["expected_bytes"] == sum(t.numel() * t.element_size() for _, t in kp)
         assert all(bool((t == 1).all()) for _, t in model.named_parameters())
         w.shutdown()
@@ -310,9 +332,17 @@ def test_round_completeness_b4_buffers_kernel_format_and_incomplete() -> None:
         p.close()
 
 
-def test_rendezvous_info_parse_roundtrip() -> None:
-    info = RendezvousInitInfo.parse(init_info(29500, 3))
-    assert (info.rank_offset, info.world_size, info.backend) == (1, 3, "auto")
+def test_init_info_parse_roundtrip() -> None:
+    d = init_info(29500, 3)
+    info = InitInfo.parse(d)
+    assert (info.rank_offset, info.world_size, info.group_backend) == (1, 3, "auto")
+    assert (info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers) == (False, 1 << 30, 2)
+    # vLLM's fields always (with vLLM's worker defaults), weightsync's only when set (timeout_s here)
+    assert info.to_dict() == {**d, "packed": False, "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}
+    assert info.is_checkpoint_format and InitInfo.parse(info.to_dict()) == info
+    assert info.wire("aligned") == WireArgs() and info.wire("vllm").layout == "vllm"
+    packed = InitInfo.parse({**d, "packed": True, "packed_num_buffers": 3, "layout": "vllm"})
+    assert packed.wire("aligned") == WireArgs(packed=True, packed_num_buffers=3, layout="vllm")
 
 
 # ----------------------------------------------------------------------------------- zero-copy runs

@@ -157,12 +157,13 @@ def flat_tensors(
     return out, owner
 
 
-def update_info_for(pairs: list[tuple[str, torch.Tensor]], **packing: Any) -> dict[str, Any]:
+def update_info_for(pairs: list[tuple[str, torch.Tensor]], **extra: Any) -> dict[str, Any]:
+    """vLLM 0.32's update_info of ``pairs`` (``extra``: weightsync's optional fields, e.g. ``verify``)."""
     return {
         "names": [n for n, _ in pairs],
         "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in pairs],
         "shapes": [list(t.shape) for _, t in pairs],
-        **packing,
+        **extra,
     }
 
 
@@ -187,6 +188,7 @@ def free_port() -> int:
 
 
 def init_info(port: int, world_size: int, timeout_s: float = 20.0, **extra: Any) -> dict[str, Any]:
+    """vLLM 0.32's init_info (``extra``: packing fields and weightsync's optional ones)."""
     return {
         "master_address": "127.0.0.1",
         "master_port": port,

@@ -17,6 +17,14 @@
   (rank, rank_seq, state before, event, state after, wave, collective kind/seq, time). If the engine can
   write the lines itself (``trace_to``; our engines append with O_APPEND before running the transition's
   effects), file order is a linearization of the run; otherwise the wrapper writes them as reported.
+- ``update_weight_version`` (vLLM 0.32: a label, any state) is no transition: the engine reports a
+  :class:`~weightsync.impl.engine.messages.RelabelRecord`, the shadow applies
+  :func:`~weightsync.spec.rank.relabel_weight_version` (its variables must equal the reported ones) and
+  the trace gets a ``kind="relabel"`` line, which :func:`replay_trace` applies the same way.
+- The weight calls are vLLM 0.32's (``init_weight_transfer_engine(dict)``, ``start_weight_update()``,
+  ``update_weights(dict | list)``, ``finish_weight_update(weight_version)``) with a keyword-only
+  ``timeout``: a CheckedEngine is a vLLM ``VLLMWeightSyncClient``, so a trainer built with
+  ``trainer_init(..., client=<checked engine>)`` goes through the checks.
 
 :func:`replay_trace` validates a recorded trace: every step re-fired on the rank tables must reproduce the
 recorded variables, and DP collectives must rendezvous (every rank enters the same (kind, seq) before any
@@ -39,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
-from weightsync.spec.rank import RankMachine, RankVars, apply, get_variant, select
+from weightsync.spec.rank import RankMachine, RankVars, apply, get_variant, relabel_weight_version, select
 from weightsync.spec.states import PauseMode, PauseState, RankEvent, RankState
 
 _DONE_OF = {
@@ -150,6 +158,9 @@ class CheckedEngine:
             if self._skip_below is not None and int(rec.rank_seq) < self._skip_below[r]:
                 return  # already reflected in the snapshot the shadow started from
             m = self.machines[r]
+            if not hasattr(rec, "event"):  # a RelabelRecord: update_weight_version, no transition
+                self._on_relabel(m, rec)
+                return
             event = RankEvent(rec.event)
             try:
                 m.fire(event, **dict(rec.args))
@@ -166,12 +177,29 @@ class CheckedEngine:
                 if e is event:
                     del infl[i]
                     break
-            self.records += 1
-            if self.trace_path is not None and not self._engine_writes:
-                from weightsync.impl.engine.core import trace_line
+            self._record(rec)
 
-                with self.trace_path.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(trace_line(rec), sort_keys=True) + "\n")
+    def _on_relabel(self, m: RankMachine, rec: Any) -> None:
+        try:
+            m.vars = relabel_weight_version(m.vars, rec.weight_version)
+        except ValueError as exc:
+            self.violations.append(f"rank {rec.rank} step {rec.rank_seq} (relabel): {exc}")
+            return
+        got = vars_to_dict(m.vars)
+        if got != dict(rec.after):
+            self.violations.append(
+                f"rank {rec.rank} step {rec.rank_seq} (relabel {rec.weight_version!r}): the spec gives {got}, "
+                f"engine reported {rec.after}"
+            )
+        self._record(rec)
+
+    def _record(self, rec: Any) -> None:
+        self.records += 1
+        if self.trace_path is not None and not self._engine_writes:
+            from weightsync.impl.engine.core import record_line
+
+            with self.trace_path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(record_line(rec), sort_keys=True) + "\n")
 
     def _check(self, event: RankEvent, ranks: Iterable[int] | None = None, **args: Any) -> None:
         with self._lock:
@@ -235,36 +263,45 @@ class CheckedEngine:
         """Checked ``resume`` (illegal while a pause is in flight, in two-phase variants)."""
         self._call(RankEvent.RESUME, lambda: self.engine.resume(timeout))
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any], timeout: float | None = None) -> None:
+    def init_weight_transfer_engine(self, init_info: dict[str, Any], *, timeout: float | None = None) -> None:
         """Checked ``init_weight_transfer_engine``."""
         self._call(
-            RankEvent.INIT_TRANSFER, lambda: self.engine.init_weight_transfer_engine(init_info, timeout)
+            RankEvent.INIT_TRANSFER,
+            lambda: self.engine.init_weight_transfer_engine(init_info, timeout=timeout),
         )
 
-    def start_weight_update(self, is_checkpoint_format: bool = True, timeout: float | None = None) -> None:
-        """Checked ``start_weight_update`` (legal only when every rank is verified)."""
-        self._call(
-            RankEvent.START_UPDATE, lambda: self.engine.start_weight_update(is_checkpoint_format, timeout)
-        )
+    def start_weight_update(self, *, timeout: float | None = None) -> None:
+        """Checked ``start_weight_update`` (legal only when every rank is verified, or failed)."""
+        self._call(RankEvent.START_UPDATE, lambda: self.engine.start_weight_update(timeout=timeout))
 
-    def update_weights(self, update_info: dict[str, Any], timeout: float | None = None) -> None:
+    def update_weights(
+        self, update_info: dict[str, Any] | list[dict[str, Any]], *, timeout: float | None = None
+    ) -> None:
         """Checked ``update_weights`` (legal only between start and finish)."""
-        self._call(RankEvent.UPDATE_WEIGHTS, lambda: self.engine.update_weights(update_info, timeout))
+        self._call(
+            RankEvent.UPDATE_WEIGHTS, lambda: self.engine.update_weights(update_info, timeout=timeout)
+        )
 
     def finish_weight_update(
-        self,
-        timeout: float | None = None,
-        *,
-        weight_version: int | str | None = None,
-        monotonic: bool = False,
+        self, weight_version: str | None = None, *, monotonic: bool = False, timeout: float | None = None
     ) -> None:
         """Checked ``finish_weight_update`` (``weight_version``, ``monotonic``: see the engine client)."""
         self._call(
             RankEvent.FINISH_UPDATE,
-            lambda: self.engine.finish_weight_update(
-                timeout, weight_version=weight_version, monotonic=monotonic
-            ),
+            lambda: self.engine.finish_weight_update(weight_version, monotonic=monotonic, timeout=timeout),
         )
+
+    def update_weight_version(self, new_version: str, *, timeout: float | None = None) -> None:
+        """``update_weight_version``: legal in every state (no transition); refused only once the engine
+        diverged from the table. The shadows apply it when the engine reports it.
+
+        Raises:
+            RemoteProtocolError: the engine diverged earlier.
+        """
+        with self._lock:
+            if self.violations:
+                raise RemoteProtocolError("engine diverged from the table: " + self.violations[0])
+        self.engine.update_weight_version(new_version, timeout=timeout)
 
     def __getattr__(self, name: str) -> Any:
         # add_request, abort, get_weight_version, ... pass through: ADD/ABORT are legal in every state
@@ -322,10 +359,13 @@ class ReplayResult:
     Attributes:
         path: the trace file.
         ok: every step was an edge.
-        steps: transitions checked.
+        steps: records checked (transitions and relabels).
         ranks: number of ranks.
         variant: the variant in the header.
         divergence: the first bad step, if any.
+        collectives: DP collective entries checked.
+        notes: what could not be checked.
+        relabels: ``update_weight_version`` records applied (``kind="relabel"``; no transition).
     """
 
     path: str
@@ -336,6 +376,25 @@ class ReplayResult:
     divergence: Divergence | None = None
     collectives: int = 0
     notes: list[str] = field(default_factory=list)
+    relabels: int = 0
+
+
+def _replay_relabel(rec: dict[str, Any], machines: list[RankMachine]) -> str | None:
+    """Apply one ``kind="relabel"`` record (:func:`~weightsync.spec.rank.relabel_weight_version`) to its
+    rank; why it does not replay, or None."""
+    r = rec.get("rank")
+    if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < len(machines):
+        return f"relabel record with rank {r!r} outside [0, {len(machines)})"
+    m = machines[r]
+    if "vars_before" in rec and dict(rec["vars_before"]) != vars_to_dict(m.vars):
+        return f"recorded state {rec['vars_before']} differs"
+    try:
+        m.vars = relabel_weight_version(m.vars, rec.get("weight_version"))  # type: ignore[arg-type]
+    except ValueError as exc:
+        return str(exc)
+    if "vars_after" in rec and dict(rec["vars_after"]) != vars_to_dict(m.vars):
+        return f"the spec gives {vars_to_dict(m.vars)}, trace says {rec['vars_after']}"
+    return None
 
 
 #: ``validate(step_index, record, machines) -> reason or None``: an extra per-step check (the model's).
@@ -407,6 +466,14 @@ def replay_trace(
         prepare([rec for _, rec in recs])
     for step, (line, rec) in enumerate(recs):
         res.steps = step + 1
+        if rec.get("kind") == "relabel":  # update_weight_version: no transition (spec relabel_weight_version)
+            why = _replay_relabel(rec, machines)
+            if why is not None:
+                r = rec.get("rank")
+                state = machines[r].vars if isinstance(r, int) and 0 <= r < n else RankVars()
+                return diverge(line, step, r if isinstance(r, int) else -1, "relabel", why, state)
+            res.relabels += 1
+            continue
         try:
             r = int(rec["rank"])
             event = RankEvent(rec["event"])

@@ -15,12 +15,18 @@ The loop (one iteration per trainer step ``i = 1..steps``):
 3. the trainer computes a GRPO update from batch ``i``'s samples and the engines' log-probabilities
    (:meth:`weightsync.impl.trainer.Trainer.trainer_step`);
 4. the controller runs ``pause(mode) -> start_weight_update -> update_weights`` (the trainer sends
-   concurrently, packed) ``-> finish_weight_update -> resume``
-   (:func:`weightsync.impl.engine.controller.update_round`, resume in a ``finally``). With ``keep`` the
+   concurrently, packed) ``-> finish_weight_update(weight_version="step-i") -> resume``
+   (:func:`weightsync.impl.engine.controller.update_round`, resume in a ``finally``). The trainer is
+   vLLM 0.32's API over weightsync's transports
+   (:class:`~weightsync.impl.transfer.trainer.BroadcastTrainerEngine` /
+   :class:`~weightsync.impl.transfer.trainer.IPCTrainerEngine`, ``trainer_init(init_info, client=...,
+   source=...)``) with the checked engine client as its client; its source declares the checkpoint
+   tensors up front and streams them bucket by bucket. With ``keep`` the
    requests of batch ``i + 1`` still in flight are frozen and finish after resume under the new weights
    (``clear_cache=True``: their KV is recomputed); with ``abort`` they end with ``finish_reason="abort"`` and
    the next step trains on the finished samples only;
-5. checks: every rank reports the same ``weight_version`` (= syncs done); on the fixed probe prompts every
+5. checks: every rank reports ``weight_version`` ``"step-i"`` (``"step-0"`` after the initial sync); on the
+   fixed probe prompts every
    engine's logits equal the trainer's (``torch.equal`` in float32; otherwise the max abs difference is
    reported).
 
@@ -37,7 +43,8 @@ Engine-side adapter (a thin layer, since the engine exposes no probe query): the
 :func:`demo_broadcast_worker` / :func:`demo_ipc_worker`, a :class:`DemoWorker` around the real
 :class:`~weightsync.impl.transfer.worker.WeightTransferWorker`. After each ``finish_weight_update`` it writes
 the engine's probe logits to a file the trainer compares with its own; its ``init_info`` may carry the
-demo-only keys ``demo_probe_dir`` and ``demo_kill``, stripped before the real worker sees it.
+demo-only keys ``demo_probe_dir`` and ``demo_kill`` (added by the client adapter to the trainer's
+``init_info``), stripped before the real worker sees it.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from weightsync.impl.rl_task import EOS_ID, DigitPatternTask, Prompt, Sample
 from weightsync.impl.transfer.base import ParallelInfo
 from weightsync.impl.transfer.worker import WeightTransferWorker
 from weightsync.spec.errors import WeightSyncError
+from weightsync.spec.rank import version_order
 
 __all__ = [
     "DemoConfig",
@@ -186,12 +194,12 @@ class DemoWorker:
         self.probe_dir = str(probe) if probe else None
         self.kill = {"rank": int(kill["rank"]), "round": int(kill["round"])} if kill else None
 
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+    def start_weight_update(self) -> None:
         """Open a round (the real worker's ``start_weight_update``)."""
-        self.inner.start_weight_update(is_checkpoint_format)
+        self.inner.start_weight_update()
         self.rounds_started += 1
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Receive the round's weights (arming the kill switch when this is the chosen rank and round)."""
         k = self.kill
         self._proxy.armed = k is not None and k["rank"] == self.dp_index and k["round"] == self.rounds_started
@@ -238,6 +246,8 @@ class _Guard:
 
     Each call runs in a helper thread; the caller polls the engines' liveness every 50 ms and raises
     :class:`EngineDiedError` (naming the rank) instead of waiting for the client's own reply deadline.
+    Calls without a timeout get ``timeout``; ``init_weight_transfer_engine`` adds ``init_extra`` (the demo
+    keys) to the trainer's ``init_info``.
     """
 
     _WATCHED = frozenset(
@@ -251,8 +261,10 @@ class _Guard:
         }
     )
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, timeout: float | None = None) -> None:
         self.client = client
+        self.timeout = timeout
+        self.init_extra: dict[str, Any] = {}
         self.on_pause_done: Callable[[], None] | None = None
 
     def dead(self) -> dict[int, int | None]:
@@ -294,38 +306,40 @@ class _Guard:
         return box[0] if box else None
 
     def pause(self, mode: str = "abort", clear_cache: bool = True, timeout: float | None = None) -> None:
-        self._watch("pause", lambda: self.client.pause(mode, clear_cache, timeout))
+        self._watch("pause", lambda: self.client.pause(mode, clear_cache, self._t(timeout)))
         if self.on_pause_done is not None:
             self.on_pause_done()
 
     def resume(self, timeout: float | None = None) -> None:
-        self._watch("resume", lambda: self.client.resume(timeout))
+        self._watch("resume", lambda: self.client.resume(self._t(timeout)))
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any], timeout: float | None = None) -> None:
+    def _t(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any], *, timeout: float | None = None) -> None:
+        info = {**init_info, **self.init_extra}
+        t = self._t(timeout)
         self._watch(
-            "init_weight_transfer_engine", lambda: self.client.init_weight_transfer_engine(init_info, timeout)
+            "init_weight_transfer_engine", lambda: self.client.init_weight_transfer_engine(info, timeout=t)
         )
 
-    def start_weight_update(self, is_checkpoint_format: bool = True, timeout: float | None = None) -> None:
-        self._watch(
-            "start_weight_update", lambda: self.client.start_weight_update(is_checkpoint_format, timeout)
-        )
+    def start_weight_update(self, *, timeout: float | None = None) -> None:
+        t = self._t(timeout)
+        self._watch("start_weight_update", lambda: self.client.start_weight_update(timeout=t))
 
-    def update_weights(self, update_info: dict[str, Any], timeout: float | None = None) -> None:
-        self._watch("update_weights", lambda: self.client.update_weights(update_info, timeout))
+    def update_weights(
+        self, update_info: dict[str, Any] | list[dict[str, Any]], *, timeout: float | None = None
+    ) -> None:
+        t = self._t(timeout)
+        self._watch("update_weights", lambda: self.client.update_weights(update_info, timeout=t))
 
     def finish_weight_update(
-        self,
-        timeout: float | None = None,
-        *,
-        weight_version: int | str | None = None,
-        monotonic: bool = False,
+        self, weight_version: str | None = None, *, monotonic: bool = False, timeout: float | None = None
     ) -> None:
+        t = self._t(timeout)
         self._watch(
             "finish_weight_update",
-            lambda: self.client.finish_weight_update(
-                timeout, weight_version=weight_version, monotonic=monotonic
-            ),
+            lambda: self.client.finish_weight_update(weight_version, monotonic=monotonic, timeout=t),
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -420,7 +434,8 @@ class SyncRecord:
 
     Attributes:
         sync: 0 for the initial sync, then the trainer step that produced the weights.
-        weight_version: the version every rank reports afterwards (None if they disagree).
+        weight_version: the version every rank reports afterwards (``"step-<sync>"``; None if they
+            disagree).
         weight_versions: each rank's reported version.
         bytes: payload bytes the trainer sent (each engine receives all of them).
         buckets: packed buckets per engine.
@@ -438,8 +453,8 @@ class SyncRecord:
     """
 
     sync: int
-    weight_version: int | None
-    weight_versions: list[int]
+    weight_version: str | None
+    weight_versions: list[str]
     bytes: int
     buckets: int
     seconds: float
@@ -600,7 +615,7 @@ class _Run:
                         prompt=b.prompts[s.req_id],
                         completion_tokens=list(s.tokens),
                         logprobs=list(s.logprobs),
-                        weight_version=s.versions[0] if s.versions else 0,
+                        weight_version=s.versions[0] if s.versions else "default",
                     )
                 )
         return out
@@ -641,8 +656,7 @@ class _Run:
         self,
         engine: Any,
         guard: _Guard,
-        send: Callable[[], None],
-        update_info: dict[str, Any],
+        trainer: Any,
         nbytes: int,
         buckets: int,
         probe_dir: pathlib.Path,
@@ -654,15 +668,15 @@ class _Run:
         t0 = time.perf_counter()
         times = update_round(
             engine,
-            update_info,
-            send,
+            trainer,
             mode=self.cfg.mode,
             clear_cache=self.cfg.clear_cache,
             timeout=self.cfg.timeout_s,
+            weight_version=f"step-{index}",
         )
         round_s = time.perf_counter() - t0
         kept, mid, aborted = self._pause_snapshot
-        versions = [int(v) for v in guard.client.get_weight_version()]
+        versions = guard.client.get_weight_versions()
         same = len(set(versions)) == 1
         diff, equal = self._probe(probe_dir, index + 1)
         rec = SyncRecord(
@@ -698,7 +712,8 @@ class _Run:
             if not s.done.is_set():
                 continue  # counted as lost by _wait
             full = len(s.tokens) == self.task.max_new_tokens or (s.tokens and s.tokens[-1] == EOS_ID)
-            monotone = all(x <= y for x, y in zip(s.versions, s.versions[1:], strict=False))
+            order = [version_order(v) for v in s.versions]
+            monotone = all(x <= y for x, y in zip(order, order[1:], strict=False))
             if s.finish_reason == "abort" or not full or not monotone:
                 self.kept_bad += 1
 
@@ -711,7 +726,13 @@ class _Run:
         from weightsync.impl.trainer import iter_checkpoint_weights, save_config
         from weightsync.impl.transfer.base import meta_of
         from weightsync.impl.transfer.packing import plan_buckets
-        from weightsync.impl.transfer.registry import WeightTransferEngineFactory
+        from weightsync.impl.transfer.trainer import (
+            BroadcastTrainerEngine,
+            IPCTrainerEngine,
+            IPCTrainerInitInfo,
+            ParamMeta,
+            TrainerInitInfo,
+        )
 
         cfg = self.cfg
         backend = TRANSPORTS[cfg.transport]
@@ -733,17 +754,18 @@ class _Run:
         metas = [meta_of(n, t) for n, t in weights]
         nbytes = sum(m.nbytes for m in metas)
         buckets = len(plan_buckets([m.nbytes for m in metas], cfg.bucket_bytes, True))
-        packing: dict[str, Any] = {
-            "packed": True,
-            "packed_buffer_size_bytes": cfg.bucket_bytes,
-            "packed_num_buffers": cfg.packed_num_buffers,
-        }
-        update_info = {
-            "names": [m.name for m in metas],
-            "dtype_names": [m.dtype_name for m in metas],
-            "shapes": [list(m.shape) for m in metas],
-            **packing,
-        }
+        model = self.model
+
+        class CheckpointSource:
+            """The trainer's checkpoint tensors as a WeightSource: declared up front, streamed per bucket."""
+
+            def metadata(self) -> list[ParamMeta]:
+                return [ParamMeta(m.name, m.dtype, m.shape) for m in metas]
+
+            def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+                return iter_checkpoint_weights(model)
+
+        del weights  # the source streams them afresh every round
         self.emit(
             "start",
             {
@@ -752,8 +774,8 @@ class _Run:
                 "backend": backend,
                 "mode": cfg.mode,
                 "variant": cfg.variant,
-                "parameters": sum(t.numel() for _, t in weights),
-                "tensors": len(weights),
+                "parameters": sum(m.numel for m in metas),
+                "tensors": len(metas),
                 "bytes": nbytes,
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "architecture": lm_cfg.architecture,
@@ -767,7 +789,7 @@ class _Run:
         guard: _Guard | None = None
         try:
             client = DPEngineClient(ecfg, start_timeout_s=max(90.0, cfg.timeout_s)).start()
-            guard = _Guard(client)
+            guard = _Guard(client, cfg.timeout_s)
             guard.on_pause_done = self._on_pause_done
             engine = guard
             if cfg.check:
@@ -775,55 +797,36 @@ class _Run:
                 self.trace_path.parent.mkdir(parents=True, exist_ok=True)
                 engine = CheckedEngine(guard, trace_path=self.trace_path)
             # ---- transfer group: the trainer hosts the store (rank 0) while every engine joins
-            port = free_port()
-            base_info: dict[str, Any] = {
-                "master_address": "127.0.0.1",
-                "master_port": port,
-                "rank_offset": 1,
-                "world_size": 1 + cfg.ranks,
-                "timeout_s": cfg.timeout_s,
-            }
-            if backend == "nccl":
-                base_info["backend"] = "gloo"  # the demo's tensors live on the CPU
-            eng_cls = WeightTransferEngineFactory.engine_class(backend)
-            box: list[Any] = []
-            terr: list[BaseException] = []
-
-            def _trainer_init() -> None:
-                try:
-                    box.append(eng_cls.trainer_init(base_info))  # type: ignore[attr-defined]
-                except BaseException as exc:
-                    terr.append(exc)
-
-            th = threading.Thread(target=_trainer_init, name="weightsync-trainer-init", daemon=True)
-            th.start()
-            engine_info = dict(base_info, demo_probe_dir=str(probe_dir))
+            guard.init_extra["demo_probe_dir"] = str(probe_dir)
             if cfg.kill_rank_during_update is not None:
-                engine_info["demo_kill"] = {
+                guard.init_extra["demo_kill"] = {
                     "rank": cfg.kill_rank_during_update,
                     "round": cfg.kill_at_sync + 1,
                 }
-            engine.init_weight_transfer_engine(engine_info, cfg.timeout_s)
-            th.join(cfg.timeout_s)
-            if terr:
-                raise terr[0]
-            if not box:
-                raise WeightSyncError("trainer_init did not complete in time")
-            tr = box[0]
-            send_errors: list[BaseException] = []
-
-            def send() -> None:
-                try:
-                    eng_cls.trainer_send_weights(
-                        iter_checkpoint_weights(self.model), {"group": tr, **packing}
-                    )
-                except BaseException as exc:
-                    send_errors.append(exc)
-                    raise
+            tinfo: dict[str, Any] = {
+                "master_address": "127.0.0.1",
+                "master_port": free_port(),
+                "world_size": 1 + cfg.ranks,
+                "packed": True,
+                "packed_buffer_size_bytes": cfg.bucket_bytes,
+                "packed_num_buffers": cfg.packed_num_buffers,
+                "timeout_s": cfg.timeout_s,
+                "rank": 0,
+            }
+            if backend == "nccl":
+                tr = BroadcastTrainerEngine.trainer_init(
+                    TrainerInitInfo(**tinfo, group_backend="gloo"),  # the demo's tensors live on the CPU
+                    client=engine,
+                    source=CheckpointSource(),
+                )
+            else:
+                tr = IPCTrainerEngine.trainer_init(
+                    IPCTrainerInitInfo(**tinfo, device="cpu"), client=engine, source=CheckpointSource()
+                )
 
             # ---- sync 0: the engines' initial weights, before any request is served
             try:
-                self._sync(engine, guard, send, update_info, nbytes, buckets, probe_dir, 0, None)
+                self._sync(engine, guard, tr, nbytes, buckets, probe_dir, 0, None)
                 half = cfg.prompts_per_step // 2 if cfg.overlap_prompts is None else cfg.overlap_prompts
                 batch: _Batch | None = None
                 if cfg.steps > 0:
@@ -848,7 +851,7 @@ class _Run:
                     n0 = len(nxt.streams)
                     self._submit(client, prompts[half:], nxt)
                     self._wait_started(guard, nxt.streams[n0:])
-                    self._sync(engine, guard, send, update_info, nbytes, buckets, probe_dir, step, reward)
+                    self._sync(engine, guard, tr, nbytes, buckets, probe_dir, step, reward)
                     batch, self._inflight = nxt, None
                 if batch is not None:  # rollouts of the final policy (in flight during the last sync)
                     final = self._wait(guard, batch)
@@ -858,14 +861,14 @@ class _Run:
                             self.task.reward(s.prompt, s.completion_tokens) for s in final
                         ) / len(final)
             except BaseException as exc:
-                error = self._describe_failure(exc, guard, send_errors)
+                error = self._describe_failure(exc, guard, tr)
                 if not isinstance(exc, Exception):
                     raise
         except DemoUsageError:
             raise
         except Exception as exc:
             if error is None:
-                error = self._describe_failure(exc, guard, [])
+                error = self._describe_failure(exc, guard, tr)
         finally:
             if client is not None and guard is not None and not guard.dead():
                 with contextlib.suppress(Exception):
@@ -884,7 +887,7 @@ class _Run:
                 client.shutdown()
             if tr is not None:
                 with contextlib.suppress(Exception):
-                    tr.close()
+                    tr.shutdown()
             tmp.cleanup()
         return self._result(error, list(getattr(engine, "violations", []) or []))
 
@@ -896,9 +899,7 @@ class _Run:
         except Exception:
             return False
 
-    def _describe_failure(
-        self, exc: BaseException, guard: _Guard | None, send_errors: list[BaseException]
-    ) -> str:
+    def _describe_failure(self, exc: BaseException, guard: _Guard | None, trainer: Any) -> str:
         """One message naming the dead rank (if any), the trainer's error and the surviving engines' errors."""
         parts: list[str] = []
         dead: dict[int, int | None] = guard.dead() if guard is not None else {}
@@ -912,7 +913,11 @@ class _Run:
             alive = [r for r in range(self.cfg.ranks) if r not in dead]
             if dead:  # the surviving ranks fail their round within the timeout too (state `failed`)
                 deadline = time.monotonic() + self.cfg.timeout_s + 5.0
-                while time.monotonic() < deadline and not all(self._round_failed(guard, r) for r in alive):
+                # ... and so does the trainer's send (its own deadline): wait for both
+                while time.monotonic() < deadline and not (
+                    all(self._round_failed(guard, r) for r in alive)
+                    and (trainer is None or getattr(trainer, "send_error", None) is not None)
+                ):
                     time.sleep(0.05)
             for r, f in sorted(guard.client.failures.items()):
                 parts.append(f"engine rank {r} failed in {f.phase}: {f.error}")
@@ -920,7 +925,8 @@ class _Run:
                 if r not in guard.client.failures and self._round_failed(guard, r):
                     err = guard.client.call_rank(r, "round_error").result(10.0)
                     parts.append(f"engine rank {r} failed its round (state failed): {err}")
-        for e in send_errors:
+        e = getattr(trainer, "send_error", None)
+        if e is not None:
             parts.append(f"trainer send failed: {type(e).__name__}: {e}")
         return "; ".join(parts)
 
@@ -933,7 +939,7 @@ class _Run:
         self.finished = self.requests - self.aborted - self.lost
         rs = self.records
         rewards = [r for r in self.rewards if r is not None]
-        versions_ok = all(r.weight_version == i + 1 for i, r in enumerate(rs)) and len(rs) == cfg.steps + 1
+        versions_ok = all(r.weight_version == f"step-{i}" for i, r in enumerate(rs)) and len(rs) == cfg.steps + 1
         max_diff = max((r.max_logit_diff for r in rs), default=None)
         checks = {
             "completed": error is None and len(rs) == cfg.steps + 1,

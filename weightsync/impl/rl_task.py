@@ -100,7 +100,7 @@ class Sample:
     completion_tokens: list[int]
     logprobs: list[float]
     reward: float = 0.0
-    weight_version: int = 0
+    weight_version: str = "default"
     meta: dict[str, object] = field(default_factory=dict)
 
 

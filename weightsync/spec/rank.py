@@ -61,9 +61,11 @@ class RankVars(NamedTuple):
         pending_pause: phase 1 of the two-phase pause (PR #39366).
         ignore_start_dp_wave: phase 2 reached: START_DP_WAVE is dropped (PR #39366).
         collective: the collective this rank is blocked in ("" when none).
-        weight_version: the version of the weights being served: the caller's ``weight_version`` of the
-            last successful finish_weight_update, else the number of successful rounds (never moved by a
-            failed round).
+        weight_version: the label of the weights being served: the caller's ``weight_version`` of the last
+            successful finish_weight_update that named one (a finish without one leaves it, as vLLM 0.32's
+            ``async_llm.py:1351-1355``), or the label :func:`relabel_weight_version` set; never moved by a
+            failed round. The model's versions are round numbers (ints, initial 0); a real engine's are
+            vLLM's strings (initial ``"default"``, ``v1/engine/core.py:141``).
         clear_cache: the pending pause's ``clear_cache`` argument.
         wave_started: rank 0 has reported the current wave's start to the coordinator (vLLM's
             ``was_running`` edge, ``v1/engine/core.py:2394-2406``); set by the mirror rows only, cleared
@@ -297,10 +299,32 @@ def _fail_stop(v: RankVars, a: Args) -> RankVars:
 
 
 def _set_weight_version(v: RankVars, a: Args) -> RankVars:
+    """vLLM 0.32 ``finish_weight_update(weight_version)`` (``v1/engine/async_llm.py:1351-1355``): the
+    caller's version, or (None) the served one unchanged."""
     new = a.get("weight_version")
-    if new is None:
-        new = v.weight_version + 1 if isinstance(v.weight_version, int) else v.weight_version
-    return v._replace(weight_version=new)
+    return v if new is None else v._replace(weight_version=new)
+
+
+def relabel_weight_version(v: RankVars, version: str) -> RankVars:
+    """vLLM 0.32 ``update_weight_version(v)`` (``v1/engine/async_llm.py:1357-1359`` ->
+    ``EngineCore.set_weight_version``, ``v1/engine/core.py:1082-1083``): the served weights get the label
+    ``version``; nothing else changes.
+
+    This is deliberately **not a transition** of the tables: vLLM sets the label in any state (no gate, no
+    worker call, no collective), so no row guards it and no effect runs. A real engine applies it to its
+    rank variables, reports it to its listeners and records it in its trace (a ``"relabel"`` record);
+    ``weightsync replay`` applies the same function to the replayed rank (:func:`weightsync.impl.checked.
+    replay_trace`). The model has no relabel (its versions are round numbers).
+
+    Raises:
+        ValueError: ``version`` is not a str (vLLM's type), naming it.
+    """
+    if not isinstance(version, str):
+        raise ValueError(
+            f"update_weight_version: the version must be a str (vLLM 0.32's string weight_version), got "
+            f"{type(version).__name__} {version!r}"
+        )
+    return v._replace(weight_version=version)
 
 
 UPDATES: dict[str, Callable[[RankVars, Args], RankVars]] = {

@@ -77,8 +77,9 @@ RULES: tuple[Rule, ...] = (
         "start_weight_update is legal only in verified (or failed, see the next rule); update_weights only "
         "between start and finish (each joins the weight-transfer broadcast with the trainer); "
         "finish_weight_update runs the workers' finish (every layer arrived, reload finalised) and only its "
-        "success (FINISH_DONE) returns the rank to verified and sets weight_version (the caller's version, "
-        "else the number of successful rounds). While verified or updating a rank never steps and drops "
+        "success (FINISH_DONE) returns the rank to verified and sets weight_version to the caller's version "
+        "(none given: the version stays, as vLLM's; update_weight_version relabels it in any state, no "
+        "transition). While verified or updating a rank never steps and drops "
         "START_DP_WAVE.",
         "reference s2, s6; issue #36594",
     ),

@@ -82,7 +82,7 @@ import torch
 import vllm
 
 from weightsync.impl.engine.client import free_port
-from weightsync.impl.transfer.base import DTYPES, RendezvousInitInfo, dtype_name
+from weightsync.impl.transfer.base import DTYPES, InitInfo, dtype_name
 from weightsync.impl.transfer.bench import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS
 from weightsync.impl.transfer.broadcast import BroadcastGroup, join_group
 from weightsync.impl.transfer.packing import as_bytes, crc32
@@ -182,7 +182,7 @@ def worker_setup(worker: Any, rinfo: dict[str, Any], raw_bytes: int) -> int:
 
     worker_teardown(worker)
     model: Any = _worker_model(worker)
-    _W.group = join_group(RendezvousInitInfo.parse(rinfo), 1)
+    _W.group = join_group(InitInfo.parse(rinfo), 1)
     _W.raw = torch.zeros(raw_bytes, dtype=torch.uint8)
     for mod, name in (
         (layerwise, "_layerwise_process"),
@@ -372,9 +372,9 @@ class _Bench:
             "rank_offset": 1,
             "world_size": 2,
             "timeout_s": timeout_s,
-            "backend": "gloo",
+            "group_backend": "gloo",
         }
-        parsed = RendezvousInitInfo.parse(rinfo)
+        parsed = InitInfo.parse(rinfo)
         groups: list[BroadcastGroup] = []
         self.worker_pid = self._alongside(
             worker_setup, (rinfo, self.model_bytes), lambda: groups.append(join_group(parsed, 0))

@@ -10,8 +10,8 @@ serving runs, and so does a resume in the middle of an update; only the worker, 
 into the engine, refuses an ``update_weights`` outside a round and a second start, by its own flag), so an
 illegal call -- ``update_weights`` while serving, ``start_weight_update`` twice -- raises
 :class:`~weightsync.spec.errors.LocalProtocolError` in this process and no message leaves it for vLLM.
-:class:`CheckedWeightSyncClient` puts vLLM's ``VLLMWeightSyncClient`` protocol over the checked engine, so a
-trainer built by ``WeightTransferTrainerFactory.trainer_init(..., client=...)`` goes through the checks.
+A :class:`~weightsync.impl.checked.CheckedEngine` is itself a vLLM ``VLLMWeightSyncClient``, so a trainer
+built by ``WeightTransferTrainerFactory.trainer_init(..., client=<checked engine>)`` goes through the checks.
 
 What the adapters **observe** from vLLM, and what they **infer**:
 
@@ -39,6 +39,7 @@ What the adapters **observe** from vLLM, and what they **infer**:
   ``update_weights``        ``update_weights`` -> ``weight_broadcast_done``
   ``finish_weight_update``  ``finish_weight_update`` -> ``finish_done`` (``weight_version``): ``verified``
   a weight call raised      the call's transition, then ``transfer_failed`` (``phase``, ``error``): ``failed``
+  ``update_weight_version`` no transition: a relabel record (``relabel_weight_version``) on every rank
   ========================  ====================================================================================
 
   Each record's ``waiting`` / ``running`` are the front-end's unfinished counts, split by inference: vLLM's
@@ -86,9 +87,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from weightsync.impl.checked import CheckedEngine, vars_to_dict
-from weightsync.impl.engine.messages import TransitionRecord
+from weightsync.impl.engine.messages import RankRecord, RelabelRecord, TransitionRecord
 from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
-from weightsync.spec.rank import DEFAULT_VARIANT, RankMachine
+from weightsync.spec.rank import DEFAULT_VARIANT, RankMachine, relabel_weight_version
 from weightsync.spec.states import (
     PauseMode,
     PauseState,
@@ -192,7 +193,7 @@ class VLLMAdapter:
         self.coll_seq = [0] * self.dp_size
         self.transitions: list[TransitionRecord] = []
         self.lost: str | None = None
-        self._listeners: list[Callable[[TransitionRecord], None]] = []
+        self._listeners: list[Callable[[RankRecord], None]] = []
         self._lock = threading.RLock()
         self._held_running = True  # how to split unfinished counts (keep: frozen running; else held waiting)
 
@@ -219,8 +220,12 @@ class VLLMAdapter:
         """vLLM's ``get_weight_version()`` (a consensus over the engines)."""
         raise NotImplementedError
 
+    def _vllm_relabel(self, new_version: str, timeout: float) -> None:
+        """vLLM's ``update_weight_version(new_version)``."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ CheckedEngine's attach protocol
-    def add_transition_listener(self, cb: Callable[[TransitionRecord], None]) -> None:
+    def add_transition_listener(self, cb: Callable[[RankRecord], None]) -> None:
         """``cb(record)`` for every derived transition (CheckedEngine feeds its shadows and the trace)."""
         with self._lock:
             self._listeners.append(cb)
@@ -458,7 +463,7 @@ class VLLMAdapter:
                 for r in range(self.dp_size):
                     self._fire(r, done, dict(done_args), counts[r])
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any], timeout: float | None = None) -> None:
+    def init_weight_transfer_engine(self, init_info: dict[str, Any], *, timeout: float | None = None) -> None:
         """vLLM's ``init_weight_transfer_engine(WeightTransferInitRequest(init_info))``.
 
         Raises:
@@ -467,21 +472,16 @@ class VLLMAdapter:
         """
         self._weight_call(RankEvent.INIT_TRANSFER, init_info, timeout, RankEvent.TRANSFER_INIT_DONE, {})
 
-    def start_weight_update(self, is_checkpoint_format: bool = True, timeout: float | None = None) -> None:
-        """vLLM's ``start_weight_update()`` (vLLM 0.32 takes no arguments; checkpoint format only).
+    def start_weight_update(self, *, timeout: float | None = None) -> None:
+        """vLLM's ``start_weight_update()`` (checkpoint format: vLLM 0.32 has no other).
 
         Raises:
-            ValueError: ``is_checkpoint_format=False`` (before any check or call).
             LocalProtocolError: illegal on some rank, e.g. a second start (vLLM not called).
         """
-        if not is_checkpoint_format:
-            raise ValueError(
-                "vLLM 0.32's start_weight_update has no kernel format; pass is_checkpoint_format=True"
-            )
         self._weight_call(RankEvent.START_UPDATE, None, timeout, None, {})
 
     def update_weights(
-        self, update_info: dict[str, Any] | list[dict[str, Any]], timeout: float | None = None
+        self, update_info: dict[str, Any] | list[dict[str, Any]], *, timeout: float | None = None
     ) -> None:
         """vLLM's ``update_weights(WeightTransferUpdateRequest(update_info))`` (a dict, or a list indexed by
         global worker rank).
@@ -492,25 +492,61 @@ class VLLMAdapter:
         self._weight_call(RankEvent.UPDATE_WEIGHTS, update_info, timeout, RankEvent.WEIGHT_BROADCAST_DONE, {})
 
     def finish_weight_update(
-        self,
-        timeout: float | None = None,
-        *,
-        weight_version: int | str | None = None,
-        monotonic: bool = False,
+        self, weight_version: str | None = None, *, monotonic: bool = False, timeout: float | None = None
     ) -> None:
         """vLLM's ``finish_weight_update(weight_version=...)``; then ``get_weight_version()`` must equal the
         version the table holds.
 
         Raises:
-            ValueError: ``monotonic=True`` (rule 3).
+            ValueError: ``monotonic=True`` (rule 3), or ``weight_version`` not a str or None.
             LocalProtocolError: illegal on some rank (vLLM not called).
             RemoteProtocolError: the version vLLM reports afterwards is not the table's.
         """
         if monotonic:
             raise ValueError("vLLM has no monotonic weight_version guard and the adapter does not emulate it")
-        version = None if weight_version is None else str(weight_version)
-        done_args = {"weight_version": version, "monotonic": False}
-        self._weight_call(RankEvent.FINISH_UPDATE, version, timeout, RankEvent.FINISH_DONE, done_args)
+        if weight_version is not None and not isinstance(weight_version, str):
+            raise ValueError(
+                f"finish_weight_update: weight_version must be a str or None, got {weight_version!r}"
+            )
+        done_args = {"weight_version": weight_version, "monotonic": False}
+        self._weight_call(RankEvent.FINISH_UPDATE, weight_version, timeout, RankEvent.FINISH_DONE, done_args)
+        self._observe_version("finish_weight_update")
+
+    def update_weight_version(self, new_version: str, *, timeout: float | None = None) -> None:
+        """vLLM's ``update_weight_version(new_version)`` (``v1/engine/async_llm.py:1357-1359``): a label set
+        in any state, no transition. Each rank applies :func:`~weightsync.spec.rank.relabel_weight_version`
+        and reports a :class:`~weightsync.impl.engine.messages.RelabelRecord`; then ``get_weight_version()``
+        must equal it.
+
+        Raises:
+            ValueError: ``new_version`` is not a str (vLLM not called).
+            RemoteProtocolError: the adapter lost vLLM's state, the call timed out, or vLLM reports another
+                version afterwards.
+        """
+        if not isinstance(new_version, str):
+            raise ValueError(f"update_weight_version: new_version must be a str, got {new_version!r}")
+        if self.lost is not None:
+            raise RemoteProtocolError(
+                f"vLLM's state is unknown ({self.lost}); update_weight_version refused: attach a new adapter"
+            )
+        t = self.timeout_s if timeout is None else float(timeout)
+        try:
+            self._vllm_relabel(new_version, t)
+        except TimeoutError as exc:
+            with self._lock:
+                self._lose(f"update_weight_version timed out after {t:.1f} s")
+            raise RemoteProtocolError(f"vLLM's {self.lost}") from exc
+        with self._lock:
+            for r, m in enumerate(self.machines):
+                before = vars_to_dict(m.vars)
+                m.vars = relabel_weight_version(m.vars, new_version)
+                rec = RelabelRecord(r, self.rank_seq[r], new_version, before, vars_to_dict(m.vars), time.time())
+                self.rank_seq[r] += 1
+                for cb in list(self._listeners):
+                    cb(rec)
+        self._observe_version("update_weight_version")
+
+    def _observe_version(self, after: str) -> None:
         with self._lock:
             want = {str(m.vars.weight_version) for m in self.machines}
         try:
@@ -521,9 +557,7 @@ class VLLMAdapter:
             raise RemoteProtocolError(f"vLLM's {self.lost}") from exc
         if want != {got}:
             with self._lock:
-                self._lose(
-                    f"after finish_weight_update vLLM reports version {got!r}, the table {sorted(want)}"
-                )
+                self._lose(f"after {after} vLLM reports version {got!r}, the table {sorted(want)}")
             raise RemoteProtocolError(f"vLLM's state diverged: {self.lost}")
 
 
@@ -609,6 +643,17 @@ class AsyncLLMAdapter(VLLMAdapter):
     def get_weight_version(self) -> str:
         return str(self._run(self.llm.get_weight_version(), self.timeout_s))
 
+    def get_weight_versions(self) -> list[str]:
+        """Each DP engine's version (vLLM's ``call_utility_all_async("get_weight_version")``, in engine
+        order; one entry for a single engine)."""
+        core = self.llm.engine_core
+        if not hasattr(core, "call_utility_all_async"):
+            return [self.get_weight_version()]
+        return [str(v) for v in self._run(core.call_utility_all_async("get_weight_version"), self.timeout_s)]
+
+    def _vllm_relabel(self, new_version: str, timeout: float) -> None:
+        self._run(self.llm.update_weight_version(new_version), timeout)
+
     def _vllm_call(self, event: RankEvent, payload: Any, timeout: float) -> None:
         from vllm.distributed.weight_transfer.base import (
             WeightTransferInitRequest,
@@ -636,7 +681,7 @@ class HTTPServerAdapter(VLLMAdapter):
     (``entrypoints/rl/online/api_router.py``): ``POST /pause?mode=&clear_cache=``, ``POST /resume``,
     ``GET /is_paused``, ``POST /init_weight_transfer_engine {"init_info"}``, ``POST /start_weight_update``,
     ``POST /update_weights {"update_info"}``, ``POST /finish_weight_update {"weight_version"}``,
-    ``GET /weight_info``; ``GET /get_world_size`` with and without DP gives ``dp_size``.
+    ``POST /update_weight_version {"new_version"}``, ``GET /weight_info``; ``GET /get_world_size`` with and without DP gives ``dp_size``.
 
     The server reports no request counts per engine, so every record's counts are -1 (unknown) and the
     outcome arguments are inferred from the returned calls alone (a returned pause: nothing schedulable).
@@ -696,6 +741,9 @@ class HTTPServerAdapter(VLLMAdapter):
     def get_weight_version(self) -> str:
         return str(self._request("GET", "/weight_info", None, self.timeout_s)["weight_version"])
 
+    def _vllm_relabel(self, new_version: str, timeout: float) -> None:
+        self._request("POST", "/update_weight_version", {"new_version": new_version}, timeout)
+
     def _vllm_call(self, event: RankEvent, payload: Any, timeout: float) -> None:
         if event is RankEvent.INIT_TRANSFER:
             self._request("POST", "/init_weight_transfer_engine", {"init_info": payload}, timeout)
@@ -710,37 +758,6 @@ class HTTPServerAdapter(VLLMAdapter):
 
 
 # ====================================================================================== glue
-
-
-class CheckedWeightSyncClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol (``init_weight_transfer_engine(dict)``,
-    ``start_weight_update()``, ``update_weights(dict | list)``, ``finish_weight_update(weight_version)``) over
-    a :class:`~weightsync.impl.checked.CheckedEngine`: give it to ``WeightTransferTrainerFactory.trainer_init``
-    and the trainer's calls are checked too.
-
-    Attributes:
-        calls: the calls made, in order (those refused included).
-    """
-
-    def __init__(self, engine: CheckedEngine) -> None:
-        self.engine = engine
-        self.calls: list[str] = []
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.calls.append("init_weight_transfer_engine")
-        self.engine.init_weight_transfer_engine(init_info)
-
-    def start_weight_update(self) -> None:
-        self.calls.append("start_weight_update")
-        self.engine.start_weight_update()
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self.calls.append("update_weights")
-        self.engine.update_weights(update_info)  # type: ignore[arg-type]
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.calls.append("finish_weight_update")
-        self.engine.finish_weight_update(weight_version=weight_version)
 
 
 def checked_async_llm(
@@ -760,7 +777,6 @@ def checked_http(base_url: str, trace_path: str | Path | None = None, **kw: Any)
 
 __all__ = [
     "AsyncLLMAdapter",
-    "CheckedWeightSyncClient",
     "HTTPServerAdapter",
     "VLLMAdapter",
     "VLLMCallError",

@@ -191,7 +191,7 @@ def _run(
     from vllm import SamplingParams
 
     from weightsync.impl.trainer import Trainer, TrainerConfig, probe_prompt_tokens
-    from weightsync.vllm.checked import CheckedWeightSyncClient, checked_async_llm
+    from weightsync.vllm.checked import checked_async_llm
     from weightsync.vllm.models import checkpoint_state
     from weightsync.vllm.serving import connect_trainer, start_async_llm
 
@@ -284,7 +284,7 @@ def _run(
         trainer_tr = connect_trainer(
             llm,
             model,
-            client=CheckedWeightSyncClient(checked),
+            client=checked,
             timeout_s=cfg.timeout_s,
             moe_reload_fix=cfg.moe_reload_fix,
         )

@@ -10,14 +10,17 @@ it: ``init_transfer_engine`` / ``start_weight_update`` / ``update_weights`` (cal
 
 Rules:
 
-1. **vLLM's request shapes.** ``init_info`` takes the fields of vLLM's ``NCCLWeightTransferInitInfo``
+1. **vLLM's request shapes, weightsync's definitions.** ``init_info`` and ``update_info`` are weightsync's
+   :class:`~weightsync.impl.transfer.base.InitInfo` / :class:`~weightsync.impl.transfer.base.UpdateInfo`
+   (the reference engine parses the same classes), as vLLM dataclasses: vLLM's NCCL fields
    (``master_address``, ``master_port``, ``rank_offset``, ``world_size``, ``packed``,
    ``packed_buffer_size_bytes``, ``packed_num_buffers``; ``nccl_unique_id_b64`` is accepted and refused:
    weightsync's wire agreement runs over the TCPStore) plus optional weightsync fields (``timeout_s``,
-   ``verify``, ``layout``, ``group_backend``). ``update_info`` takes ``names``, ``dtype_names``,
-   ``shapes`` (vLLM's worker picks this rank's entry when it is a list indexed by worker rank,
-   ``gpu_worker.py:1570-1578``) plus an optional ``verify``. As in vLLM, the packing parameters are fixed at
-   init, from the trainer's.
+   ``verify``, ``layout``, ``group_backend``, ``is_checkpoint_format`` (True only here) and
+   ``moe_reload_fix``). ``update_info`` takes ``names``, ``dtype_names``, ``shapes`` (vLLM's worker picks
+   this rank's entry when it is a list indexed by worker rank, ``gpu_worker.py:1570-1578``) plus the
+   optional ``verify`` and ``check_finite``. As in vLLM, the packing parameters are fixed at init, from the
+   trainer's.
 2. **Layout.** ``weightsync`` packs in vLLM's own layout by default (``layout="vllm"``: exceed-then-flush,
    no alignment, ``packed_tensor.py``); ``layout="aligned"`` selects weightsync's.
    ``weightsync_ipc`` defaults to ``"aligned"`` (its peer can only be weightsync's IPC producer, and
@@ -26,7 +29,7 @@ Rules:
    cannot accept (malformed, a name already received this round, a floating dtype other than the
    model's) is vetoed there, so the trainer and every peer fail at once instead of hanging. Every wait
    has a deadline: ``timeout_s``, or without it 300 s for the rendezvous and a round's sized to its bytes
-   (``RendezvousInitInfo.round_deadline``). A failure in any bucket aborts that bucket on every rank.
+   (``InitInfo.round_deadline``). A failure in any bucket aborts that bucket on every rank.
 4. **Checkpoint format through vLLM's layerwise reload**, as the built-in ``nccl`` engine does
    (``nccl_engine.py:159-173``): ``initialize_layerwise_reload`` at start, ``model.load_weights`` per
    bucket, ``finalize_layerwise_reload`` at finish. Tensors are copied before ``load_weights``: the
@@ -49,7 +52,7 @@ Rules:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -60,13 +63,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.impl.transfer.base import (
-    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-    DEFAULT_PACKED_NUM_BUFFERS,
     DTYPES,
+    InitInfo,
+    NonFiniteWeightError,
     ParallelInfo,
-    RendezvousInitInfo,
-    SendArgs,
     UpdateInfo,
+    WireArgs,
+    non_finite_counts,
 )
 from weightsync.impl.transfer.base import WeightTransferEngine as Transport
 from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine
@@ -82,130 +85,59 @@ from weightsync.vllm.reload import (
     reprocess_fused_moe,
 )
 
-#: weightsync's optional ``init_info`` fields, with their defaults (omitted from produced dicts when at
-#: the default, so those dicts also parse in vLLM's ``NCCLWeightTransferInitInfo``).
-INIT_EXTRAS: dict[str, Any] = {
-    "timeout_s": None,
-    "verify": False,
-    "layout": "vllm",
-    "group_backend": "auto",
-    "moe_reload_fix": None,
-}
-
 
 @dataclass(kw_only=True)
-class WeightsyncInitInfo(WeightTransferInitInfo):
-    """``init_info`` of the ``weightsync`` / ``weightsync_ipc`` backends (rule 1).
+class MoeReloadOption:
+    """The plugin's own optional ``init_info`` field (rule 6), on the workers' and the trainer's info.
 
     Attributes:
-        master_address, master_port: the trainer's TCPStore (the trainer is rank 0 and hosts it).
-        rank_offset: transfer rank of the first worker (vLLM's trainer always sends 1).
-        world_size: trainer + every worker of every DP replica.
-        nccl_unique_id_b64: vLLM's torch-free rendezvous; refused (weightsync needs the TCPStore).
-        packed, packed_buffer_size_bytes, packed_num_buffers: the wire parameters, as vLLM's (worker
-            defaults: unpacked, 1 GiB, 2).
-        timeout_s: deadline of every wait (weightsync). None (the default): the rendezvous waits 300 s and
-            each round's waits are sized to its bytes (``RendezvousInitInfo.round_deadline``).
-        verify: CRC32 per bucket, compared on every rank (weightsync; default off).
-        layout: ``"vllm"`` or ``"aligned"`` (weightsync; rule 2); None takes the backend's default.
-        group_backend: ``"auto"`` (NCCL for a CUDA device, else gloo), ``"gloo"`` or ``"nccl"``.
-        moe_reload_fix: re-run the fused-MoE experts' processing after each round (rule 6; weightsync).
-            None (the default): where vLLM needs it (0.32.x on CPU); False: never (vLLM's own result,
-            corrupted experts on CPU); True: always.
-
-    Raises:
-        ValueError: a missing rendezvous, a unique id, or any field weightsync's parser rejects.
+        moe_reload_fix: re-run the fused-MoE experts' processing after each round. None (the default):
+            where vLLM needs it (0.32.x on CPU); False: never (vLLM's own result, corrupted experts on
+            CPU); True: always.
     """
 
-    master_address: str | None = None
-    master_port: int | None = None
-    rank_offset: int
-    world_size: int
-    nccl_unique_id_b64: str | None = field(default=None, repr=False)
-    packed: bool = False
-    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
-    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-    timeout_s: float | None = None
-    verify: bool = False
-    layout: str | None = None
-    group_backend: str = "auto"
     moe_reload_fix: bool | None = None
 
-    def __post_init__(self) -> None:
+    def _check_moe(self) -> None:
         if self.moe_reload_fix is not None and not isinstance(self.moe_reload_fix, bool):
             raise ValueError(
                 f"init_info['moe_reload_fix'] must be a bool or None, not {self.moe_reload_fix!r}"
             )
-        if self.nccl_unique_id_b64:
+
+
+@dataclass(kw_only=True)
+class WeightsyncInitInfo(InitInfo, MoeReloadOption, WeightTransferInitInfo):
+    """``init_info`` of the ``weightsync`` / ``weightsync_ipc`` backends (rule 1): weightsync's
+    :class:`~weightsync.impl.transfer.base.InitInfo` (vLLM's NCCL fields and weightsync's optional ones,
+    one definition for the reference engine and the plugin) plus ``moe_reload_fix``, as a vLLM
+    ``WeightTransferInitInfo`` (vLLM builds it with ``cls(**init_info)``).
+
+    Raises:
+        ValueError: any rule of ``InitInfo``; a ``moe_reload_fix`` that is not a bool or None; kernel format
+            (``is_checkpoint_format=False``: vLLM 0.32 loads checkpoint names through its layerwise reload,
+            ``model_loader/reload/inplace.py``; the kernel format is the reference engine's).
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_moe()
+        if not self.is_checkpoint_format:
             raise ValueError(
-                "init_info['nccl_unique_id_b64']: weightsync's backends rendezvous on the trainer's TCPStore "
-                "(it carries the wire agreement and the per-bucket status); pass master_address and "
-                "master_port instead"
+                "init_info['is_checkpoint_format']=False: weightsync's vLLM backends load checkpoint names "
+                "through vLLM 0.32's layerwise reload (model_loader/reload/inplace.py); the kernel format is "
+                "available on weightsync's reference engine only"
             )
-        if self.master_address is None or self.master_port is None:
-            raise ValueError(
-                "init_info needs both master_address and master_port (got "
-                f"master_address={self.master_address!r}, master_port={self.master_port!r})"
-            )
-        self.rendezvous()
-        self.send_args("aligned")
-
-    def rendezvous(self, backend: str | None = None) -> RendezvousInitInfo:
-        """weightsync's validated rendezvous record (``backend`` overrides ``group_backend``).
-
-        Raises:
-            ValueError: as :meth:`RendezvousInitInfo.parse`.
-        """
-        d: dict[str, Any] = {
-            "master_address": self.master_address,
-            "master_port": self.master_port,
-            "rank_offset": self.rank_offset,
-            "world_size": self.world_size,
-            "backend": backend or self.group_backend,
-        }
-        if self.timeout_s is not None:  # else weightsync's work-sized deadlines
-            d["timeout_s"] = self.timeout_s
-        return RendezvousInitInfo.parse(d)
-
-    def send_args(self, default_layout: str) -> SendArgs:
-        """The wire parameters as weightsync's :class:`SendArgs`.
-
-        Raises:
-            ValueError: as :meth:`SendArgs.parse`.
-        """
-        return SendArgs.parse(
-            {
-                "packed": self.packed,
-                "packed_buffer_size_bytes": self.packed_buffer_size_bytes,
-                "packed_num_buffers": self.packed_num_buffers,
-                "verify": self.verify,
-                "layout": self.layout if self.layout is not None else default_layout,
-            }
-        )
 
 
 @dataclass
-class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
-    """``update_info`` of one ``update_weights`` call (rule 1): vLLM's NCCL fields plus ``verify``.
+class WeightsyncUpdateInfo(UpdateInfo, WeightTransferUpdateInfo):
+    """``update_info`` of one ``update_weights`` call (rule 1): weightsync's
+    :class:`~weightsync.impl.transfer.base.UpdateInfo` (vLLM's NCCL fields plus the optional ``verify`` and
+    ``check_finite``) as a vLLM ``WeightTransferUpdateInfo``.
 
     Raises:
-        ValueError: unequal lengths, an empty or repeated name, an unknown dtype name, a bad shape.
+        ValueError: as ``UpdateInfo``.
     """
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    verify: bool | None = None
-
-    def __post_init__(self) -> None:
-        self.parsed()
-
-    def parsed(self) -> UpdateInfo:
-        """weightsync's validated record (packing fields at their defaults; the engine sets them)."""
-        d: dict[str, Any] = {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
-        if self.verify is not None:
-            d["verify"] = self.verify
-        return UpdateInfo.parse(d)
 
 
 class _WeightsyncEngine(WeightTransferEngine):
@@ -227,7 +159,6 @@ class _WeightsyncEngine(WeightTransferEngine):
             local_rank=int(pc.rank),
         )
         self.transport: Transport | None = None
-        self.args: SendArgs | None = None
         self.rank: int | None = None
         self._received: set[str] | None = None  # names received in the open round
         self._float_dtype: torch.dtype | None = None
@@ -244,6 +175,28 @@ class _WeightsyncEngine(WeightTransferEngine):
     def _group_backend(self, requested: str) -> str:
         return requested
 
+    # ------------------------------------------------------------------------------------ parsing
+    def parse_init_info(self, init_dict: dict[str, Any]) -> WeightsyncInitInfo:
+        """vLLM's ``cls(**init_info)`` with weightsync's messages (``InitInfo.parse``).
+
+        Raises:
+            ValueError: naming the field and the rule.
+        """
+        return WeightsyncInitInfo.parse(init_dict)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> WeightsyncUpdateInfo:
+        """vLLM's ``cls(**update_info)`` with weightsync's messages (``UpdateInfo.parse``).
+
+        Raises:
+            ValueError: naming the field and the rule.
+        """
+        return WeightsyncUpdateInfo.parse(update_dict)
+
+    @property
+    def args(self) -> WireArgs | None:
+        """The wire arguments fixed at init (None before)."""
+        return None if self.transport is None else self.transport.wire
+
     # ------------------------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         """Join the trainer's group (blocks until every rank joined, or ``timeout_s``).
@@ -252,14 +205,13 @@ class _WeightsyncEngine(WeightTransferEngine):
             ValueError: the rank is outside the group or the mapping is not a bijection.
             TransferTimeoutError / PortInUseError: from the rendezvous.
         """
-        rinfo = init_info.rendezvous(self._group_backend(init_info.group_backend))
-        args = init_info.send_args(self.default_layout)
+        info = replace(init_info, group_backend=self._group_backend(init_info.group_backend))
         if self.transport is not None:
             self.transport.shutdown()
             self.transport = None
         transport = self._make_transport()
-        transport.init_transfer_engine(rinfo)
-        self.transport, self.args, self.rank = transport, args, transport.rank
+        transport.init_transfer_engine(info)
+        self.transport, self.rank = transport, transport.rank
         self.moe_reload_fix = init_info.moe_reload_fix
 
     def start_weight_update(self) -> None:
@@ -328,32 +280,27 @@ class _WeightsyncEngine(WeightTransferEngine):
                 )
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
-        """Receive one update through the transport and load it with ``model.load_weights``."""
+        """Receive one update through the transport and load it with ``model.load_weights``; with
+        ``check_finite`` a batch holding NaN / +-Inf fails the round on every rank before it is loaded."""
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         transport = self._require_transport()
-        assert self.args is not None and self._received is not None
-        base = update_info.parsed()
-        info = UpdateInfo(
-            names=base.names,
-            dtype_names=base.dtype_names,
-            shapes=base.shapes,
-            packed=self.args.packed,
-            packed_buffer_size_bytes=self.args.packed_buffer_size_bytes,
-            packed_num_buffers=self.args.packed_num_buffers,
-            verify=self.args.verify if update_info.verify is None else update_info.verify,
-            layout=self.args.layout,
-        )
+        assert self._received is not None
         model = self.model
+        check_finite = update_info.check_finite
 
         def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+            if check_finite:
+                bad = non_finite_counts(batch)
+                if bad:
+                    raise NonFiniteWeightError(bad, {n: t.numel() for n, t in batch if n in bad})
             # copies: the layerwise reload keeps references until a layer is complete (rule 4)
             owned = [(n, t.clone()) for n, t in batch]
             with disable_mtp_completeness_check():
                 model.load_weights(owned)
 
-        transport.receive_weights(info, load)
-        self._received.update(base.names)
+        transport.receive_weights(update_info, load)
+        self._received.update(update_info.names)
 
     def finish_weight_update(self) -> None:
         """Close the round: completeness, then vLLM's ``finalize_layerwise_reload`` (rule 4).
@@ -401,7 +348,7 @@ class WeightsyncBroadcastEngine(_WeightsyncEngine):
     default_layout: ClassVar[str] = "vllm"
 
     def _make_transport(self) -> Transport:
-        return BroadcastWeightTransferEngine(self.parallel)
+        return BroadcastWeightTransferEngine(self.parallel, self.default_layout)
 
     def _group_backend(self, requested: str) -> str:
         if requested == "auto":
@@ -415,11 +362,11 @@ class WeightsyncIPCEngine(_WeightsyncEngine):
     default_layout: ClassVar[str] = "aligned"
 
     def _make_transport(self) -> Transport:
-        return IPCWeightTransferEngine(self.parallel, device=self.device)
+        return IPCWeightTransferEngine(self.parallel, device=self.device, default_layout=self.default_layout)
 
 
 __all__ = [
-    "INIT_EXTRAS",
+    "MoeReloadOption",
     "WeightsyncBroadcastEngine",
     "WeightsyncIPCEngine",
     "WeightsyncInitInfo",

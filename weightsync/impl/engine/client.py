@@ -9,11 +9,19 @@
   wave) to the coordinator; it refreshes its (current_wave, engines_running) belief from coordinator stats.
   The returned :class:`RequestStream` collects token ids, log-probs and weight versions as they stream.
 - ``pause / resume / init_weight_transfer_engine / start_weight_update / update_weights /
-  finish_weight_update`` fan out to every rank and return when all have answered; a rank that does not
-  answer in time raises :class:`~weightsync.spec.errors.TransferTimeoutError` naming the missing ranks.
-- Every transition the engines fire is delivered to listeners (``add_transition_listener``) in the order
-  each engine reported it; the :class:`~weightsync.impl.checked.CheckedEngine` and the trace recorder use
-  this.
+  finish_weight_update / update_weight_version`` fan out to every rank and return when all have answered; a
+  rank that does not answer in time raises :class:`~weightsync.spec.errors.TransferTimeoutError` naming the
+  missing ranks. The weight calls are vLLM 0.32's (``v1/engine/async_llm.py:1315-1363``) with the same
+  request shapes (:mod:`weightsync.impl.transfer.base`), plus a keyword-only ``timeout``; so the client is a
+  vLLM ``VLLMWeightSyncClient`` (:class:`~weightsync.impl.transfer.trainer.WeightSyncClient`) and a
+  trainer built by ``trainer_init(..., client=<this client>)`` drives it as it drives vLLM. Versions are
+  vLLM's strings (``"default"`` before any); :meth:`DPEngineClient.get_weight_version` is vLLM's consensus
+  (:class:`WeightVersionMismatchError` when the ranks differ), :meth:`DPEngineClient.get_weight_versions`
+  each rank's.
+- Every transition the engines fire (and every relabel by ``update_weight_version``, a
+  :class:`~weightsync.impl.engine.messages.RelabelRecord`) is delivered to listeners
+  (``add_transition_listener``) in the order each engine reported it; the
+  :class:`~weightsync.impl.checked.CheckedEngine` and the trace recorder use this.
 - ``hold=True`` (``weightsync repro``) routes every message bound for an engine (front-end input,
   controller input and the coordinator's wave socket) into per-(rank, socket) holding FIFOs, and every
   message bound for the coordinator (FIRST_REQ: ``(-1, "coord")``; an engine's wave_complete / start_wave:
@@ -46,6 +54,8 @@ from weightsync.impl.engine.messages import (
     AddMsg,
     EngineFailure,
     FirstReq,
+    RankRecord,
+    RelabelRecord,
     Request,
     Shutdown,
     Stats,
@@ -65,7 +75,7 @@ from weightsync.spec.errors import (
     WeightSyncError,
     WireMismatchError,
 )
-from weightsync.spec.rank import get_variant
+from weightsync.spec.rank import get_variant, version_order
 from weightsync.spec.states import PauseMode
 
 SOCKETS = ("front", "control", "wave")
@@ -91,7 +101,7 @@ class RequestStream:
         prompt: the prompt token ids.
         tokens: generated token ids so far.
         logprobs: their float32 log-probabilities.
-        versions: the engine weight version that produced each token.
+        versions: the engine weight version (vLLM's string label) that produced each token.
         finish_reason: None while running, then "length", "stop" or "abort"; "error" when the engine
             rejected the request (only for a request that bypassed :meth:`DPEngineClient.add_request`'s
             validation).
@@ -104,7 +114,7 @@ class RequestStream:
     prompt: tuple[int, ...]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int | str] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -137,6 +147,30 @@ class EngineCallError(WeightSyncError):
         self.method = method
         self.error_type = error_type
         super().__init__(f"rank {rank}: {method}: {message}")
+
+
+class WeightVersionMismatchError(WeightSyncError, RuntimeError):
+    """``get_weight_version()``: the ranks report different versions (vLLM's consensus raises
+    ``RuntimeError``, ``v1/engine/core_client.py:1271-1277``; this is one too).
+
+    Attributes:
+        versions: each rank's version, in rank order.
+    """
+
+    def __init__(self, versions: list[str]) -> None:
+        self.versions = list(versions)
+        shown = ", ".join(f"rank {r} {v!r}" for r, v in enumerate(self.versions))
+        super().__init__(
+            f"get_weight_version: the engines report different weight versions ({shown}); there is no "
+            "consensus (get_weight_versions() lists them)"
+        )
+
+
+def _check_version(value: object, what: str) -> None:
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{what} must be a str (vLLM 0.32's string weight versions), got {type(value).__name__} {value!r}"
+        )
 
 
 def _remote_error(rank: int, method: str, reply: UtilityReply, failure: EngineFailure | None) -> Exception:
@@ -211,7 +245,7 @@ class DPEngineClient:
         self.engines_running = False
         self.failures: dict[int, EngineFailure] = {}
         self.rank_vars: list[dict[str, Any]] = [{} for _ in range(n)]
-        self._listeners: list[Callable[[TransitionRecord], None]] = []
+        self._listeners: list[Callable[[RankRecord], None]] = []
         self._failure_listeners: list[Callable[[EngineFailure], None]] = []
         self.held: dict[tuple[int, str], deque[Any]] = {(r, s): deque() for r in range(n) for s in SOCKETS}
         if hold:
@@ -359,10 +393,11 @@ class DPEngineClient:
                 time.sleep(0.001)
 
     def _on_engine_msg(self, rank: int, msg: Any) -> None:
-        if isinstance(msg, TransitionRecord):
+        if isinstance(msg, TransitionRecord | RelabelRecord):
             with self._lock:
                 self.rank_vars[rank] = msg.after
-                self.transitions.append(msg)
+                if isinstance(msg, TransitionRecord):
+                    self.transitions.append(msg)
                 for cb in list(self._listeners):
                     cb(msg)
                 self._trans_cv.notify_all()
@@ -400,8 +435,9 @@ class DPEngineClient:
                     fcb(msg)
                 self._trans_cv.notify_all()
 
-    def add_transition_listener(self, cb: Callable[[TransitionRecord], None]) -> None:
-        """Call ``cb(record)`` for every transition any engine reports (dispatcher thread, under a lock)."""
+    def add_transition_listener(self, cb: Callable[[RankRecord], None]) -> None:
+        """Call ``cb(record)`` for every transition (and relabel) any engine reports (dispatcher thread,
+        under a lock)."""
         with self._lock:
             self._listeners.append(cb)
 
@@ -634,33 +670,73 @@ class DPEngineClient:
                 for r, add in gated:
                     self._send_add(r, AddMsg(add.request, self.current_wave))
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any], timeout: float | None = None) -> None:
-        """Every rank joins the weight-transfer group (concurrently with the trainer's init)."""
+    def init_weight_transfer_engine(self, init_info: dict[str, Any], *, timeout: float | None = None) -> None:
+        """Every rank joins the weight-transfer group (concurrently with the trainer's init); ``init_info``
+        is vLLM 0.32's (:class:`~weightsync.impl.transfer.base.InitInfo`: packing fields included)."""
         self.fan_out("init_weight_transfer_engine", timeout, init_info=init_info)
 
-    def start_weight_update(self, is_checkpoint_format: bool = True, timeout: float | None = None) -> None:
-        """Open an update round on every rank (legal only once every rank is verified)."""
-        self.fan_out("start_weight_update", timeout, is_checkpoint_format=is_checkpoint_format)
+    def start_weight_update(self, *, timeout: float | None = None) -> None:
+        """Open an update round on every rank (legal only once every rank is verified), in ``init_info``'s
+        format (vLLM 0.32's ``start_weight_update()`` takes no argument)."""
+        self.fan_out("start_weight_update", timeout)
 
-    def update_weights(self, update_info: dict[str, Any], timeout: float | None = None) -> None:
-        """Every rank receives the weights described by ``update_info`` (concurrently with the trainer)."""
+    def update_weights(
+        self, update_info: dict[str, Any] | list[dict[str, Any]], *, timeout: float | None = None
+    ) -> None:
+        """Every rank receives the weights described by ``update_info`` (concurrently with the trainer): a
+        dict, or a list indexed by global worker rank (vLLM's ``v1/worker/gpu_worker.py:1570-1578``)."""
         self.fan_out("update_weights", timeout, update_info=update_info)
 
     def finish_weight_update(
-        self,
-        timeout: float | None = None,
-        *,
-        weight_version: int | str | None = None,
-        monotonic: bool = False,
+        self, weight_version: str | None = None, *, monotonic: bool = False, timeout: float | None = None
     ) -> None:
-        """Close the round on every rank. ``weight_version`` (vLLM 0.32's string version, or None: the
-        number of successful rounds) becomes each rank's version only if its finish succeeded;
-        ``monotonic`` refuses a version older than the served one (the rank then fails the round)."""
+        """Close the round on every rank. ``weight_version`` becomes each rank's version only if its finish
+        succeeded; None leaves the version (vLLM 0.32, ``v1/engine/async_llm.py:1351-1355``). ``monotonic``
+        (weightsync) refuses a version older than the served one, by the trailing step number
+        (:func:`~weightsync.spec.rank.version_order`): the rank then fails the round.
+
+        Raises:
+            ValueError: before anything is sent: ``weight_version`` not a str or None; with ``monotonic``, a
+                version (this one or a rank's current one) that has no trailing step number.
+            The ranks' errors (IncompleteUpdateError, LocalProtocolError for a refused version, ...).
+        """
+        if weight_version is not None:
+            _check_version(weight_version, "finish_weight_update: weight_version")
+        if monotonic and weight_version is not None:
+            version_order(weight_version)
+            for r, v in enumerate(self.get_weight_versions()):
+                try:
+                    version_order(v)
+                except ValueError as exc:
+                    raise ValueError(f"finish_weight_update(monotonic=True): rank {r}'s version: {exc}") from None
         self.fan_out("finish_weight_update", timeout, weight_version=weight_version, monotonic=monotonic)
 
-    def get_weight_version(self) -> list[int | str]:
+    def update_weight_version(self, new_version: str, *, timeout: float | None = None) -> None:
+        """Set every rank's version label without updating weights (vLLM 0.32 ``update_weight_version``,
+        ``v1/engine/async_llm.py:1357-1359``): legal in any state, no transition
+        (:func:`~weightsync.spec.rank.relabel_weight_version`); each rank reports and traces it.
+
+        Raises:
+            ValueError: ``new_version`` is not a str (before anything is sent).
+        """
+        _check_version(new_version, "update_weight_version: new_version")
+        self.fan_out("update_weight_version", timeout, new_version=new_version)
+
+    def get_weight_versions(self) -> list[str]:
         """Each rank's weight version, in rank order."""
-        return list(self.fan_out("get_weight_version", 10.0))
+        return [str(v) for v in self.fan_out("get_weight_version", 10.0)]
+
+    def get_weight_version(self) -> str:
+        """The engines' weight version: vLLM 0.32's consensus (``call_utility_consensus_async``,
+        ``v1/engine/core_client.py:1271-1277``).
+
+        Raises:
+            WeightVersionMismatchError: the ranks report different versions (naming each).
+        """
+        versions = self.get_weight_versions()
+        if any(v != versions[0] for v in versions):
+            raise WeightVersionMismatchError(versions)
+        return versions[0]
 
     def trace_to(self, path: str | None) -> None:
         """Every rank appends one JSONL line per transition to ``path`` itself (O_APPEND, written before the

@@ -1,7 +1,11 @@
 """The controller: one weight-update round over a DP engine cluster (reference section 2, "Round").
 
 ``pause(mode) -> start_weight_update -> update_weights (concurrently with the trainer's send) ->
-finish_weight_update -> resume``.
+finish_weight_update(weight_version) -> resume``. The weight calls are vLLM 0.32's
+(:class:`EngineClientAPI`); the trainer is a vLLM-style trainer engine
+(:class:`~weightsync.impl.transfer.trainer.TrainerEngine`, or the vLLM plugin's) whose client is the same
+engine: the controller opens and closes the round and times each phase, the trainer's ``update`` moves
+the weights (``client.update_weights`` concurrently with its data plane).
 
 Failure policy (the choice the issue asks to document): **a rank never resumes serving on a partial update;
 it stays paused with an error.** ``resume`` runs in a ``finally`` whenever the engines hold a complete set
@@ -16,9 +20,7 @@ VERIFIED``, which the table does not have (reported to the lead).
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,28 +28,34 @@ from weightsync.spec.errors import WeightSyncError
 
 
 class EngineClientAPI(Protocol):
-    """The engine-client methods the controller drives (ours or a wrapped one)."""
+    """The engine-client methods the controller drives (ours, a CheckedEngine, or a wrapped one): vLLM
+    0.32's weight calls (``v1/engine/async_llm.py:1315-1363``) plus weightsync's keyword-only ``timeout``
+    and ``monotonic``."""
 
     def pause(self, mode: str = "abort", clear_cache: bool = True, timeout: float | None = None) -> None: ...
     def resume(self, timeout: float | None = None) -> None: ...
-    def start_weight_update(
-        self, is_checkpoint_format: bool = True, timeout: float | None = None
+    def start_weight_update(self, *, timeout: float | None = None) -> None: ...
+    def update_weights(
+        self, update_info: dict[str, Any] | list[dict[str, Any]], *, timeout: float | None = None
     ) -> None: ...
-    def update_weights(self, update_info: dict[str, Any], timeout: float | None = None) -> None: ...
     def finish_weight_update(
-        self,
-        timeout: float | None = None,
-        *,
-        weight_version: int | str | None = None,
-        monotonic: bool = False,
+        self, weight_version: str | None = None, *, monotonic: bool = False, timeout: float | None = None
     ) -> None: ...
+
+
+class RoundTrainer(Protocol):
+    """The trainer side :func:`update_round` drives: ``update(weights)``, the ``update_weights`` part of a
+    round (:meth:`weightsync.impl.transfer.trainer.TrainerEngine.update`)."""
+
+    def update(self, weights: Any = None) -> None: ...
 
 
 class UpdateFailedError(WeightSyncError):
     """A weight-update round failed after weights started moving; the engines stay paused with an error.
 
     Attributes:
-        phase: the call that failed (``"update_weights"``, ``"finish_weight_update"``, ``"trainer_send"``).
+        phase: the call that failed (``"update_weights"``: the engines' RPC or the trainer's send, whichever
+            failed first; ``"finish_weight_update"``).
         cause: the underlying exception.
     """
 
@@ -73,27 +81,29 @@ class RoundTimes:
 
 def update_round(
     engine: EngineClientAPI,
-    update_info: dict[str, Any],
-    send: Callable[[], None],
+    trainer: RoundTrainer,
+    weights: Any = None,
+    *,
     mode: str = "keep",
     clear_cache: bool = True,
-    is_checkpoint_format: bool = True,
     timeout: float | None = None,
-    weight_version: int | str | None = None,
+    weight_version: str | None = None,
+    monotonic: bool = False,
 ) -> RoundTimes:
-    """Run one round: pause, start, update (concurrently with ``send()``, the trainer side), finish, resume.
+    """Run one round: pause, start, update (the trainer's ``update``: ``update_weights`` concurrently with
+    its send), finish, resume.
 
     Args:
         engine: the engine client (e.g. :class:`~weightsync.impl.engine.client.DPEngineClient` or a
-            :class:`~weightsync.impl.checked.CheckedEngine` around it).
-        update_info: the update info every rank's ``update_weights`` receives.
-        send: the trainer's send (e.g. ``lambda: trainer.send(weights)``), run in a thread.
+            :class:`~weightsync.impl.checked.CheckedEngine` around it); also the trainer's client.
+        trainer: the trainer engine (``trainer_init(..., client=engine)``).
+        weights: this round's source (None: the trainer's own source).
         mode, clear_cache: the pause arguments (reference section 4).
-        is_checkpoint_format: ``start_weight_update`` argument.
         timeout: per-call timeout, seconds (None: the client's default).
-        weight_version: the version ``finish_weight_update`` sets (vLLM 0.32's string ``weight_version``;
-            None: each rank counts its successful rounds). Pass it whenever a round may be retried after a
-            failure, so every rank ends on the same version.
+        weight_version: the version ``finish_weight_update`` sets (vLLM 0.32's string; None: the version
+            stays). Pass it whenever a round may be retried after a failure, so every rank ends on the
+            same version.
+        monotonic: the finish refuses a version older than the served one (weightsync).
 
     Returns:
         the seconds spent per phase.
@@ -110,32 +120,18 @@ def update_round(
     times.pause_s = time.perf_counter() - t
     try:
         t = time.perf_counter()
-        engine.start_weight_update(is_checkpoint_format, timeout)
+        engine.start_weight_update(timeout=timeout)
         times.start_s = time.perf_counter() - t
-        send_err: list[BaseException] = []
-
-        def _send() -> None:
-            try:
-                send()
-            except BaseException as exc:  # reported below
-                send_err.append(exc)
-
-        th = threading.Thread(target=_send, name="weightsync-trainer-send", daemon=True)
         moved = True
         t = time.perf_counter()
-        th.start()
         try:
-            engine.update_weights(update_info, timeout)
+            trainer.update(weights)
         except BaseException as exc:
             raise UpdateFailedError("update_weights", exc) from exc
-        finally:
-            th.join(timeout if timeout is not None else 120.0)
-        if send_err:
-            raise UpdateFailedError("trainer_send", send_err[0]) from send_err[0]
         times.update_s = time.perf_counter() - t
         t = time.perf_counter()
         try:
-            engine.finish_weight_update(timeout, weight_version=weight_version)
+            engine.finish_weight_update(weight_version, monotonic=monotonic, timeout=timeout)
         except BaseException as exc:
             raise UpdateFailedError("finish_weight_update", exc) from exc
         times.finish_s = time.perf_counter() - t

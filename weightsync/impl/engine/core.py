@@ -14,7 +14,10 @@ Loop (reference section 5, "Loop iteration"):
 
 No protocol decision is made here: which event is legal and what follows is the table's. Every fired
 transition is reported to the front-end (:class:`~weightsync.impl.engine.messages.TransitionRecord`) before
-its effects run. When an effect fails (a collective timed out or mismatched, a transfer failed), the rank
+its effects run. ``update_weight_version`` (vLLM 0.32: a label set in any state, ``v1/engine/core.py:1082``)
+is no transition: the rank applies :func:`~weightsync.spec.rank.relabel_weight_version` to its variables
+and reports (and traces) a :class:`~weightsync.impl.engine.messages.RelabelRecord`. Versions are vLLM's
+strings, ``"default"`` before any (``v1/engine/core.py:141``). When an effect fails (a collective timed out or mismatched, a transfer failed), the rank
 reports an :class:`~weightsync.impl.engine.messages.EngineFailure` naming what it was blocked in, answers
 every pending call with the error, stops stepping and serves only queries and shutdown.
 """
@@ -39,6 +42,8 @@ from weightsync.impl.engine.messages import (
     StartDPWave,
     StartWave,
     StepOutputs,
+    RankRecord,
+    RelabelRecord,
     TokenDelta,
     TransitionRecord,
     UtilityCall,
@@ -47,7 +52,7 @@ from weightsync.impl.engine.messages import (
 )
 from weightsync.impl.models.config import LMConfig
 from weightsync.spec.errors import LocalProtocolError, PeerFailedError
-from weightsync.spec.rank import EFFECTS, RankMachine, apply
+from weightsync.spec.rank import EFFECTS, RankMachine, apply, relabel_weight_version
 from weightsync.spec.states import PauseMode, RankEvent
 from weightsync.spec.table import Fired
 
@@ -141,6 +146,27 @@ def vars_dict(v: Any) -> dict[str, Any]:
     return {k: _jsonable(x) for k, x in v._asdict().items()}
 
 
+#: A rank's weight version before any update (vLLM 0.32 ``EngineCore._weight_version``, ``v1/engine/core.py:141``).
+INITIAL_WEIGHT_VERSION = "default"
+
+
+def record_line(rec: RankRecord) -> dict[str, Any]:
+    """The JSONL trace record of a transition (:func:`trace_line`) or of a relabel: ``kind="relabel"``,
+    ``rank``, ``rank_seq``, ``weight_version`` (the new label), ``vars_before`` / ``vars_after``, ``t``
+    (``weightsync replay`` applies :func:`~weightsync.spec.rank.relabel_weight_version` to it)."""
+    if isinstance(rec, TransitionRecord):
+        return trace_line(rec)
+    return {
+        "kind": "relabel",
+        "rank": rec.rank,
+        "rank_seq": rec.rank_seq,
+        "weight_version": rec.weight_version,
+        "vars_before": rec.before,
+        "vars_after": rec.after,
+        "t": rec.t,
+    }
+
+
 def trace_line(rec: TransitionRecord) -> dict[str, Any]:
     """The JSONL trace record of one transition (rank, seq, state before/after, event, wave, collective, time).
 
@@ -198,13 +224,15 @@ class EngineCore:
         self.rank = rank
         self.q = queues
         self.machine = RankMachine(rank, cfg.dp_size, cfg.variant, cfg.sync_interval)
+        self.machine.vars = self.machine.vars._replace(weight_version=INITIAL_WEIGHT_VERSION)
         assert cfg.model is not None
         self.model = CausalLM(cfg.model)
         if cfg.init_seed is not None:
             self.model.load_weights(random_weights(self.model, cfg.init_seed))
         self.sched = Scheduler(self.model, rank, cfg.max_batch)
         self.worker = make_worker(cfg.transfer, self.model, rank)
-        self.weight_version: int | str = 0
+        self.weight_version: str = INITIAL_WEIGHT_VERSION
+        self.sched.weight_version = INITIAL_WEIGHT_VERSION
         self._round_error: BaseException | None = None  # the last weight-transfer failure (rank `failed`)
         self.dp = DPGroup(rank, cfg.dp_size, cfg.host, cfg.dp_port, cfg.collective_timeout_s)
         self.coll_seq = 0  # DP collectives entered so far (equal on every rank while in lockstep)
@@ -247,6 +275,7 @@ class EngineCore:
             raise NotImplementedError(f"engine rank {rank}: no implementation of effect(s) {sorted(missing)}")
         self.queries: dict[str, Callable[..., Any]] = {
             "get_weight_version": lambda: self.weight_version,
+            "update_weight_version": self._relabel,
             "get_state": lambda: vars_dict(self.machine.vars),
             "round_error": lambda: (
                 f"{type(self._round_error).__name__}: {self._round_error}" if self._round_error else None
@@ -293,9 +322,27 @@ class EngineCore:
         self.q.out.put(rec)
         for name in tr.effects:
             self.effects[name](fired)
-        self.weight_version = self.machine.vars.weight_version
+        self.weight_version = str(self.machine.vars.weight_version)
         self.sched.weight_version = self.weight_version
         return fired
+
+    def _relabel(self, new_version: str) -> None:
+        """``update_weight_version(new_version)``: no transition, any state (module docstring); reported
+        and traced like one, as a :class:`RelabelRecord`.
+
+        Raises:
+            ValueError: ``new_version`` is not a str.
+        """
+        before = self.machine.vars
+        after = relabel_weight_version(before, new_version)
+        self.machine.vars = after
+        rec = RelabelRecord(self.rank, self.rank_seq, new_version, vars_dict(before), vars_dict(after), time.time())
+        self.rank_seq += 1
+        if self._trace_fd is not None:
+            os.write(self._trace_fd, (json.dumps(record_line(rec), sort_keys=True) + "\n").encode())
+        self.q.out.put(rec)
+        self.weight_version = new_version
+        self.sched.weight_version = new_version
 
     def _transfer_op(self, phase: str, op: Callable[[], None]) -> None:
         """Run a worker operation of a weight-transfer round. If it raises (a timeout, a wire mismatch, an
@@ -376,8 +423,7 @@ class EngineCore:
         self.fire(RankEvent.TRANSFER_INIT_DONE)
 
     def _start_weight_update(self, fired: Fired) -> None:
-        fmt = bool(self._current_kwargs().get("is_checkpoint_format", True))
-        self._transfer_op("start", lambda: self.worker.start_weight_update(fmt))
+        self._transfer_op("start", self.worker.start_weight_update)
 
     def _finish_weight_update(self, fired: Fired) -> None:
         kw = self._current_kwargs()

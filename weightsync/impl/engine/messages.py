@@ -205,7 +205,7 @@ class TokenDelta:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str | None
-    weight_version: int | str
+    weight_version: str
     error: str | None = None
 
 
@@ -242,7 +242,7 @@ class TransitionRecord:
 
     Attributes:
         rank: DP rank.
-        rank_seq: 0-based index of this transition on this rank.
+        rank_seq: 0-based index of this record on this rank (transitions and relabels).
         event: :class:`~weightsync.spec.states.RankEvent` value.
         args: the event's arguments (JSON-able).
         before, after: the rank's :class:`~weightsync.spec.rank.RankVars` as dicts.
@@ -268,6 +268,31 @@ class TransitionRecord:
     t: float
     waiting: int = -1
     running: int = -1
+
+
+@dataclass(frozen=True)
+class RelabelRecord:
+    """A rank's weight version relabelled by ``update_weight_version`` (vLLM 0.32, any state; not a
+    transition: :func:`weightsync.spec.rank.relabel_weight_version`), reported like a transition.
+
+    Attributes:
+        rank: DP rank.
+        rank_seq: 0-based index of this record among the rank's records (transitions and relabels).
+        weight_version: the new label.
+        before, after: the rank's :class:`~weightsync.spec.rank.RankVars` as dicts.
+        t: ``time.time()`` when it was applied, seconds.
+    """
+
+    rank: int
+    rank_seq: int
+    weight_version: str
+    before: dict[str, Any]
+    after: dict[str, Any]
+    t: float
+
+
+#: What an engine reports to the client's transition listeners, in the order it applied them.
+RankRecord = TransitionRecord | RelabelRecord
 
 
 @dataclass(frozen=True)

@@ -581,7 +581,7 @@ def run_schedule(
             "rank_offset": 1,
             "world_size": 3,
             "timeout_s": timeout_s,
-            "backend": "gloo",  # the engines' weights live on the CPU
+            "group_backend": "gloo",  # the engines' weights live on the CPU
         }
         # the trainer (rank 0, hosting the store) outlives the engines' deadline, as a real one would
         tinfo = dict(info, timeout_s=timeout_s + 10)

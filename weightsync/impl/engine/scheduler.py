@@ -72,7 +72,7 @@ class Scheduler:
         self.pause_state = PauseState.UNPAUSED
         self.waiting: deque[_Live] = deque()
         self.running: dict[str, _Live] = {}
-        self.weight_version: int | str = 0
+        self.weight_version: str = "default"  # vLLM 0.32 v1/engine/core.py:141; the engine keeps it
         self.steps = 0  # real (non-dummy) steps executed
 
     # ------------------------------------------------------------------ queues

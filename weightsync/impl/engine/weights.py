@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from weightsync.impl.models.causal_lm import CausalLM
-from weightsync.impl.transfer.base import SendArgs, meta_of
+from weightsync.impl.transfer.base import UpdateInfo, meta_of
 
 #: Engine transfer factory of the broadcast transport (backend ``nccl``; gloo for CPU tensors).
 BROADCAST_WORKER = "weightsync.impl.transfer.worker:broadcast_worker"
@@ -31,8 +31,8 @@ class WeightWorker(Protocol):
     """The worker-side weight-transfer API (vLLM names, reference section 2)."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None: ...
-    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+    def start_weight_update(self) -> None: ...
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None: ...
     def finish_weight_update(self) -> None: ...
     def fail_round(self) -> None: ...
     def fail_init(self) -> None: ...
@@ -52,16 +52,14 @@ def make_worker(spec: str, model: CausalLM, dp_index: int) -> WeightWorker:
     return fn(model, dp_index)
 
 
-def update_info_for(
-    weights: Iterable[tuple[str, torch.Tensor]], args: SendArgs | None = None
-) -> dict[str, Any]:
-    """The ``update_info`` dict describing ``weights`` in order, with ``args``' packing (default: one
-    broadcast per tensor), as the trainer's ``send(weights, args)`` will send them.
+def update_info_for(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """The ``update_info`` dict describing ``weights`` in order (vLLM 0.32's ``names``, ``dtype_names``,
+    ``shapes``; the packing parameters are ``init_info``'s).
 
     Raises:
         ValueError: a tensor's dtype cannot be transferred.
     """
-    return (args or SendArgs()).update_info([meta_of(n, t) for n, t in weights]).to_dict()
+    return UpdateInfo.of([meta_of(n, t) for n, t in weights]).to_dict()
 
 
 def random_weights(model: CausalLM, seed: int, std: float = 0.5) -> list[tuple[str, torch.Tensor]]:

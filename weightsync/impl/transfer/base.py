@@ -1,9 +1,13 @@
 """Weight-transfer engine base class, typed request parsing and the loadable-model protocol.
 
-Mirrors vLLM's ``vllm/distributed/weight_transfer/base.py`` (reference section 2): a small abstract base
-class with ``init_transfer_engine``, ``receive_weights``, ``shutdown`` and a static trainer-side
-``trainer_send_weights``; ``parse_init_info`` / ``parse_update_info`` turn the request dicts into typed
-records and map ``TypeError`` to ``ValueError`` naming the field.
+Mirrors vLLM 0.32's ``vllm/distributed/weight_transfer/base.py`` (reference ``vllm-0.32.md`` section 2):
+the request shapes of ``init_weight_transfer_engine`` (:class:`InitInfo`: vLLM's NCCL fields with the
+packing parameters, plus weightsync's optional :class:`InitExtras`) and ``update_weights``
+(:class:`UpdateInfo`: ``names``, ``dtype_names``, ``shapes``), built like vLLM's with ``cls(**dict)``
+(``TypeError`` becomes ``ValueError``), and a small abstract transport base class with
+``init_transfer_engine``, ``receive_weights``, ``shutdown``. The vLLM plugin's request classes are
+subclasses of these that are also vLLM's (:mod:`weightsync.vllm.engine`); the trainer side is
+:mod:`weightsync.impl.transfer.trainer`.
 
 Every parse error is a ``ValueError`` whose message names the offending field, the value and the rule, and
 is raised before any byte moves or any state changes.
@@ -11,11 +15,12 @@ is raised before any byte moves or any state changes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple, Protocol, Self, TypeVar, runtime_checkable
 
 import torch
 
@@ -206,60 +211,235 @@ def _list(d: Mapping[str, Any], key: str, what: str) -> Sequence[Any]:
     return v
 
 
+#: vLLM 0.32's NCCL worker ``init_info`` fields (``distributed/weight_transfer/nccl_common.py:96-103``). A
+#: dict of only these parses in vLLM's ``NCCLWeightTransferInitInfo(**d)``; weightsync's producers always
+#: send them (the rendezvous pair only when set) and every other field only when it is not at its default.
+VLLM_INIT_FIELDS = (
+    "master_address",
+    "master_port",
+    "rank_offset",
+    "world_size",
+    "nccl_unique_id_b64",
+    "packed",
+    "packed_buffer_size_bytes",
+    "packed_num_buffers",
+)
+#: vLLM 0.32's NCCL ``update_info`` fields (``distributed/weight_transfer/nccl_engine.py:93-95``).
+VLLM_UPDATE_FIELDS = ("names", "dtype_names", "shapes")
+#: Bucket layouts: weightsync's 16-byte aligned one and vLLM's NCCL packer's (``packed_tensor.py:69-140``);
+#: see :mod:`weightsync.impl.transfer.packing`.
+LAYOUTS = ("aligned", "vllm")
+#: ``group_backend`` values: NCCL when the data lives on CUDA, else gloo; or forced.
+GROUP_BACKENDS = ("auto", "gloo", "nccl")
+
+_R = TypeVar("_R")
+
+
+def _parse_request(cls: type[_R], obj: object, what: str) -> _R:
+    """``cls(**obj)`` as vLLM builds its request dataclasses (``distributed/weight_transfer/base.py:440-470``,
+    ``TypeError`` -> ``ValueError``), after checking that ``obj`` is a dict with str keys that names every
+    required field of ``cls`` and no unknown one (weightsync's messages name the field)."""
+    d = _require_mapping(obj, what)
+    fields = [f for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+    required = [
+        f.name
+        for f in fields
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    _check_fields(d, what, required, [f.name for f in fields if f.name not in required])
+    try:
+        return cls(**d)
+    except TypeError as exc:
+        raise ValueError(f"{what}: {exc}") from exc
+
+
+def _request_dict(obj: Any, always: Sequence[str]) -> dict[str, Any]:
+    """The request dict of dataclass ``obj``: the fields in ``always`` unless None, every other field only
+    when it differs from its default (so with weightsync's extras at their defaults the dict is vLLM's)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if not f.init:
+            continue
+        v = getattr(obj, f.name)
+        if f.name in always:
+            if v is not None:
+                out[f.name] = v
+        elif f.default is dataclasses.MISSING or v != f.default:
+            out[f.name] = v
+    return out
+
+
 @dataclass(frozen=True)
-class RendezvousInitInfo:
-    """``init_info`` of the ``nccl`` (broadcast) and ``ipc`` backends (vLLM's NCCL init-info fields).
+class WireArgs:
+    """What the trainer and every worker must agree on besides the tensors (part of the wire agreement):
+    the packing parameters of ``init_info`` (vLLM 0.32 fixes them at init, from the trainer's), ``verify``
+    and the bucket layout.
 
     Attributes:
-        master_address: host of the trainer's TCPStore (the trainer is rank 0 and hosts it).
-        master_port: its TCP port, 1..65535.
-        rank_offset: transfer rank of this engine's first worker (>= 1; rank 0 is the trainer).
-        world_size: trainer + every engine worker of every replica (>= 2; ``1 + tp*pp*dp`` for one replica);
-            every rank must pass the same value (checked at the rendezvous: ``WireMismatchError``).
-        timeout_s: deadline of every rendezvous and collective, seconds (weightsync extension). None (the
-            field absent): the rendezvous waits :data:`DEFAULT_TIMEOUT_S` and each update round's waits are
-            sized to the round (:meth:`round_deadline`).
-        backend: ``"auto"`` (NCCL when CUDA is available, else gloo), ``"gloo"`` or ``"nccl"``
-            (weightsync extension; ignored by ``ipc``).
+        packed: pack tensors into uint8 buckets (True) or send each tensor on its own (False).
+        packed_buffer_size_bytes: bucket capacity B in bytes (> 0).
+        packed_num_buffers: number of pipelined bucket buffers (1..64).
+        verify: carry a CRC32 per bucket and compare it on every rank (weightsync).
+        layout: ``"aligned"`` (weightsync's, packing rules 2-4) or ``"vllm"`` (vLLM's packer byte for byte,
+            packing rule 8).
     """
 
-    master_address: str
-    master_port: int
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    verify: bool = False
+    layout: str = "aligned"
+
+    def for_round(self, update_info: UpdateInfo) -> WireArgs:
+        """These arguments with ``update_info.verify`` when the update names it (None: init's)."""
+        if update_info.verify is None or update_info.verify == self.verify:
+            return self
+        return dataclasses.replace(self, verify=update_info.verify)
+
+
+@dataclass(kw_only=True)
+class InitExtras:
+    """weightsync's optional ``init_info`` fields, shared by the workers' :class:`InitInfo` and the
+    trainer's :class:`~weightsync.impl.transfer.trainer.TrainerInitInfo`. vLLM's own classes reject them
+    (``TypeError`` in ``cls(**d)``), so weightsync's producers send each one only when it is not at its
+    default.
+
+    Attributes:
+        timeout_s: deadline of every rendezvous and collective, seconds (> 0). None (the default): the
+            rendezvous waits :data:`DEFAULT_TIMEOUT_S` and each update round's waits are sized to the round
+            (:meth:`InitInfo.round_deadline`).
+        verify: CRC32 per bucket, compared on every rank (default off).
+        layout: ``"aligned"`` or ``"vllm"`` (:class:`WireArgs`); None (the default): the backend's own
+            (``"aligned"`` for the reference transports and ``weightsync_ipc``, ``"vllm"`` for vLLM backend
+            ``weightsync``). Both sides resolve it alike; a disagreement fails the wire agreement.
+        group_backend: ``"auto"`` (NCCL when the data lives on CUDA, else gloo), ``"gloo"`` or ``"nccl"``
+            (the broadcast transport's process group; ignored by IPC).
+        is_checkpoint_format: True (the default, vLLM's only format: checkpoint names through
+            ``model.load_weights`` and vLLM's layerwise reload, ``model_loader/reload/inplace.py``); False:
+            kernel format, ``named_parameters()`` names copied by exact name (weightsync's reference engine
+            only). vLLM 0.32's ``start_weight_update()`` takes no argument, so the format is fixed here.
+    """
+
+    timeout_s: float | None = None
+    verify: bool = False
+    layout: str | None = None
+    group_backend: str = "auto"
+    is_checkpoint_format: bool = True
+
+    def _check_extras(self, what: str) -> None:
+        """Raises ValueError naming the first extra field with a wrong type or value."""
+        d = self.__dict__
+        if self.timeout_s is not None:
+            _float(d, "timeout_s", what)
+        _bool(d, "verify", what)
+        _bool(d, "is_checkpoint_format", what)
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise ValueError(
+                f"{what}['layout']={self.layout!r} must be 'aligned' (weightsync's), 'vllm' (vLLM's packer) "
+                "or absent (the backend's default)"
+            )
+        if self.group_backend not in GROUP_BACKENDS:
+            raise ValueError(
+                f"{what}['group_backend']={self.group_backend!r} must be one of 'auto', 'gloo', 'nccl'"
+            )
+
+
+@dataclass(kw_only=True)
+class InitInfo(InitExtras):
+    """A worker's ``init_info``: vLLM 0.32's NCCL fields (``NCCLWeightTransferInitInfo``,
+    ``distributed/weight_transfer/nccl_common.py:71-103``, packing at init) plus :class:`InitExtras`.
+    The reference transports and the vLLM plugin's backends (a subclass that is also vLLM's
+    ``WeightTransferInitInfo``) parse it alike.
+
+    Attributes:
+        master_address, master_port: the trainer's TCPStore (the trainer is rank 0 and hosts it); port
+            1..65535.
+        rank_offset: transfer rank of this engine's first worker (>= 1; vLLM's trainer always sends 1).
+        world_size: trainer + every worker of every DP replica (>= 2); every rank must pass the same value
+            (checked at the rendezvous: ``WireMismatchError``).
+        nccl_unique_id_b64: vLLM's torch-free rendezvous; accepted in the shape and refused (weightsync's
+            wire agreement and per-bucket status run over the TCPStore).
+        packed, packed_buffer_size_bytes, packed_num_buffers: the wire parameters, vLLM's worker defaults
+            (unpacked, 1 GiB, 2); the trainer sends its own (``packed=True`` by default).
+
+    Raises:
+        ValueError: (at construction) a unique id, a missing rendezvous pair, a wrong type, a port outside
+            1..65535, ``rank_offset < 1``, ``world_size < 2``, a buffer size < 1, ``packed_num_buffers``
+            outside 1..64, or a bad extra field; the message names the field and the value.
+    """
+
+    master_address: str | None = None
+    master_port: int | None = None
     rank_offset: int
     world_size: int
-    timeout_s: float | None = None
-    backend: str = "auto"
+    nccl_unique_id_b64: str | None = field(default=None, repr=False)
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
 
-    REQUIRED: ClassVar[tuple[str, ...]] = ("master_address", "master_port", "rank_offset", "world_size")
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("timeout_s", "backend")
+    def __post_init__(self) -> None:
+        what = "init_info"
+        if self.nccl_unique_id_b64 is not None:
+            raise ValueError(
+                "init_info['nccl_unique_id_b64']: weightsync rendezvous on the trainer's TCPStore (it carries "
+                "the wire agreement and the per-bucket status); pass master_address and master_port instead"
+            )
+        if self.master_address is None or self.master_port is None:
+            raise ValueError(
+                "init_info needs both master_address and master_port (got "
+                f"master_address={self.master_address!r}, master_port={self.master_port!r})"
+            )
+        d = self.__dict__
+        _str(d, "master_address", what)
+        _int(d, "master_port", what, 1, 65535)
+        _int(d, "rank_offset", what, 1)
+        _int(d, "world_size", what, 2)
+        _bool(d, "packed", what)
+        _int(d, "packed_buffer_size_bytes", what, 1)
+        _int(d, "packed_num_buffers", what, 1, 64)
+        self._check_extras(what)
 
     @classmethod
-    def parse(cls, obj: object) -> RendezvousInitInfo:
-        """Validate an ``init_info`` dict.
+    def parse(cls, obj: object) -> Self:
+        """The typed ``init_info`` of dict ``obj`` (a dict vLLM's trainer, HTTP client or router produces
+        parses unchanged).
 
         Raises:
-            ValueError: not a dict, a missing or unknown field, a wrong type, a port outside 1..65535,
-                ``rank_offset < 1``, ``world_size < 2``, a non-positive timeout or an unknown backend.
+            ValueError: not a dict with str keys, a missing or unknown field, or any rule of the class.
         """
-        what = "init_info"
-        d = _require_mapping(obj, what)
-        _check_fields(d, what, cls.REQUIRED, cls.OPTIONAL)
-        backend = _str(d, "backend", what) if "backend" in d else "auto"
-        if backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"init_info['backend']={backend!r} must be one of 'auto', 'gloo', 'nccl'")
-        return cls(
-            master_address=_str(d, "master_address", what),
-            master_port=_int(d, "master_port", what, 1, 65535),
-            rank_offset=_int(d, "rank_offset", what, 1),
-            world_size=_int(d, "world_size", what, 2),
-            timeout_s=_float(d, "timeout_s", what) if "timeout_s" in d else None,
-            backend=backend,
+        return _parse_request(cls, obj, "init_info")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able request dict (inverse of :meth:`parse`): vLLM's fields, the others only when not at
+        their defaults (so with defaults it also parses in vLLM's ``NCCLWeightTransferInitInfo``)."""
+        return _request_dict(self, VLLM_INIT_FIELDS)
+
+    @property
+    def address(self) -> str:
+        """``master_address`` (never None after construction)."""
+        assert self.master_address is not None
+        return self.master_address
+
+    @property
+    def port(self) -> int:
+        """``master_port`` (never None after construction)."""
+        assert self.master_port is not None
+        return self.master_port
+
+    def wire(self, default_layout: str) -> WireArgs:
+        """The wire arguments (``layout`` None resolves to ``default_layout``, the backend's)."""
+        return WireArgs(
+            packed=self.packed,
+            packed_buffer_size_bytes=self.packed_buffer_size_bytes,
+            packed_num_buffers=self.packed_num_buffers,
+            verify=self.verify,
+            layout=self.layout if self.layout is not None else default_layout,
         )
 
     @property
     def rendezvous_timeout_s(self) -> float:
         """Deadline of the rendezvous (and of the process-group setup), seconds."""
-        return DEFAULT_TIMEOUT_S if self.timeout_s is None else self.timeout_s
+        return DEFAULT_TIMEOUT_S if self.timeout_s is None else float(self.timeout_s)
 
     @property
     def rendezvous_timeout_basis(self) -> str:
@@ -276,7 +456,7 @@ class RendezvousInitInfo:
         :data:`DEFAULT_ROUND_BANDWIDTH_BPS`, so a small model fails fast and a large one is not cut off.
         """
         if self.timeout_s is not None:
-            return self.timeout_s, f"timeout {self.timeout_s:g} s: init_info['timeout_s']"
+            return float(self.timeout_s), f"timeout {self.timeout_s:g} s: init_info['timeout_s']"
         n = max(0, nbytes or 0)
         t = DEFAULT_ROUND_FLOOR_S + n / DEFAULT_ROUND_BANDWIDTH_BPS
         return t, (
@@ -286,66 +466,43 @@ class RendezvousInitInfo:
         )
 
 
-@dataclass(frozen=True)
+@dataclass
 class UpdateInfo:
-    """``update_info`` of one ``update_weights`` call (vLLM's NCCL update-info fields plus ``verify``).
+    """``update_info`` of one ``update_weights`` call: vLLM 0.32's NCCL fields
+    (``NCCLWeightTransferUpdateInfo``, ``distributed/weight_transfer/nccl_engine.py:83-110``) plus
+    weightsync's optional ``verify`` and ``check_finite``. The packing parameters are ``init_info``'s.
 
     Attributes:
-        names: ordered tensor names; the order must equal the trainer's (reference section 2).
-        dtype_names: one wire dtype name per tensor (keys of :data:`DTYPES`).
-        shapes: one shape per tensor, every dimension >= 0.
-        packed: pack tensors into uint8 buckets (True) or send each tensor on its own (False).
-        packed_buffer_size_bytes: bucket capacity B in bytes (> 0); default 1 GiB.
-        packed_num_buffers: number of pipelined bucket buffers (>= 1); default 2.
-        verify: carry a CRC32 per bucket and compare it on every rank (weightsync extension).
-        layout: bucket layout, ``"aligned"`` (weightsync's, packing rules 2-4) or ``"vllm"`` (vLLM's NCCL
-            packer byte for byte, packing rule 8); weightsync extension.
+        names: ordered tensor names; the order must equal the trainer's.
+        dtype_names: one wire dtype name per tensor (keys of :data:`DTYPES`: the torch attribute names,
+            as vLLM's trainer writes them, ``nccl_engine.py:334``).
+        shapes: one shape per tensor (a list of ints, every dimension >= 0).
+        verify: override ``init_info``'s ``verify`` for this call (None: init's); the trainer must agree.
         check_finite: the engine worker refuses NaN / +-Inf in received floating-point weights before
-            loading them (weightsync extension, default False; local to each worker, so not part of the
-            wire description: the trainer never sees it). See the worker's rule 7.
+            loading them (default False; local to each worker, so not part of the wire description: the
+            trainer never sees it). See the worker's rule 7.
+
+    Raises:
+        ValueError: (at construction) ``names`` / ``dtype_names`` / ``shapes`` not lists of equal length
+            (vLLM's rule); a name that is not a non-empty str or appears twice; an unknown dtype name; a
+            shape that is not a list of ints or has a negative dimension; ``verify`` not a bool or None;
+            ``check_finite`` not a bool.
     """
 
-    names: tuple[str, ...]
-    dtype_names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    packed: bool = False
-    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
-    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-    verify: bool = False
-    layout: str = "aligned"
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    verify: bool | None = None
     check_finite: bool = False
 
-    REQUIRED: ClassVar[tuple[str, ...]] = ("names", "dtype_names", "shapes")
-    OPTIONAL: ClassVar[tuple[str, ...]] = (
-        "packed",
-        "packed_buffer_size_bytes",
-        "packed_num_buffers",
-        "verify",
-        "layout",
-        "check_finite",
-    )
-
-    @classmethod
-    def parse(cls, obj: object) -> UpdateInfo:
-        """Validate an ``update_info`` dict.
-
-        Raises:
-            ValueError: not a dict; a missing or unknown field; ``names``/``dtype_names``/``shapes`` not
-                lists of equal length (reference section 2: "unequal lengths -> ValueError"); a name that is
-                not a non-empty str or appears twice; an unknown dtype name; a shape that is not a list of
-                ints or has a negative dimension; ``packed_buffer_size_bytes < 1``; ``packed_num_buffers < 1``;
-                ``verify`` / ``packed`` / ``check_finite`` not a bool.
-        """
+    def __post_init__(self) -> None:
         what = "update_info"
-        d = _require_mapping(obj, what)
-        _check_fields(d, what, cls.REQUIRED, cls.OPTIONAL)
-        names = _list(d, "names", what)
-        dtypes = _list(d, "dtype_names", what)
-        shapes = _list(d, "shapes", what)
+        d = self.__dict__
+        names, dtypes, shapes = (_list(d, k, what) for k in VLLM_UPDATE_FIELDS)
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(
                 f"update_info length mismatch: names has {len(names)}, dtype_names has {len(dtypes)}, "
-                f"shapes has {len(shapes)}; the three lists must be parallel (reference section 2)"
+                f"shapes has {len(shapes)}; the three lists must be parallel"
             )
         seen: dict[str, int] = {}
         for i, n in enumerate(names):
@@ -363,7 +520,6 @@ class UpdateInfo:
                     f"update_info['dtype_names'][{i}]={t!r} (for {names[i]!r}) is not a known dtype name; "
                     f"known: {', '.join(sorted(DTYPES))}"
                 )
-        parsed_shapes: list[tuple[int, ...]] = []
         for i, s in enumerate(shapes):
             if not isinstance(s, list | tuple):
                 raise ValueError(f"update_info['shapes'][{i}] must be a list of ints, got {s!r}")
@@ -375,114 +531,48 @@ class UpdateInfo:
                         f"update_info['shapes'][{i}]={list(s)!r} (for {names[i]!r}) has negative dimension "
                         f"{dim}; every dimension must be >= 0"
                     )
-            parsed_shapes.append(tuple(s))
-        return cls(
-            names=tuple(names),
-            dtype_names=tuple(dtypes),
-            shapes=tuple(parsed_shapes),
-            packed=_bool(d, "packed", what) if "packed" in d else False,
-            packed_buffer_size_bytes=(
-                _int(d, "packed_buffer_size_bytes", what, 1)
-                if "packed_buffer_size_bytes" in d
-                else DEFAULT_PACKED_BUFFER_SIZE_BYTES
-            ),
-            packed_num_buffers=(
-                _int(d, "packed_num_buffers", what, 1, 64)
-                if "packed_num_buffers" in d
-                else DEFAULT_PACKED_NUM_BUFFERS
-            ),
-            verify=_bool(d, "verify", what) if "verify" in d else False,
-            layout=_layout(d, what),
-            check_finite=_bool(d, "check_finite", what) if "check_finite" in d else False,
-        )
+        if self.verify is not None:
+            _bool(d, "verify", what)
+        _bool(d, "check_finite", what)
+        self.names, self.dtype_names = list(names), list(dtypes)
+        self.shapes = [list(s) for s in shapes]
+
+    @classmethod
+    def parse(cls, obj: object) -> Self:
+        """The typed ``update_info`` of dict ``obj`` (vLLM's ``NCCLWeightTransferUpdateInfo`` dicts parse
+        unchanged).
+
+        Raises:
+            ValueError: not a dict with str keys, a missing or unknown field, or any rule of the class.
+        """
+        return _parse_request(cls, obj, "update_info")
 
     def metas(self) -> list[TensorMeta]:
         """One :class:`TensorMeta` per tensor, in order."""
         return [
-            TensorMeta(n, t, s) for n, t, s in zip(self.names, self.dtype_names, self.shapes, strict=True)
+            TensorMeta(n, t, tuple(s))
+            for n, t, s in zip(self.names, self.dtype_names, self.shapes, strict=True)
         ]
 
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the update."""
+        return sum(m.nbytes for m in self.metas())
+
     def to_dict(self) -> dict[str, Any]:
-        """The JSON-able request dict (inverse of :meth:`parse`)."""
-        return {
-            "names": list(self.names),
-            "dtype_names": list(self.dtype_names),
-            "shapes": [list(s) for s in self.shapes],
-            "packed": self.packed,
-            "packed_buffer_size_bytes": self.packed_buffer_size_bytes,
-            "packed_num_buffers": self.packed_num_buffers,
-            "verify": self.verify,
-            "layout": self.layout,
-            "check_finite": self.check_finite,
-        }
-
-
-def _layout(d: Mapping[str, Any], what: str) -> str:
-    if "layout" not in d:
-        return "aligned"
-    v = d["layout"]
-    if v not in ("aligned", "vllm"):
-        raise ValueError(f"{what}['layout']={v!r} must be 'aligned' (weightsync's) or 'vllm' (vLLM's packer)")
-    return str(v)
-
-
-@dataclass(frozen=True)
-class SendArgs:
-    """Trainer-side packing arguments (vLLM's ``trainer_args`` less the group); must equal the engines'.
-
-    Attributes mirror :class:`UpdateInfo`'s ``packed``, ``packed_buffer_size_bytes``,
-    ``packed_num_buffers``, ``verify`` and ``layout``.
-    """
-
-    packed: bool = False
-    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
-    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-    verify: bool = False
-    layout: str = "aligned"
-
-    OPTIONAL: ClassVar[tuple[str, ...]] = (
-        "packed",
-        "packed_buffer_size_bytes",
-        "packed_num_buffers",
-        "verify",
-        "layout",
-    )
+        """The JSON-able request dict (inverse of :meth:`parse`; the optional fields only when set)."""
+        out = _request_dict(self, VLLM_UPDATE_FIELDS)
+        out["names"], out["dtype_names"] = list(self.names), list(self.dtype_names)
+        out["shapes"] = [list(s) for s in self.shapes]
+        return out
 
     @classmethod
-    def parse(cls, d: Mapping[str, Any]) -> SendArgs:
-        """Validate the packing part of ``trainer_args`` (keys other than these five are ignored here).
-
-        Raises:
-            ValueError: a wrong type or out-of-range value, as for :meth:`UpdateInfo.parse`.
-        """
-        what = "trainer_args"
+    def of(cls, metas: Sequence[TensorMeta]) -> Self:
+        """The update info describing ``metas`` in order (vLLM's three fields only)."""
         return cls(
-            packed=_bool(d, "packed", what) if "packed" in d else False,
-            packed_buffer_size_bytes=(
-                _int(d, "packed_buffer_size_bytes", what, 1)
-                if "packed_buffer_size_bytes" in d
-                else DEFAULT_PACKED_BUFFER_SIZE_BYTES
-            ),
-            packed_num_buffers=(
-                _int(d, "packed_num_buffers", what, 1, 64)
-                if "packed_num_buffers" in d
-                else DEFAULT_PACKED_NUM_BUFFERS
-            ),
-            verify=_bool(d, "verify", what) if "verify" in d else False,
-            layout=_layout(d, what),
-        )
-
-    def update_info(self, metas: Sequence[TensorMeta]) -> UpdateInfo:
-        """The :class:`UpdateInfo` an engine should receive for ``metas`` sent with these arguments."""
-        return UpdateInfo(
-            names=tuple(m.name for m in metas),
-            dtype_names=tuple(m.dtype_name for m in metas),
-            shapes=tuple(m.shape for m in metas),
-            packed=self.packed,
-            packed_buffer_size_bytes=self.packed_buffer_size_bytes,
-            packed_num_buffers=self.packed_num_buffers,
-            verify=self.verify,
-            layout=self.layout,
+            names=[m.name for m in metas],
+            dtype_names=[m.dtype_name for m in metas],
+            shapes=[list(m.shape) for m in metas],
         )
 
 
@@ -500,6 +590,31 @@ class ParallelInfo(NamedTuple):
     tp_size: int = 1
     pp_size: int = 1
     local_rank: int = 0
+
+    def worker_index(self) -> int:
+        """This worker's global rank among the workers of every replica, without the trainer:
+        ``dp_index * (tp_size * pp_size) + local_rank`` (vLLM's index into a list ``update_info``,
+        ``v1/worker/gpu_worker.py:1570-1578``)."""
+        return self.dp_index * self.tp_size * self.pp_size + self.local_rank
+
+    def local_update_info(self, update_info: object) -> object:
+        """vLLM's worker rule (``v1/worker/gpu_worker.py:1570-1578``): a list ``update_info`` holds one entry
+        per worker of every replica, indexed by :meth:`worker_index`; anything else is this worker's own.
+
+        Raises:
+            ValueError: a list without an entry for this worker (naming its length and the index).
+        """
+        if not isinstance(update_info, list):
+            return update_info
+        i = self.worker_index()
+        if not 0 <= i < len(update_info):
+            raise ValueError(
+                f"update_info is a list of {len(update_info)} per-worker entries but this worker's index is "
+                f"{i} (dp_index {self.dp_index} * {self.tp_size * self.pp_size} + local_rank "
+                f"{self.local_rank}; vLLM v1/worker/gpu_worker.py:1570-1578): one entry per worker of every "
+                "replica"
+            )
+        return update_info[i]
 
     def transfer_rank(self, rank_offset: int, world_size: int) -> int:
         """``rank_offset + dp_index * (tp_size * pp_size) + local_rank``, validated.
@@ -570,48 +685,63 @@ Destination = Callable[["TensorMeta"], "torch.Tensor | None"]
 
 
 class WeightTransferEngine(ABC):
-    """Base class of a transport backend (vLLM's ``WeightTransferEngine``).
+    """Base class of a transport backend (the transport part of vLLM's ``WeightTransferEngine``).
 
-    One instance lives in each engine worker; the trainer side is the static
-    :meth:`trainer_send_weights` plus a backend-specific ``trainer_init``.
+    One instance lives in each engine worker. The packing parameters are fixed by
+    :meth:`init_transfer_engine` (vLLM 0.32: packing in ``init_info``); the trainer side is
+    :mod:`weightsync.impl.transfer.trainer`.
+
+    Args:
+        parallel: this worker's place in its engine (transfer-rank formula).
+        default_layout: the bucket layout when ``init_info`` names none (default: the class's
+            :attr:`default_layout`; the vLLM plugin's backend ``weightsync`` passes ``"vllm"``).
 
     Attributes:
         init_info_cls, update_info_cls: the typed request records.
         rank: this worker's transfer rank (set by :meth:`init_transfer_engine`).
+        wire: the wire arguments of the group (set by :meth:`init_transfer_engine`).
     """
 
-    init_info_cls: ClassVar[type[RendezvousInitInfo]] = RendezvousInitInfo
+    init_info_cls: ClassVar[type[InitInfo]] = InitInfo
     update_info_cls: ClassVar[type[UpdateInfo]] = UpdateInfo
+    default_layout: ClassVar[str] = "aligned"
 
-    def __init__(self, parallel: ParallelInfo | None = None) -> None:
+    def __init__(self, parallel: ParallelInfo | None = None, default_layout: str | None = None) -> None:
         self.parallel = parallel if parallel is not None else ParallelInfo()
+        self.layout_default = default_layout if default_layout is not None else type(self).default_layout
         self.rank: int | None = None
+        self.wire: WireArgs | None = None
 
-    def parse_init_info(self, init_info: object) -> RendezvousInitInfo:
-        """Typed ``init_info``; ``TypeError`` from construction becomes ``ValueError`` (vLLM's rule).
+    def parse_init_info(self, init_info: object) -> InitInfo:
+        """Typed ``init_info`` (see :meth:`InitInfo.parse`).
 
         Raises:
-            ValueError: see :meth:`RendezvousInitInfo.parse`.
+            ValueError: naming the field and the rule.
         """
-        try:
-            return self.init_info_cls.parse(init_info)
-        except TypeError as exc:
-            raise ValueError(f"init_info: {exc}") from exc
+        return self.init_info_cls.parse(init_info)
 
     def parse_update_info(self, update_info: object) -> UpdateInfo:
-        """Typed ``update_info``; ``TypeError`` becomes ``ValueError``.
+        """Typed ``update_info`` (see :meth:`UpdateInfo.parse`).
 
         Raises:
-            ValueError: see :meth:`UpdateInfo.parse`.
+            ValueError: naming the field and the rule.
         """
-        try:
-            return self.update_info_cls.parse(update_info)
-        except TypeError as exc:
-            raise ValueError(f"update_info: {exc}") from exc
+        return self.update_info_cls.parse(update_info)
+
+    def round_wire(self, update_info: UpdateInfo) -> WireArgs:
+        """The wire arguments of one update (``init_info``'s, with the update's ``verify`` override).
+
+        Raises:
+            RuntimeError: not initialised.
+        """
+        if self.wire is None:
+            raise RuntimeError(f"{type(self).__name__} is not initialised (init_weight_transfer_engine)")
+        return self.wire.for_round(update_info)
 
     @abstractmethod
-    def init_transfer_engine(self, init_info: RendezvousInitInfo) -> None:
-        """Join the transfer group (blocks until the trainer and every worker joined or the timeout)."""
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
+        """Join the transfer group (blocks until the trainer and every worker joined or the timeout); sets
+        :attr:`wire` from ``init_info`` (``layout`` None: :attr:`layout_default`)."""
 
     @abstractmethod
     def receive_weights(
@@ -639,13 +769,6 @@ class WeightTransferEngine(ABC):
     def shutdown(self) -> None:
         """Release the group, buffers and shared memory; idempotent."""
 
-    @staticmethod
-    @abstractmethod
-    def trainer_send_weights(
-        iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: Mapping[str, Any]
-    ) -> None:
-        """Trainer side of one update: send every ``(name, tensor)`` of ``iterator`` in order."""
-
 
 __all__ = [
     "DEFAULT_PACKED_BUFFER_SIZE_BYTES",
@@ -654,19 +777,24 @@ __all__ = [
     "DEFAULT_ROUND_FLOOR_S",
     "DEFAULT_TIMEOUT_S",
     "DTYPES",
+    "GROUP_BACKENDS",
+    "LAYOUTS",
+    "VLLM_INIT_FIELDS",
+    "VLLM_UPDATE_FIELDS",
     "ChecksumMismatchError",
     "Destination",
+    "InitExtras",
+    "InitInfo",
     "LoadFn",
     "LoadableModel",
     "LocalCheck",
     "NonFiniteWeightError",
     "ParallelInfo",
     "PortInUseError",
-    "RendezvousInitInfo",
-    "SendArgs",
     "TensorMeta",
     "UpdateInfo",
     "WeightTransferEngine",
+    "WireArgs",
     "dtype_name",
     "meta_of",
     "non_finite_counts",

@@ -16,9 +16,10 @@ copy of the same weights in separately allocated tensors gives the non-flat figu
 
 - ``raw_gbps``: one gloo ``broadcast`` of a single flat uint8 tensor of the model's bytes (the ceiling; no
   engine loads anything).
-- ``packed_gbps`` (``packed_config``): ``trainer_send_weights`` / ``update_weights`` with ``packed=True``
-  from the flat trainer in kernel format (``start_weight_update(is_checkpoint_format=False)``, exact
-  parameter names): buckets go out of the trainer's own memory (packing rule 7) and land straight in the
+- ``packed_gbps`` (``packed_config``): the trainer endpoint's send (``BroadcastTrainer.send``, the data
+  plane of ``send_weights``; the engine roles make their own calls) / ``update_weights`` with ``packed=True``
+  in ``init_info`` from the flat trainer in kernel format (a second group whose ``init_info`` has
+  ``is_checkpoint_format=False``, exact parameter names): buckets go out of the trainer's own memory (packing rule 7) and land straight in the
   engine's arena (broadcast rule 5), with the wire agreement, per-bucket status and completeness check.
 - ``packed_load_gbps``: the same in checkpoint format: each bucket lands in a staging buffer and
   ``load_weights`` copies it into the parameters (what a model with fused or sharded parameters needs).
@@ -62,8 +63,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from weightsync.impl.transfer.base import DTYPES, ParallelInfo, TensorMeta, dtype_name
-from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine
-from weightsync.impl.transfer.ipc import IPCWeightTransferEngine, SharedBuffer
+from weightsync.impl.transfer.broadcast import BroadcastTrainer, BroadcastWeightTransferEngine
+from weightsync.impl.transfer.ipc import IPCTrainer, SharedBuffer
 from weightsync.impl.transfer.packing import flat_layout, flat_views
 from weightsync.impl.transfer.worker import WeightTransferWorker
 
@@ -144,13 +145,15 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _info(port: int, world: int) -> dict[str, Any]:
+def _info(port: int, world: int, packing: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {
         "master_address": "127.0.0.1",
         "master_port": port,
         "rank_offset": 1,
         "world_size": world,
         "timeout_s": 120.0,
+        **packing,
+        **extra,
     }
 
 
@@ -187,7 +190,7 @@ def _per_tensor_adhoc_engine(store: Any, run: int, n: int, g: Any, model: Any, r
 
 
 def _role(
-    rank: int, world: int, ports: tuple[int, int], quick: bool, bucket: int, num_buffers: int
+    rank: int, world: int, ports: tuple[int, int, int], quick: bool, bucket: int, num_buffers: int
 ) -> dict[str, Any]:
     """One process of the benchmark: rank 0 is the trainer, ranks 1..world-1 engines."""
     torch.set_num_threads(1)
@@ -207,7 +210,8 @@ def _role(
         for v, (_, t) in zip(views, separate, strict=True):
             v.copy_(t)
         flat_pairs = [(n, v) for (n, _), v in zip(separate, views, strict=True)]
-        tr = BroadcastWeightTransferEngine.trainer_init(_info(ports[0], world))
+        tr = BroadcastTrainer(_info(ports[0], world, packing))
+        trk = BroadcastTrainer(_info(ports[2], world, packing))  # the engines' kernel-format group
         pg = tr.group.pg
         store = tr.group.store
         raw = torch.empty(total, dtype=torch.uint8)
@@ -228,8 +232,8 @@ def _role(
 
         kernel_pairs = [(f"p{i}", v) for i, (_, v) in enumerate(flat_pairs)]
 
-        def send(pairs: list[tuple[str, torch.Tensor]]) -> None:
-            BroadcastWeightTransferEngine.trainer_send_weights(iter(pairs), {"group": tr, **packing})
+        def send(pairs: list[tuple[str, torch.Tensor]], endpoint: BroadcastTrainer = tr) -> None:
+            endpoint.send(iter(pairs))
 
         def per_tensor_bare() -> None:
             for _, t in separate:
@@ -241,10 +245,10 @@ def _role(
 
         send(separate)  # warm up (allocates the pool)
         send(flat_pairs)
-        send(kernel_pairs)
+        send(kernel_pairs, trk)
         timed(
             raw_s=lambda: tr.group.wait(tr.group.broadcast(raw), "bench"),
-            packed_s=lambda: send(kernel_pairs),
+            packed_s=lambda: send(kernel_pairs, trk),
             packed_load_s=lambda: send(flat_pairs),
             packed_separate_s=lambda: send(separate),
         )
@@ -256,10 +260,10 @@ def _role(
         out["rss"] = rss
         out["pool_bytes"] = tr.pool_bytes
         # CPU IPC against memcpy
-        ipc = IPCWeightTransferEngine.trainer_init(_info(ports[1], world))
+        ipc = IPCTrainer(_info(ports[1], world, packing))
 
         def ipc_send(pairs: list[tuple[str, torch.Tensor]]) -> None:
-            IPCWeightTransferEngine.trainer_send_weights(iter(pairs), {"group": ipc, **packing})
+            ipc.send(iter(pairs))
 
         ipc_send(flat_pairs)
         ipc_send(separate)
@@ -273,6 +277,7 @@ def _role(
         )
         _barrier(pg)
         ipc.close()
+        trk.close()
         tr.close()
         shm.close()
         out["total_bytes"] = total
@@ -285,10 +290,11 @@ def _role(
         "names": names,
         "dtype_names": [dtype_name(torch.bfloat16)] * len(spec),
         "shapes": [list(s) for _, s in spec],
-        **packing,
     }
     w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=rank - 1), name=f"engine {rank - 1}")
-    w.init_weight_transfer_engine(_info(ports[0], world))
+    w.init_weight_transfer_engine(_info(ports[0], world, packing))
+    wk = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=rank - 1), name=f"engine {rank - 1} kernel")
+    wk.init_weight_transfer_engine(_info(ports[2], world, packing, is_checkpoint_format=False))
     g_ = w.engine.group if isinstance(w.engine, BroadcastWeightTransferEngine) else None
     assert g_ is not None
     pg = g_.pg
@@ -305,9 +311,9 @@ def _role(
     kernel_info = {**info, "names": [f"p{i}" for i in range(len(spec))]}
 
     def recv_kernel() -> None:
-        w.start_weight_update(is_checkpoint_format=False)
-        w.update_weights(kernel_info)
-        w.finish_weight_update()
+        wk.start_weight_update()
+        wk.update_weights(kernel_info)
+        wk.finish_weight_update()
 
     def per_tensor_bare_recv() -> None:
         for name, shape in spec:
@@ -337,7 +343,7 @@ def _role(
     rss.append(_rss())
     out["rss"] = rss
     wi = WeightTransferWorker(model, "ipc", ParallelInfo(dp_index=rank - 1), device="cpu")
-    wi.init_weight_transfer_engine(_info(ports[1], world))
+    wi.init_weight_transfer_engine(_info(ports[1], world, packing))
 
     def ipc_recv() -> None:
         wi.start_weight_update()
@@ -349,12 +355,13 @@ def _role(
     repeat(ipc_recv, ipc_recv, lambda: None)
     _barrier(pg)
     wi.shutdown()
+    wk.shutdown()
     w.shutdown()
     return out
 
 
 def _child(
-    rank: int, world: int, ports: tuple[int, int], quick: bool, bucket: int, num_buffers: int, q: Any
+    rank: int, world: int, ports: tuple[int, int, int], quick: bool, bucket: int, num_buffers: int, q: Any
 ) -> None:
     try:
         q.put((rank, "ok", _role(rank, world, ports, quick, bucket, num_buffers)))
@@ -397,7 +404,7 @@ def run_transfer_bench(
     """
     world = 3
     bucket = bucket_bytes if bucket_bytes is not None else (DEFAULT_BUCKET_BYTES if not quick else 4 << 20)
-    ports = (_free_port(), _free_port())
+    ports = (_free_port(), _free_port(), _free_port())
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [

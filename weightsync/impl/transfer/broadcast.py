@@ -58,12 +58,12 @@ from weightsync.impl.transfer.base import (
     Destination,
     LoadFn,
     LocalCheck,
+    InitInfo,
     ParallelInfo,
-    RendezvousInitInfo,
-    SendArgs,
     TensorMeta,
     UpdateInfo,
     WeightTransferEngine,
+    WireArgs,
 )
 from weightsync.impl.transfer.control import ControlPlane, open_store
 from weightsync.impl.transfer.packing import (
@@ -92,7 +92,7 @@ def _resolve_backend(name: str) -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
     if name == "nccl" and not torch.cuda.is_available():
         raise ValueError(
-            "init_info['backend']='nccl' needs CUDA, which this process does not have; use 'gloo'"
+            "init_info['group_backend']='nccl' needs CUDA, which this process does not have; use 'gloo'"
         )
     return name
 
@@ -164,7 +164,7 @@ class BroadcastGroup:
     world_size: int
     backend: str
     device: torch.device
-    info: RendezvousInitInfo
+    info: InitInfo
     seq: int = 0
     ok_seq: int = 0
     pool: BufferPool = field(default_factory=BufferPool)
@@ -234,7 +234,7 @@ class BroadcastGroup:
                 pg.shutdown()
 
 
-def join_group(info: RendezvousInitInfo, rank: int) -> BroadcastGroup:
+def join_group(info: InitInfo, rank: int) -> BroadcastGroup:
     """Rendezvous on the store and build this rank's process group (rule 1).
 
     Raises:
@@ -243,7 +243,7 @@ def join_group(info: RendezvousInitInfo, rank: int) -> BroadcastGroup:
         TransferTimeoutError: a rank never joined (naming it), or the group could not connect in time.
         ValueError: the rank mapping is not a bijection, or NCCL was asked for without CUDA.
     """
-    backend = _resolve_backend(info.backend)
+    backend = _resolve_backend(info.group_backend)
     store = open_store(info, rank)
     try:
         cp = ControlPlane(
@@ -261,7 +261,7 @@ def join_group(info: RendezvousInitInfo, rank: int) -> BroadcastGroup:
                 gloo: Any = dist.ProcessGroupGloo
                 opts = gloo._Options()
                 opts._timeout = timeout
-                opts._devices = gloo_devices(info.master_address)
+                opts._devices = gloo_devices(info.address)
                 pg: Any = gloo(pg_store, rank, info.world_size, opts)
                 device = torch.device("cpu")
             else:  # pragma: no cover - needs CUDA
@@ -291,7 +291,7 @@ def _drain(group: BroadcastGroup, works: Iterable[Any]) -> None:
 # ----------------------------------------------------------------------------------------- trainer side
 
 
-def _send(group: BroadcastGroup, items: Iterable[tuple[str, torch.Tensor]], args: SendArgs) -> None:
+def _send(group: BroadcastGroup, items: Iterable[tuple[str, torch.Tensor]], args: WireArgs) -> None:
     group.seq += 1
     seq = group.seq
     feed, buckets = open_send_round(group.cp, seq, items, args, group.info)
@@ -302,7 +302,7 @@ def _send_stream(
     group: BroadcastGroup,
     declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
     stream: Iterable[tuple[str, torch.Tensor]],
-    args: SendArgs,
+    args: WireArgs,
 ) -> None:
     group.seq += 1
     seq = group.seq
@@ -311,7 +311,7 @@ def _send_stream(
 
 
 def _send_buckets(
-    group: BroadcastGroup, seq: int, feed: TensorFeed, buckets: Sequence[Bucket], args: SendArgs
+    group: BroadcastGroup, seq: int, feed: TensorFeed, buckets: Sequence[Bucket], args: WireArgs
 ) -> None:
     n = args.packed_num_buffers
     on_cpu = group.device.type == "cpu"
@@ -406,31 +406,46 @@ def _send_buckets(
 
 
 class BroadcastTrainer:
-    """The trainer's side of a broadcast group (what vLLM's ``trainer_init`` returns as ``group``).
+    """The trainer's endpoint of a broadcast group: rank 0, hosting the store (the transport under
+    :class:`~weightsync.impl.transfer.trainer.BroadcastTrainerEngine`, which drives the engines' RPCs).
 
     Args:
-        init_info: the same fields as the engines' ``init_info``; the trainer is rank 0.
+        init_info: the engines' ``init_info`` (a dict or an :class:`InitInfo`); the trainer is rank 0.
+        default_layout: the layout when ``init_info`` names none (the engines' backend's default).
+
+    Attributes:
+        wire: the wire arguments every round uses unless :meth:`send` is given others.
 
     Raises:
         ValueError / PortInUseError / TransferTimeoutError: as :func:`join_group`.
     """
 
-    def __init__(self, init_info: Mapping[str, Any] | RendezvousInitInfo) -> None:
-        info = init_info if isinstance(init_info, RendezvousInitInfo) else RendezvousInitInfo.parse(init_info)
+    def __init__(self, init_info: Mapping[str, Any] | InitInfo, default_layout: str = "aligned") -> None:
+        info = init_info if isinstance(init_info, InitInfo) else InitInfo.parse(init_info)
         self.info = info
+        self.wire = info.wire(default_layout)
         self.group = join_group(info, 0)
 
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]], args: SendArgs | None = None) -> None:
-        """Send one update (see :meth:`BroadcastWeightTransferEngine.trainer_send_weights`). The pairs are
-        gathered first (their metadata opens the round); :meth:`send_stream` does not gather."""
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]], wire: WireArgs | None = None) -> None:
+        """Send one update of ``(name, tensor)`` pairs, in the order of the engines' ``update_info``
+        (tensors may be non-contiguous or zero-size; any dtype of :data:`~base.DTYPES`). The pairs are
+        gathered first (their metadata opens the round); :meth:`send_stream` does not gather.
+
+        Raises:
+            ValueError: an item that is not a ``(str, Tensor)`` pair or an unsupported dtype (the engines are
+                told through the wire agreement and raise WireMismatchError naming rank 0).
+            the exception ``weights`` raised, itself: the engines are told at once and raise
+                PeerFailedError naming rank 0 and that exception (``rounds`` rule 1).
+            WireMismatchError / PeerFailedError / TransferTimeoutError: as on the engines.
+            RuntimeError: the group is closed.
+        """
         if self.group.closed:
             raise RuntimeError("trainer group is closed")
-        _send(self.group, weights, args or SendArgs())
+        _send(self.group, weights, wire or self.wire)
 
     def reject(self, error: ValueError) -> None:
-        """Veto the next round in the wire agreement (the trainer's own request was malformed, e.g. a bad
-        packing argument), so every engine raises WireMismatchError naming rank 0 at once; then raise
-        ``error``."""
+        """Veto the next round in the wire agreement (the trainer's own request was malformed), so every
+        engine raises WireMismatchError naming rank 0 at once; then raise ``error``."""
         g = self.group
         g.seq += 1
         g.begin_round(None)
@@ -441,7 +456,7 @@ class BroadcastTrainer:
         self,
         declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
         stream: Iterable[tuple[str, torch.Tensor]],
-        args: SendArgs | None = None,
+        wire: WireArgs | None = None,
     ) -> None:
         """Send one update whose ``(name, dtype, shape)`` metadata is declared up front, pulling the
         tensors from ``stream`` bucket by bucket (``rounds`` rule 4): the stream is never materialised.
@@ -454,7 +469,7 @@ class BroadcastTrainer:
         """
         if self.group.closed:
             raise RuntimeError("trainer group is closed")
-        _send_stream(self.group, declared, stream, args or SendArgs())
+        _send_stream(self.group, declared, stream, wire or self.wire)
 
     @property
     def pool_bytes(self) -> int:
@@ -505,11 +520,11 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         parallel: this worker's place in its engine (transfer-rank formula, rule 2).
     """
 
-    def __init__(self, parallel: ParallelInfo | None = None) -> None:
-        super().__init__(parallel)
+    def __init__(self, parallel: ParallelInfo | None = None, default_layout: str | None = None) -> None:
+        super().__init__(parallel, default_layout)
         self.group: BroadcastGroup | None = None
 
-    def init_transfer_engine(self, init_info: RendezvousInitInfo) -> None:
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
         """Join the group as ``rank_offset + dp_index*tp*pp + local_rank``; a repeat replaces the group.
 
         Raises:
@@ -521,8 +536,9 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         if self.group is not None:
             self.group.close()
             self.group = None
+        wire = init_info.wire(self.layout_default)
         self.group = join_group(init_info, rank)
-        self.rank = rank
+        self.rank, self.wire = rank, wire
 
     def _group(self) -> BroadcastGroup:
         if self.group is None or self.group.closed:
@@ -556,20 +572,21 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
             PeerFailedError / TransferTimeoutError: a peer failed or missed a deadline.
         """
         g = self._group()
+        info = self.round_wire(update_info)
         g.seq += 1
         seq = g.seq
-        g.begin_round(sum(m.nbytes for m in update_info.metas()))
+        metas = update_info.metas()
+        g.begin_round(sum(m.nbytes for m in metas))
         veto: BaseException | None = None
         if local_check is not None:
             try:
                 local_check(update_info)
             except ValueError as exc:
                 veto = exc
-        agree(g.cp, seq, None if veto else wire_description(update_info), None if veto is None else f"{veto}")
+        desc = None if veto else wire_description(metas, info)
+        agree(g.cp, seq, desc, None if veto is None else f"{veto}")
         if veto is not None:
             raise veto
-        metas = update_info.metas()
-        info = update_info
         buckets = plan_buckets(
             [m.nbytes for m in metas], info.packed_buffer_size_bytes, info.packed, info.layout
         )
@@ -642,43 +659,6 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         if self.group is not None:
             self.group.close()
             self.group = None
-
-    @staticmethod
-    def trainer_init(init_info: Mapping[str, Any]) -> BroadcastTrainer:
-        """Host the store as rank 0 and join the group; the result goes in ``trainer_args['group']``."""
-        return BroadcastTrainer(init_info)
-
-    @staticmethod
-    def trainer_send_weights(
-        iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: Mapping[str, Any]
-    ) -> None:
-        """Send one update from the trainer (rank 0) to every engine worker.
-
-        Args:
-            iterator: ``(name, tensor)`` in the order the engines' ``update_info['names']`` lists them;
-                tensors may be non-contiguous or zero-size; any dtype of :data:`~base.DTYPES`.
-            trainer_args: ``group`` (a :class:`BroadcastTrainer`) plus ``packed``,
-                ``packed_buffer_size_bytes``, ``packed_num_buffers``, ``verify`` (must equal the engines').
-
-        Raises:
-            ValueError: no ``group`` (nothing can be told); a bad packing argument, an item that is not a
-                ``(str, Tensor)`` pair or an unsupported dtype (the engines are told through the wire
-                agreement and raise WireMismatchError naming rank 0).
-            the exception ``iterator`` raised, itself: the engines are told at once and raise
-                PeerFailedError naming rank 0 and that exception (``rounds`` rule 1).
-            WireMismatchError / PeerFailedError / TransferTimeoutError: as on the engines.
-        """
-        group = trainer_args.get("group")
-        if not isinstance(group, BroadcastTrainer):
-            raise ValueError(
-                f"trainer_args['group'] must be the BroadcastTrainer from trainer_init, got {type(group).__name__}"
-            )
-        try:
-            args = SendArgs.parse(trainer_args)
-        except ValueError as exc:
-            group.reject(exc)
-            raise
-        group.send(iterator, args)
 
 
 __all__ = [

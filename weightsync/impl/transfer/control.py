@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store, TCPStore
 
-from weightsync.impl.transfer.base import PortInUseError, RendezvousInitInfo
+from weightsync.impl.transfer.base import InitInfo, PortInUseError
 from weightsync.spec.errors import PeerFailedError, TransferTimeoutError, WireMismatchError
 
 #: After a rank sees the ranks disagree on ``world_size``, how long it waits at most for the ranks that claim
@@ -65,7 +65,7 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def open_store(info: RendezvousInitInfo, rank: int) -> TCPStore:
+def open_store(info: InitInfo, rank: int) -> TCPStore:
     """Host (rank 0) or connect to (other ranks) the group's TCPStore.
 
     Raises:
@@ -75,8 +75,8 @@ def open_store(info: RendezvousInitInfo, rank: int) -> TCPStore:
     """
     try:
         return TCPStore(
-            info.master_address,
-            info.master_port,
+            info.address,
+            info.port,
             None,
             rank == 0,
             _td(info.rendezvous_timeout_s),

@@ -25,7 +25,7 @@ Rules:
    each consumer copies straight out of the trainer's own memory, one copy per destination, as colocated
    CUDA IPC does with the trainer's GPU tensors. Such chunks use no packing buffer, so the producer does
    not wait between them; it still returns only after every consumer acknowledged every chunk (rule 4),
-   so the trainer may modify its tensors as soon as ``trainer_send_weights`` returns. Tensors in other
+   so the trainer may modify its tensors as soon as ``send_weights`` returns. Tensors in other
    shared memory (``Tensor.share_memory_()``: a file descriptor that cannot travel over a JSON channel)
    are packed.
 6. **Closing.** ``IPCTrainer.close`` waits (at most ``timeout_s``) until every consumer read the verdict
@@ -54,12 +54,12 @@ from weightsync.impl.transfer.base import (
     Destination,
     LoadFn,
     LocalCheck,
+    InitInfo,
     ParallelInfo,
-    RendezvousInitInfo,
-    SendArgs,
     TensorMeta,
     UpdateInfo,
     WeightTransferEngine,
+    WireArgs,
     dtype_name,
 )
 from weightsync.impl.transfer.control import ControlPlane, open_store
@@ -294,19 +294,26 @@ class IPCTrainer:
     """The producer (trainer, rank 0) of an IPC group. Hosts the TCPStore; owns the shared buffers.
 
     Args:
-        init_info: ``master_address``, ``master_port``, ``world_size`` (trainer + consumers),
-            ``rank_offset`` (>= 1), optional ``timeout_s``.
+        init_info: the consumers' ``init_info`` (a dict or an :class:`InitInfo`).
         device: where the shared buffers live (``cpu`` or a CUDA device).
+        default_layout: the layout when ``init_info`` names none (the consumers' backend's default).
+
+    Attributes:
+        wire: the wire arguments every round uses unless :meth:`send` is given others.
 
     Raises:
         ValueError / PortInUseError / TransferTimeoutError: as for the broadcast group.
     """
 
     def __init__(
-        self, init_info: Mapping[str, Any] | RendezvousInitInfo, device: torch.device | str = "cpu"
+        self,
+        init_info: Mapping[str, Any] | InitInfo,
+        device: torch.device | str = "cpu",
+        default_layout: str = "aligned",
     ) -> None:
-        info = init_info if isinstance(init_info, RendezvousInitInfo) else RendezvousInitInfo.parse(init_info)
+        info = init_info if isinstance(init_info, InitInfo) else InitInfo.parse(init_info)
         self.info = info
+        self.wire = info.wire(default_layout)
         self.device = torch.device(device)
         self.store = open_store(info, 0)
         self.cp = ControlPlane(
@@ -342,7 +349,7 @@ class IPCTrainer:
             if not v["ok"]
         ]
 
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]], args: SendArgs | None = None) -> None:
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]], wire: WireArgs | None = None) -> None:
         """Send one update through the shared buffers (rules 1-5).
 
         Raises:
@@ -353,7 +360,7 @@ class IPCTrainer:
         """
         if self.closed:
             raise RuntimeError("IPC trainer is closed")
-        args = args or SendArgs()
+        args = wire or self.wire
         self.seq += 1
         seq = self.seq
         feed, buckets = open_send_round(self.cp, seq, weights, args, self.info)
@@ -363,7 +370,7 @@ class IPCTrainer:
         self,
         declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
         stream: Iterable[tuple[str, torch.Tensor]],
-        args: SendArgs | None = None,
+        wire: WireArgs | None = None,
     ) -> None:
         """Send one update whose ``(name, dtype, shape)`` metadata is declared up front, pulling the
         tensors from ``stream`` chunk by chunk (``rounds`` rule 4): the stream is never materialised.
@@ -376,13 +383,13 @@ class IPCTrainer:
         """
         if self.closed:
             raise RuntimeError("IPC trainer is closed")
-        args = args or SendArgs()
+        args = wire or self.wire
         self.seq += 1
         seq = self.seq
         feed, buckets = open_send_stream(self.cp, seq, declared, stream, args, self.info)
         self._send_buckets(seq, feed, buckets, args)
 
-    def _send_buckets(self, seq: int, feed: TensorFeed, buckets: Sequence[Bucket], args: SendArgs) -> None:
+    def _send_buckets(self, seq: int, feed: TensorFeed, buckets: Sequence[Bucket], args: WireArgs) -> None:
         n = args.packed_num_buffers
         on_cpu = self.device.type == "cpu"
         at_hand = feed.at_hand
@@ -511,21 +518,24 @@ class IPCWeightTransferEngine(WeightTransferEngine):
     """
 
     def __init__(
-        self, parallel: ParallelInfo | None = None, device: torch.device | str | None = None
+        self,
+        parallel: ParallelInfo | None = None,
+        device: torch.device | str | None = None,
+        default_layout: str | None = None,
     ) -> None:
-        super().__init__(parallel)
+        super().__init__(parallel, default_layout)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.cp: ControlPlane | None = None
-        self.info: RendezvousInitInfo | None = None
+        self.info: InitInfo | None = None
         self.seq = 0
         self._store: Any = None
         self._mapped: dict[int, tuple[str, torch.Tensor]] = {}
         self._shared: dict[str, torch.Tensor] = {}
         self._shared_used: set[str] = set()
 
-    def init_transfer_engine(self, init_info: RendezvousInitInfo) -> None:
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
         """Join the producer's group (vLLM's IPC init is a no-op; weightsync needs the JSON channel).
 
         Raises:
@@ -534,6 +544,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             TransferTimeoutError: the producer or a peer never joined, naming it.
         """
         rank = self.parallel.transfer_rank(init_info.rank_offset, init_info.world_size)
+        wire = init_info.wire(self.layout_default)
         self.shutdown()
         self._store = open_store(init_info, rank)
         cp = ControlPlane(
@@ -544,14 +555,14 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             init_info.rendezvous_timeout_basis,
         )
         cp.join()
-        self.cp, self.rank, self.seq, self.info = cp, rank, 0, init_info
+        self.cp, self.rank, self.seq, self.info, self.wire = cp, rank, 0, init_info, wire
 
     def _cp(self) -> ControlPlane:
         if self.cp is None:
             raise RuntimeError("the IPC transfer engine is not initialised (init_weight_transfer_engine)")
         return self.cp
 
-    def _info(self) -> RendezvousInitInfo:
+    def _info(self) -> InitInfo:
         assert self.info is not None  # set together with cp
         return self.info
 
@@ -601,31 +612,30 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             PeerFailedError / TransferTimeoutError: a peer failed or missed a deadline.
         """
         cp = self._cp()
+        wire = self.round_wire(update_info)
         self.seq += 1
         seq = self.seq
-        cp.set_deadline(*self._info().round_deadline(sum(m.nbytes for m in update_info.metas())))
+        metas = update_info.metas()
+        cp.set_deadline(*self._info().round_deadline(sum(m.nbytes for m in metas)))
         veto: BaseException | None = None
         if local_check is not None:
             try:
                 local_check(update_info)
             except ValueError as exc:
                 veto = exc
-        agree(cp, seq, None if veto else wire_description(update_info), None if veto is None else f"{veto}")
+        desc = None if veto else wire_description(metas, wire)
+        agree(cp, seq, desc, None if veto is None else f"{veto}")
         if veto is not None:
             raise veto
-        metas = update_info.metas()
         buckets = plan_buckets(
-            [m.nbytes for m in metas],
-            update_info.packed_buffer_size_bytes,
-            update_info.packed,
-            update_info.layout,
+            [m.nbytes for m in metas], wire.packed_buffer_size_bytes, wire.packed, wire.layout
         )
         for b in buckets:
             msg = cp.get(f"r{seq}/c{b.number}", PHASE_CHUNK, 0)
             if "abort" in msg:
                 self._raise_abort(seq, msg["abort"])
             try:
-                self._consume(b, msg, metas, load_weights, update_info.verify, seq)
+                self._consume(b, msg, metas, load_weights, wire.verify, seq)
             except Exception as exc:
                 cp.post(f"r{seq}/a{b.number}", {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, seq)
                 raise
@@ -689,38 +699,6 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             self.cp.close()
         self.cp = None
         self._store = None
-
-    @staticmethod
-    def trainer_init(init_info: Mapping[str, Any], device: torch.device | str = "cpu") -> IPCTrainer:
-        """Host the store as rank 0; the result goes in ``trainer_args['group']``."""
-        return IPCTrainer(init_info, device)
-
-    @staticmethod
-    def trainer_send_weights(
-        iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: Mapping[str, Any]
-    ) -> None:
-        """Send one update through shared memory.
-
-        Args:
-            iterator: ``(name, tensor)`` in the engines' ``update_info['names']`` order.
-            trainer_args: ``group`` (an :class:`IPCTrainer`) plus ``packed``, ``packed_buffer_size_bytes``,
-                ``packed_num_buffers``, ``verify`` (must equal the engines').
-
-        Raises:
-            ValueError: no ``group`` (nothing can be told), or a bad packing argument (vetoed: the
-                consumers raise WireMismatchError naming rank 0); otherwise as :meth:`IPCTrainer.send`.
-        """
-        group = trainer_args.get("group")
-        if not isinstance(group, IPCTrainer):
-            raise ValueError(
-                f"trainer_args['group'] must be the IPCTrainer from trainer_init, got {type(group).__name__}"
-            )
-        try:
-            args = SendArgs.parse(trainer_args)
-        except ValueError as exc:
-            group.reject(exc)
-            raise
-        group.send(iterator, args)
 
 
 __all__ = [

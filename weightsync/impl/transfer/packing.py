@@ -38,14 +38,12 @@ from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
-from weightsync.impl.transfer.base import TensorMeta, UpdateInfo
+from weightsync.impl.transfer.base import LAYOUTS, TensorMeta, WireArgs
 
 #: Byte alignment of every tensor inside a bucket (rule 4).
 ALIGN = 16
 #: Version of the wire format; part of the digest so incompatible peers are told apart.
 WIRE_FORMAT = "weightsync-packed-v1"
-#: Bucket layouts: weightsync's (rules 2-4) and vLLM's NCCL packer's (rule 8).
-LAYOUTS = ("aligned", "vllm")
 
 
 #: The tensors of a round by position: a list, or (a stream's current window) a dict of member indices.
@@ -312,17 +310,17 @@ def crc32(t: torch.Tensor) -> int:
     return zlib.crc32(host.contiguous().numpy().data)
 
 
-def wire_description(info: UpdateInfo) -> dict[str, Any]:
-    """What every rank must agree on, as JSON-able data: packing parameters and per tensor
+def wire_description(metas: Sequence[TensorMeta], wire: WireArgs) -> dict[str, Any]:
+    """What every rank must agree on, as JSON-able data: the wire arguments and per tensor
     ``[name, dtype_name, shape, nbytes]`` (the trainer's nbytes come from its real tensors)."""
     return {
         "format": WIRE_FORMAT,
-        "layout": info.layout,
-        "packed": info.packed,
-        "packed_buffer_size_bytes": info.packed_buffer_size_bytes,
-        "packed_num_buffers": info.packed_num_buffers,
-        "verify": info.verify,
-        "tensors": [[m.name, m.dtype_name, list(m.shape), m.nbytes] for m in info.metas()],
+        "layout": wire.layout,
+        "packed": wire.packed,
+        "packed_buffer_size_bytes": wire.packed_buffer_size_bytes,
+        "packed_num_buffers": wire.packed_num_buffers,
+        "verify": wire.verify,
+        "tensors": [[m.name, m.dtype_name, list(m.shape), m.nbytes] for m in metas],
     }
 
 

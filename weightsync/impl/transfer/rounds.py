@@ -3,7 +3,7 @@
 Rules:
 
 0. **Deadline.** Every wait of a round uses the round's deadline
-   (:meth:`~weightsync.impl.transfer.base.RendezvousInitInfo.round_deadline`: ``init_info['timeout_s']``,
+   (:meth:`~weightsync.impl.transfer.base.InitInfo.round_deadline`: ``init_info['timeout_s']``,
    or sized to the round's bytes), and a timeout error says how it was sized.
 1. **Wire agreement.** At the start of every update each rank posts the SHA-256 digest of its wire
    description (names, dtypes, shapes, per-tensor byte counts, ``packed``, ``B``, ``num_buffers``,
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from weightsync.impl.transfer.base import RendezvousInitInfo, SendArgs, TensorMeta, dtype_name, meta_of
+from weightsync.impl.transfer.base import InitInfo, TensorMeta, WireArgs, dtype_name, meta_of
 from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.packing import (
     Bucket,
@@ -148,8 +148,8 @@ def open_send_round(
     cp: ControlPlane,
     seq: int,
     items: Iterable[tuple[str, torch.Tensor]],
-    args: SendArgs,
-    init: RendezvousInitInfo,
+    wire: WireArgs,
+    init: InitInfo,
 ) -> tuple[TensorFeed, tuple[Bucket, ...]]:
     """Trainer side of rules 0 and 1 for round ``seq``: read ``items`` (all of them: their metadata opens
     the round; :func:`open_send_stream` does not gather), size the round's deadline, describe
@@ -176,13 +176,12 @@ def open_send_round(
         raise
     metas, veto = _describe(pairs)
     cp.set_deadline(*init.round_deadline(sum(m.nbytes for m in metas) if veto is None else None))
-    info = args.update_info(metas)
-    agree(cp, seq, wire_description(info) if veto is None else None, veto)
+    agree(cp, seq, wire_description(metas, wire) if veto is None else None, veto)
     if veto is not None:
-        raise ValueError(f"trainer_send_weights: {veto}")
+        raise ValueError(f"send_weights: {veto}")
     feed = TensorFeed(metas, tensors=[t.detach() for _, t in pairs])
     return feed, plan_buckets(
-        [m.nbytes for m in metas], args.packed_buffer_size_bytes, args.packed, args.layout
+        [m.nbytes for m in metas], wire.packed_buffer_size_bytes, wire.packed, wire.layout
     )
 
 
@@ -320,8 +319,8 @@ def open_send_stream(
     seq: int,
     declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
     stream: Iterable[tuple[str, torch.Tensor]],
-    args: SendArgs,
-    init: RendezvousInitInfo,
+    wire: WireArgs,
+    init: InitInfo,
 ) -> tuple[TensorFeed, tuple[Bucket, ...]]:
     """Trainer side of rules 0 and 1 from declared ``(name, dtype, shape)`` metadata (rule 4): size the
     round's deadline from the declared bytes, agree on the wire (an undescribable dtype is vetoed, so every
@@ -341,13 +340,12 @@ def open_send_stream(
     except ValueError as exc:
         veto = str(exc)
     cp.set_deadline(*init.round_deadline(sum(m.nbytes for m in metas) if veto is None else None))
-    info = args.update_info(metas)
-    agree(cp, seq, wire_description(info) if veto is None else None, veto)
+    agree(cp, seq, wire_description(metas, wire) if veto is None else None, veto)
     if veto is not None:
-        raise ValueError(f"trainer_send_weights: {veto}")
+        raise ValueError(f"send_weights: {veto}")
     sizes = [m.nbytes for m in metas]
     return TensorFeed(metas, stream=stream), plan_buckets(
-        sizes, args.packed_buffer_size_bytes, args.packed, args.layout
+        sizes, wire.packed_buffer_size_bytes, wire.packed, wire.layout
     )
 
 

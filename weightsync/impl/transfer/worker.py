@@ -6,11 +6,14 @@ Rules:
    legal in the current state; an illegal call fires the machine, which raises ``LocalProtocolError`` and
    moves to its sticky ``error`` state, before any side effect (reference section 2's table; vLLM raises
    ``RuntimeError`` instead).
-2. **Bad input** (a malformed ``init_info`` / ``update_info``, a non-bool ``is_checkpoint_format``) raises
-   ``ValueError`` before the machine or the transport changes. In ``update_weights`` the bad request is
-   also vetoed in the round's wire agreement, so the trainer and the other workers fail at once instead of
-   timing out.
-3. **Names.** In checkpoint format (``is_checkpoint_format=True``) the expected names are
+2. **Bad input** (a malformed ``init_info`` / ``update_info``, a list ``update_info`` without an entry for
+   this worker) raises ``ValueError`` before the machine or the transport changes. In ``update_weights``
+   the bad request is also vetoed in the round's wire agreement, so the trainer and the other workers fail
+   at once instead of timing out. The request shapes are vLLM 0.32's (:mod:`weightsync.impl.transfer.base`):
+   packing in ``init_info``, ``update_info`` a dict or a list indexed by global worker rank
+   (``v1/worker/gpu_worker.py:1570-1578``).
+3. **Names.** The format is ``init_info['is_checkpoint_format']`` (vLLM 0.32's ``start_weight_update()``
+   takes no argument). In checkpoint format (True, the default) the expected names are
    ``model.checkpoint_weight_names()`` and loading goes through ``model.load_weights``; in kernel format
    they are ``named_parameters()`` names and loading copies by exact name (the transport may receive
    straight into the parameter instead: broadcast rule 5). Buffers (e.g. rotary
@@ -60,6 +63,7 @@ import torch
 
 from weightsync.impl.transfer.base import (
     DTYPES,
+    InitInfo,
     LoadableModel,
     NonFiniteWeightError,
     ParallelInfo,
@@ -115,6 +119,7 @@ class WeightTransferWorker:
         self._stage: list[tuple[str, torch.Tensor]] | None = None  # this call's tensors when staged
         self._stage_left: set[str] = set()  # names of the staged call not arrived yet
         self._check_finite = False  # this call's update_info['check_finite'] (rule 7)
+        self.init_info: InitInfo | None = None  # the last successful init (its is_checkpoint_format: rule 3)
         self.bytes_loaded = 0
         self.expected_bytes = 0
 
@@ -163,16 +168,15 @@ class WeightTransferWorker:
         self.parallel.transfer_rank(info.rank_offset, info.world_size)
         engine.init_transfer_engine(info)
         self.machine.fire(WorkerEvent.INIT)
+        self.init_info = info
 
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        """Open a round: reset the per-round bookkeeping (rule 3).
+    def start_weight_update(self) -> None:
+        """Open a round in ``init_info``'s format: reset the per-round bookkeeping (rule 3).
 
         Raises:
-            ValueError: ``is_checkpoint_format`` is not a bool.
             LocalProtocolError: before init, during a round, after an error or shutdown.
         """
-        if not isinstance(is_checkpoint_format, bool):
-            raise ValueError(f"is_checkpoint_format must be a bool, got {is_checkpoint_format!r}")
+        is_checkpoint_format = self.init_info.is_checkpoint_format if self.init_info is not None else True
         self._legal(WorkerEvent.START, is_checkpoint_format=is_checkpoint_format)
         if is_checkpoint_format:
             expected = frozenset(self.model.checkpoint_weight_names())
@@ -289,13 +293,16 @@ class WeightTransferWorker:
         params = self._params
         return lambda m: params[m.name].data if m.name in params else None
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive one batch of weights from the trainer (callable many times per round).
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Receive one batch of weights from the trainer (callable many times per round). ``update_info``
+        is this worker's dict, or a list of one dict per worker of every replica, indexed by
+        ``dp_index * tp * pp + local_rank`` (vLLM's worker, ``v1/worker/gpu_worker.py:1570-1578``).
 
         Raises:
             LocalProtocolError: outside a round (before start, after finish), after an error or shutdown.
-            ValueError: malformed ``update_info``, an unknown or repeated name, or a dtype/shape mismatch
-                (rules 2-4); raised on this worker, while peers raise WireMismatchError naming it.
+            ValueError: malformed ``update_info``, a list without this worker's entry, an unknown or
+                repeated name, or a dtype/shape mismatch (rules 2-4); raised on this worker, while peers
+                raise WireMismatchError naming it.
             WireMismatchError: the trainer or a peer disagrees on the wire description or vetoed.
             TiedWeightMismatchError: (a WireMismatchError, from ``load_weights``) a tied alias differs
                 from its source (rule 3a); nothing of this call was loaded; peers raise PeerFailedError.
@@ -306,7 +313,7 @@ class WeightTransferWorker:
         self._legal(WorkerEvent.UPDATE)
         engine = self._engine()
         try:
-            info = engine.parse_update_info(update_info)
+            info = engine.parse_update_info(self.parallel.local_update_info(update_info))
             self._check(info)
         except ValueError as exc:
             try:

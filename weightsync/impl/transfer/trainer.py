@@ -1,0 +1,502 @@
+"""The trainer side of vLLM 0.32's weight-transfer API, engine-agnostic (no vLLM import).
+
+vLLM 0.32 (``distributed/weight_transfer/base.py:535-640``, ``nccl_engine.py:236-461``): a trainer engine is
+built by the classmethod ``trainer_init(init_info, *, client, source=None)`` and moves one round per
+``send_weights()``, driving the engines through a client with four methods (:class:`WeightSyncClient`,
+vLLM's ``VLLMWeightSyncClient``). :class:`BroadcastTrainerEngine` (backend ``nccl``: packed broadcast,
+gloo for CPU tensors) and :class:`IPCTrainerEngine` (backend ``ipc``: shared memory / CUDA IPC) implement
+it over weightsync's transports; any client works: weightsync's reference engine client
+(:class:`~weightsync.impl.engine.client.DPEngineClient`), a
+:class:`~weightsync.impl.checked.CheckedEngine`, or vLLM's own HTTP / Ray clients and an ``AsyncLLM``. The
+vLLM plugin's trainers (:mod:`weightsync.vllm.trainer`) are these classes, also subclassing vLLM's
+``TrainerWeightTransferEngine``.
+
+Rules:
+
+1. **Handshake.** ``trainer_init`` (sender, ``rank == 0``) sends the workers an ``init_info`` with
+   ``rank_offset=1`` and the trainer's wire parameters (so the two sides cannot disagree; weightsync's
+   optional fields only when they differ from their defaults, so with defaults the dict also parses in
+   vLLM's ``NCCLWeightTransferInitInfo``) through ``client.init_weight_transfer_engine`` while it hosts
+   the rendezvous (vLLM's ``nccl_engine.py:271-316``).
+2. **One round per** ``send_weights()``: ``client.start_weight_update()``, then ``client.update_weights``
+   concurrently with the data plane, then ``client.finish_weight_update(weight_version)``
+   (``nccl_engine.py:318-361``). An error on either side surfaces at once (the engine's RPC error, or the
+   transport's naming ranks), never a hang: the transport bounds every wait by the round's deadline
+   (``timeout_s``, or without it one sized to the round's bytes: ``InitInfo.round_deadline``), and the
+   RPC gets that deadline again after the data plane finished.
+3. **Sources, never materialised.** A source with ``metadata()`` (vLLM's ``WeightSource`` and
+   ``ModuleSource``, passed as they are, or an ``nn.Module``, wrapped in :attr:`TrainerEngine.module_source`)
+   declares its tensors up front: one ``update_weights`` carries the declaration and the tensors are
+   pulled from the source's iteration bucket by bucket while packing (``rounds`` rule 4); a tensor that
+   disagrees with the declaration aborts that bucket on every rank. A state dict is its ``items()``. Any
+   other iterable of ``(name, tensor)`` pairs is streamed in chunks of about ``packed_buffer_size_bytes``
+   (closed after the tensor that exceeds it, vLLM's rule), one ``update_weights`` per chunk. Either way the
+   trainer holds references to at most the tensors of the buckets being packed or on the wire (one chunk
+   for a plain iterator), never the whole model.
+4. **Multi-rank trainers.** Ranks other than 0 hold no endpoint and call no RPC; ``send_weights`` only
+   iterates the source, so the trainer-side collectives (FSDP ``full_tensor``) stay aligned.
+5. **Bad input** (no source, a ``weight_version`` that is not a str, an init info of another backend)
+   raises ``ValueError`` naming the value before any RPC or byte moves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Protocol, Self, TypeVar, runtime_checkable
+
+import torch
+
+from weightsync.impl.transfer.base import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+    InitExtras,
+    InitInfo,
+    WireArgs,
+    _int,
+)
+from weightsync.spec.errors import TransferTimeoutError
+
+T = TypeVar("T")
+#: ``(name, dtype, shape)`` of every tensor of a round, in order.
+Declared = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+@runtime_checkable
+class WeightSyncClient(Protocol):
+    """vLLM 0.32's ``VLLMWeightSyncClient`` (``distributed/weight_transfer/base.py:505-533``): the
+    engines' weight-sync control plane as the trainer drives it. weightsync's
+    :class:`~weightsync.impl.engine.client.DPEngineClient` and
+    :class:`~weightsync.impl.checked.CheckedEngine` satisfy it, and so do vLLM's HTTP and Ray clients."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+    def start_weight_update(self) -> None: ...
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None: ...
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+class ParamMeta(NamedTuple):
+    """One tensor a source declares (vLLM's ``ParamMeta``, ``base.py:121-127``)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class ModuleWeights:
+    """A source over ``module.named_parameters()`` with vLLM's ``ModuleSource`` semantics
+    (``distributed/weight_transfer/base.py:283-305``): ``metadata()`` reads the global shapes and dtypes
+    without gathering; iteration materialises each tensor (``full_tensor()`` for an FSDP ``DTensor``, a
+    collective) one at a time."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def metadata(self) -> list[ParamMeta]:
+        """``(name, dtype, shape)`` of every parameter, in ``named_parameters()`` order."""
+        return [ParamMeta(n, p.dtype, tuple(int(d) for d in p.shape)) for n, p in self.module.named_parameters()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.module.named_parameters():
+            full = getattr(p, "full_tensor", None)
+            yield name, (full() if callable(full) else p)
+
+
+@dataclass(kw_only=True)
+class TrainerInitInfo(InitExtras):
+    """Trainer-side init info (vLLM's ``NCCLTrainerInitInfo`` fields, ``nccl_engine.py:52-80``, plus
+    weightsync's :class:`~weightsync.impl.transfer.base.InitExtras`; ``rank`` 0 is the sender).
+
+    Attributes:
+        master_address, master_port: where the trainer hosts the rendezvous TCPStore (as the engines reach
+            it).
+        world_size: trainer + every worker of every DP replica.
+        packed, packed_buffer_size_bytes, packed_num_buffers: the wire parameters (trainer defaults, as
+            vLLM's: packed, 1 GiB, 2); sent to the workers at init.
+        rank: this trainer process's rank (keyword-only, as vLLM's ``TrainerInitInfo``); 0 sends.
+
+    Class attributes:
+        backend: the backend this info selects (vLLM's factory dispatches on it).
+        worker_info_cls: the workers' init-info class, built by :meth:`worker_init_info`.
+
+    Raises:
+        ValueError: (at construction) a field the workers would reject, or a negative ``rank``.
+    """
+
+    backend: ClassVar[str] = "nccl"
+    worker_info_cls: ClassVar[type[InitInfo]] = InitInfo
+
+    master_address: str
+    master_port: int
+    world_size: int
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    rank: int
+
+    def __post_init__(self) -> None:
+        _int(self.__dict__, "rank", "trainer init_info", 0)
+        self.worker_init_info()
+
+    @property
+    def is_sender(self) -> bool:
+        """Rank 0 sends (vLLM's ``TrainerInitInfo.is_sender``)."""
+        return self.rank == 0
+
+    def worker_init_info(self) -> InitInfo:
+        """The workers' init info (rule 1): ``rank_offset=1`` (vLLM's trainer always sends 1), the
+        trainer's wire parameters and every other field the workers' class has.
+
+        Raises:
+            ValueError: as the workers' class.
+        """
+        cls = self.worker_info_cls
+        d: dict[str, Any] = {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "rank_offset": 1,
+            "world_size": self.world_size,
+        }
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        for f in dataclasses.fields(self):
+            if f.name in names and f.name not in d:
+                d[f.name] = getattr(self, f.name)
+        return cls(**d)
+
+    def worker_payload(self) -> dict[str, Any]:
+        """The ``init_info`` dict the sender gives ``client.init_weight_transfer_engine`` (rule 1)."""
+        return self.worker_init_info().to_dict()
+
+
+@dataclass(kw_only=True)
+class IPCTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side init info of the IPC transport.
+
+    Attributes:
+        device: where the shared buffers live (None: the current CUDA device if there is one, else CPU).
+    """
+
+    backend: ClassVar[str] = "ipc"
+
+    device: str | None = None
+
+
+def _wire_dtype(dtype: torch.dtype) -> str:
+    # vLLM's trainer convention (nccl_engine.py:334): the torch attribute name
+    return str(dtype).removeprefix("torch.")
+
+
+def update_info_of(declared: Declared) -> dict[str, Any]:
+    """The ``update_info`` dict of one round over ``declared`` ``(name, dtype, shape)``: exactly vLLM's
+    ``NCCLWeightTransferUpdateInfo`` fields (``names``, ``dtype_names``, ``shapes``). Not validated here: a
+    dtype the wire cannot carry is vetoed in the round's wire agreement, so the engines are told too."""
+    return {
+        "names": [n for n, _, _ in declared],
+        "dtype_names": [_wire_dtype(d) for _, d, _ in declared],
+        "shapes": [list(s) for _, _, s in declared],
+    }
+
+
+def chunks(
+    pairs: Iterable[tuple[str, torch.Tensor]], limit: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Rule 3: consecutive chunks of ``pairs``, each closed after the tensor that makes it exceed ``limit``
+    bytes; a chunk is released by this generator before the next is pulled."""
+    cur: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in pairs:
+        cur.append((name, t))
+        size += t.numel() * t.element_size()
+        if size > limit:
+            yield cur
+            cur, size = [], 0
+    if cur:
+        yield cur
+
+
+def concurrently(
+    rpc: Callable[[], object], local: Callable[[], T], timeout_s: float, phase: str, basis: str = ""
+) -> T:
+    """Run the engine-side RPC and the trainer's side of the data plane together (rule 2).
+
+    Returns ``local``'s result once both succeeded. ``local`` bounds its own waits; after it finished, the
+    RPC gets ``timeout_s`` (``basis``: how it was sized, quoted in the timeout error). If the RPC fails
+    first, ``local`` gets a few seconds to fail with its own (more precise, rank-naming) error, else the
+    RPC's error is raised. Threads still blocked are left to their own deadlines (the endpoint is unusable
+    afterwards).
+
+    Raises:
+        the first error of either side; TransferTimeoutError (phase ``<phase>/rpc``) if the RPC does not
+        return within ``timeout_s`` after the data plane finished.
+    """
+    exe = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="weightsync-trainer")
+    try:
+        f_rpc = exe.submit(rpc)
+        f_loc = exe.submit(local)
+        pending: set[concurrent.futures.Future[Any]] = {f_rpc, f_loc}
+        while f_loc in pending:
+            done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            if f_loc in done:
+                exc = f_loc.exception()
+                if exc is not None:
+                    raise exc
+            if f_rpc in done and f_rpc.exception() is not None:
+                rpc_exc = f_rpc.exception()
+                assert rpc_exc is not None
+                try:
+                    f_loc.result(timeout=min(5.0, timeout_s))
+                except concurrent.futures.TimeoutError:
+                    pass
+                except BaseException as loc_exc:
+                    raise loc_exc from rpc_exc
+                raise rpc_exc
+        t0 = time.monotonic()
+        try:
+            f_rpc.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TransferTimeoutError(
+                f"{phase}/rpc",
+                [],
+                time.monotonic() - t0,
+                "the engines' RPC did not return after the data plane" + (f" ({basis})" if basis else ""),
+            ) from None
+        return f_loc.result()
+    finally:
+        exe.shutdown(wait=False)
+
+
+class Endpoint(Protocol):
+    """The trainer's transport endpoint (:class:`~weightsync.impl.transfer.broadcast.BroadcastTrainer`,
+    :class:`~weightsync.impl.transfer.ipc.IPCTrainer`)."""
+
+    def send_stream(
+        self,
+        declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        stream: Iterable[tuple[str, torch.Tensor]],
+        wire: WireArgs | None = None,
+    ) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TrainerEngine(ABC):
+    """vLLM 0.32's ``TrainerWeightTransferEngine`` over a weightsync transport (rules 1-5). Build it with
+    :meth:`trainer_init`.
+
+    Class attributes:
+        init_info_cls: the init-info class this backend accepts.
+        default_layout: the bucket layout when the init info names none (the engines' backend's).
+        module_source: wraps an ``nn.Module`` source (vLLM's plugin: vLLM's own ``ModuleSource``).
+
+    Attributes:
+        client, source, is_sender: as vLLM's.
+        init_info: the trainer's init info; wire: the wire arguments it fixes.
+        endpoint: the transport endpoint (sender only, after :meth:`trainer_init`).
+        broken: why the endpoint is unusable (a round failed), or None.
+        send_error: the data plane's own exception of the last failed round, or None: set when the
+            trainer's send raised, even after the engines' RPC error was raised to the caller first (the
+            send may fail later, at its own deadline).
+        rounds: rounds completed by :meth:`send_weights`.
+    """
+
+    init_info_cls: ClassVar[type[TrainerInitInfo]] = TrainerInitInfo
+    default_layout: ClassVar[str] = "aligned"
+    module_source: ClassVar[type[Any]] = ModuleWeights
+
+    def __init__(
+        self,
+        *,
+        client: Any,
+        source: Any = None,
+        is_sender: bool = True,
+        init_info: TrainerInitInfo,
+    ) -> None:
+        self.client = client
+        self.source = source
+        self.is_sender = is_sender
+        self.init_info = init_info
+        self.worker_info: InitInfo = init_info.worker_init_info()
+        self.wire: WireArgs = self.worker_info.wire(self.default_layout)
+        self.endpoint: Endpoint | None = None
+        self.broken: str | None = None
+        self.send_error: BaseException | None = None
+        self.rounds = 0
+
+    @abstractmethod
+    def _open(self) -> Endpoint:
+        """Open the transport endpoint as rank 0 (blocks until every worker joined)."""
+
+    @classmethod
+    def trainer_init(cls, init_info: Any, *, client: Any, source: Any = None) -> Self:
+        """Build the engine; the sender hosts the rendezvous while the workers join (rule 1).
+
+        Raises:
+            ValueError: ``init_info`` is not this backend's; or the workers rejected it.
+            TransferTimeoutError / PortInUseError: from the rendezvous; the engines' RPC error.
+        """
+        if not isinstance(init_info, cls.init_info_cls):
+            raise ValueError(
+                f"{cls.__name__}.trainer_init needs a {cls.init_info_cls.__name__}, got {type(init_info).__name__}"
+            )
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, init_info=init_info)
+        if not engine.is_sender:
+            return engine
+        payload = engine.worker_info.to_dict()
+        rinfo = engine.worker_info
+        engine.endpoint = concurrently(
+            lambda: client.init_weight_transfer_engine(payload),
+            engine._open,
+            rinfo.rendezvous_timeout_s,
+            "init_weight_transfer_engine",
+            rinfo.rendezvous_timeout_basis,
+        )
+        return engine
+
+    def send_weights(self, weights: Any = None, *, weight_version: str | None = None) -> None:
+        """One full round (rule 2) from ``weights`` (this round only) or the ``source`` given at init.
+
+        Args:
+            weights: a source with ``metadata()`` (vLLM's ``WeightSource``), an ``nn.Module``, a state
+                dict or an iterable of ``(name, tensor)`` pairs (rule 3).
+            weight_version: passed to ``client.finish_weight_update``: the engines' version afterwards
+                (None: unchanged, vLLM's ``async_llm.py:1351-1355``).
+
+        Raises:
+            ValueError: no source, a ``weight_version`` that is not a str (before any RPC); a source that
+                disagrees with its metadata; a rejected request.
+            RuntimeError: an earlier round broke the endpoint (re-run ``trainer_init``).
+            WireMismatchError / PeerFailedError / TransferTimeoutError, or the engines' RPC error.
+        """
+        if weight_version is not None and not isinstance(weight_version, str):
+            raise ValueError(
+                f"send_weights: weight_version must be a str or None (vLLM 0.32's string versions), got "
+                f"{type(weight_version).__name__} {weight_version!r}"
+            )
+        source = self._source(weights)
+        if not self.is_sender:
+            for _ in source:  # rule 4: the trainer-side collectives of the source's iteration
+                pass
+            return
+        self._require_endpoint()
+        self.client.start_weight_update()
+        self.update(source)
+        if weight_version is None:
+            self.client.finish_weight_update()
+        else:
+            self.client.finish_weight_update(weight_version)
+        self.rounds += 1
+
+    def update(self, weights: Any = None) -> None:
+        """Only the ``update_weights`` part of a round (rules 2-3), for a caller that opens and closes
+        the round itself (``start_weight_update`` / ``finish_weight_update`` through its own client: a
+        controller that times the phases, or one sending the rest after ``finish_weight_update`` reported
+        missing weights). Sender only.
+
+        Raises:
+            as :meth:`send_weights`.
+        """
+        endpoint = self._require_endpoint()
+        source = self._source(weights)
+        try:
+            metadata = getattr(source, "metadata", None)
+            if callable(metadata):
+                declared: Declared = [(m.name, m.dtype, tuple(int(d) for d in m.shape)) for m in metadata()]
+                self._round(endpoint, declared, iter(source))
+            else:
+                for chunk in chunks(source, self.wire.packed_buffer_size_bytes):
+                    self._round(endpoint, [(n, t.dtype, tuple(t.shape)) for n, t in chunk], iter(chunk))
+                    del chunk  # before the next chunk is pulled: hold one chunk at a time
+        except BaseException as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _source(self, weights: Any) -> Any:
+        source = weights if weights is not None else self.source
+        if source is None:
+            raise ValueError("send_weights: no source; pass one to trainer_init(source=...) or send_weights")
+        if isinstance(source, torch.nn.Module):
+            return self.module_source(source)
+        if isinstance(source, Mapping):  # a state dict: its items, in its order
+            return source.items()
+        if not callable(getattr(source, "metadata", None)) and not isinstance(source, Iterable):
+            raise ValueError(
+                f"send_weights: the source must be a WeightSource (metadata() and iteration), an nn.Module, "
+                f"a state dict or an iterable of (name, tensor) pairs, got {type(source).__name__}"
+            )
+        return source
+
+    def _round(self, endpoint: Endpoint, declared: Declared, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+        update_info = update_info_of(declared)
+        sendable: Sequence[tuple[str, torch.dtype, Sequence[int]]] = declared
+        nbytes = sum(math.prod(s) * d.itemsize for _, d, s in declared)
+        deadline, basis = self.worker_info.round_deadline(nbytes)  # the transport's own (rounds rule 0)
+
+        def send() -> None:
+            try:
+                endpoint.send_stream(sendable, stream, self.wire)
+            except BaseException as exc:
+                self.send_error = exc  # also when the engines' RPC error is the one raised
+                raise
+
+        concurrently(lambda: self.client.update_weights(update_info), send, deadline, "update_weights", basis)
+
+    def _require_endpoint(self) -> Endpoint:
+        if self.broken is not None:
+            raise RuntimeError(
+                f"the weight-transfer endpoint is unusable after a failed round ({self.broken}); "
+                "shut it down and call trainer_init again"
+            )
+        if self.endpoint is None:
+            raise RuntimeError("the trainer is not initialised (trainer_init), or is not the sender (rank 0)")
+        return self.endpoint
+
+    def shutdown(self) -> None:
+        """Release the endpoint (idempotent)."""
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+
+
+class BroadcastTrainerEngine(TrainerEngine):
+    """Trainer side of the broadcast transport (backend ``nccl``; rank 0 hosts the TCPStore)."""
+
+    init_info_cls: ClassVar[type[TrainerInitInfo]] = TrainerInitInfo
+
+    def _open(self) -> Endpoint:
+        from weightsync.impl.transfer.broadcast import BroadcastTrainer
+
+        return BroadcastTrainer(self.worker_info, self.default_layout)
+
+
+class IPCTrainerEngine(TrainerEngine):
+    """Trainer side of the IPC transport (backend ``ipc``; the producer owns the shared buffers)."""
+
+    init_info_cls: ClassVar[type[TrainerInitInfo]] = IPCTrainerInitInfo
+
+    def _open(self) -> Endpoint:
+        from weightsync.impl.transfer.ipc import IPCTrainer
+
+        device = getattr(self.init_info, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        return IPCTrainer(self.worker_info, device, self.default_layout)
+
+
+__all__ = [
+    "BroadcastTrainerEngine",
+    "Declared",
+    "Endpoint",
+    "IPCTrainerEngine",
+    "IPCTrainerInitInfo",
+    "ModuleWeights",
+    "ParamMeta",
+    "TrainerEngine",
+    "TrainerInitInfo",
+    "WeightSyncClient",
+    "chunks",
+    "concurrently",
+    "update_info_of",
+]
