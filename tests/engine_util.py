@@ -1,19 +1,19 @@
 """Helpers for the engine tests: a small DP cluster whose engines receive weights through the real broadcast
-transport (``weightsync.impl.transfer``, gloo on CPU), with the trainer side in this process."""
+transport (``weightsync.impl.transfer``, gloo on CPU), with the trainer side in this process: vLLM 0.32's
+trainer API (``BroadcastTrainerEngine.trainer_init(init_info, client=<the engine client>)``)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 from weightsync.impl.engine.client import DPEngineClient, RequestStream, free_port
 from weightsync.impl.engine.controller import RoundTimes, update_round
 from weightsync.impl.engine.core import EngineConfig, tiny_config
-from weightsync.impl.engine.weights import BROADCAST_WORKER, random_weights, update_info_for
+from weightsync.impl.engine.weights import BROADCAST_WORKER, random_weights
 from weightsync.impl.models.causal_lm import CausalLM
 from weightsync.impl.models.sampling import SamplingParams
-from weightsync.impl.transfer.broadcast import BroadcastTrainer
+from weightsync.impl.transfer.trainer import BroadcastTrainerEngine, TrainerInitInfo
 
 CFG = tiny_config()
 
@@ -23,7 +23,8 @@ def greedy(n: int) -> SamplingParams:
 
 
 class Cluster:
-    """A started DP cluster plus the trainer side (rank 0) of the broadcast transport."""
+    """A started DP cluster plus the trainer side (rank 0) of the broadcast transport, whose client is the
+    engine client (``engine``: a wrapper of it, e.g. CheckedEngine)."""
 
     def __init__(
         self,
@@ -47,55 +48,54 @@ class Cluster:
         )
         self.client = DPEngineClient(cfg, hold=hold).start()
         self.engine = engine(self.client) if engine is not None else self.client
-        self.trainer: BroadcastTrainer | None = None
+        self.trainer: BroadcastTrainerEngine | None = None
         self.timeout_s = timeout_s
         self.model = CausalLM(CFG)
 
-    def init_transfer(self) -> None:
-        port = free_port()
-        info = {
-            "master_address": "127.0.0.1",
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": 1 + self.client.dp_size,
-            "timeout_s": self.timeout_s,
-            "backend": "gloo",
-        }
-        box: list[BroadcastTrainer] = []
-        errors: list[BaseException] = []
-
-        def host() -> None:
-            try:
-                box.append(BroadcastTrainer(info))
-            except BaseException as exc:
-                errors.append(exc)
-
-        th = threading.Thread(target=host, daemon=True)
-        th.start()
-        self.engine.init_weight_transfer_engine(info)
-        th.join(self.timeout_s + 5)
-        if errors:
-            raise errors[0]
-        assert box, f"the trainer did not join the transfer group within {self.timeout_s + 5} s"
-        self.trainer = box[0]
+    def init_transfer(self, **info: Any) -> None:
+        """``trainer_init`` through the engine client (``info``: more :class:`TrainerInitInfo` fields); a
+        trainer from an earlier init is shut down once the engines have left its group."""
+        old, self.trainer = self.trainer, None
+        tinfo = TrainerInitInfo(
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            world_size=1 + self.client.dp_size,
+            timeout_s=self.timeout_s,
+            group_backend="gloo",
+            rank=0,
+            **info,
+        )
+        try:
+            self.trainer = BroadcastTrainerEngine.trainer_init(tinfo, client=self.engine)
+        finally:
+            if old is not None:
+                old.shutdown()
 
     def send(self, weights: list[tuple[str, Any]]) -> None:
-        """The trainer's side of one ``update_weights``: broadcast ``weights`` (one tensor per bucket)."""
+        """The ``update_weights`` part of a round: ``update_weights`` through the engine client, concurrently
+        with the trainer's broadcast of ``weights``."""
         assert self.trainer is not None
-        self.trainer.send(weights)
+        self.trainer.update(weights)
 
-    def update(self, seed: int, mode: str = "keep", clear_cache: bool = True) -> RoundTimes:
+    def update(
+        self, seed: int, mode: str = "keep", clear_cache: bool = True, weight_version: str | None = None
+    ) -> RoundTimes:
         if self.trainer is None:
             self.init_transfer()
         assert self.trainer is not None
         ws = random_weights(self.model, seed)
         return update_round(
-            self.engine, update_info_for(ws), lambda: self.send(ws), mode=mode, clear_cache=clear_cache
+            self.engine,
+            self.trainer,
+            ws,
+            mode=mode,
+            clear_cache=clear_cache,
+            weight_version=weight_version,
         )
 
     def close(self) -> None:
         if self.trainer is not None:
-            self.trainer.close()
+            self.trainer.shutdown()
         self.client.shutdown()
 
 

@@ -41,12 +41,12 @@ class FaultyWorker:
             raise RuntimeError("injected failure in init")
         self.inner.init_weight_transfer_engine(init_info)
 
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+    def start_weight_update(self) -> None:
         if self._armed("start"):
             raise RuntimeError("injected failure in start")
-        self.inner.start_weight_update(is_checkpoint_format)
+        self.inner.start_weight_update()
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self.inner.update_weights(update_info)
         if self._armed("update"):
             raise RuntimeError("injected failure in update")

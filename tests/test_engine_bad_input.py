@@ -214,11 +214,11 @@ def test_bad_requests_on_both_ranks_then_both_serve_and_a_weight_round_works(clu
             assert s.finish_reason == "length" and len(s.tokens) == 5 and s.error is None
     # and a weight round still works on both ranks
     v0 = c.get_weight_version()
-    cluster.update(seed=11, mode="keep")
-    assert c.get_weight_version() == [v + 1 for v in v0]
+    cluster.update(seed=11, mode="keep", weight_version=f"{v0}+bad-input")
+    assert c.get_weight_versions() == [f"{v0}+bad-input"] * 2
     for r in (0, 1):
         s = c.add_request([4, 5], greedy(3), req_id=f"after-round-{r}", rank=r).wait(30)
-        assert s.finish_reason == "length" and s.versions == [v0[r] + 1] * 3
+        assert s.finish_reason == "length" and s.versions == [f"{v0}+bad-input"] * 3
     assert not c.failures
 
 
@@ -253,7 +253,7 @@ def test_world_size_disagreement_on_the_dp_cluster_fails_every_side_within_the_t
             "master_port": port,
             "rank_offset": 1,
             "timeout_s": timeout,
-            "backend": "gloo",
+            "group_backend": "gloo",
         }
         box: list[BaseException] = []
 

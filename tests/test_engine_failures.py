@@ -67,22 +67,8 @@ def _round(c: Cluster, seed: int, version: str, names: int | None = None) -> lis
     ws = random_weights(c.model, seed)
     sent = ws if names is None else ws[:names]
     c.client.start_weight_update()
-    errs: list[BaseException] = []
-    import threading
-
-    def send() -> None:
-        try:
-            c.send(sent)
-        except BaseException as exc:
-            errs.append(exc)
-
-    th = threading.Thread(target=send, daemon=True)
-    th.start()
-    try:
-        c.client.update_weights(update_info_for(sent))
-    finally:
-        th.join(TIMEOUT_S + 10)
-    c.client.finish_weight_update(weight_version=version)
+    c.send(sent)  # the trainer: update_weights through the client, concurrently with its broadcast
+    c.client.finish_weight_update(version)
     return list(ws)
 
 
@@ -95,9 +81,8 @@ def test_stray_and_double_resume_with_requests_in_flight(cluster: Cluster) -> No
     c.client.resume()
     assert s0.wait(30).finish_reason == "length" and len(s0.tokens) == 40
     # a double resume with a request between the two (a retry after a pause/update/resume cycle)
-    update_round(
-        c.client, update_info_for(random_weights(c.model, 1)), lambda: c.send(random_weights(c.model, 1))
-    )
+    assert c.trainer is not None
+    update_round(c.client, c.trainer, random_weights(c.model, 1))
     s1 = c.client.add_request([4, 5], greedy(30), req_id="double-between", rank=1)
     c.client.resume()
     assert s1.wait(30).finish_reason == "length" and len(s1.tokens) == 30
@@ -120,7 +105,7 @@ def test_failed_round_reaches_failed_and_a_new_round_recovers(
     cluster: Cluster, faults: Path, phase: str
 ) -> None:
     c = cluster
-    before = c.client.get_weight_version()
+    before = c.client.get_weight_versions()
     c.client.pause("keep")
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError):
@@ -138,7 +123,7 @@ def test_failed_round_reaches_failed_and_a_new_round_recovers(
     for f in faults.iterdir():
         f.unlink()
     assert _states(c) == ["failed", "failed"], phase
-    assert c.client.get_weight_version() == before  # a failed round never moves the version
+    assert c.client.get_weight_versions() == before  # a failed round never moves the version
     late = c.client.add_request([2, 7, 1], greedy(5), req_id=f"late-{phase}")
     with pytest.raises(LocalProtocolError, match="refused in state failed"):
         c.client.resume()
@@ -149,7 +134,8 @@ def test_failed_round_reaches_failed_and_a_new_round_recovers(
         c.init_transfer()
     ws = _round(c, 11 + len(phase), f"recovered-{phase}")
     assert _states(c) == ["verified", "verified"]
-    assert c.client.get_weight_version() == [f"recovered-{phase}"] * 2
+    assert c.client.get_weight_version() == f"recovered-{phase}"  # vLLM's consensus
+    assert c.client.get_weight_versions() == [f"recovered-{phase}"] * 2
     c.client.resume()
     assert late.wait(30).finish_reason == "length"
     c.model.load_weights(ws)
@@ -162,20 +148,16 @@ def test_monotonic_guard_refuses_an_older_version(cluster: Cluster) -> None:
     c.client.pause("keep")
     _round(c, 20, "step-5")
     c.client.start_weight_update()
-    ws = random_weights(c.model, 21)
-    import threading
-
-    th = threading.Thread(target=lambda: c.send(ws), daemon=True)
-    th.start()
-    c.client.update_weights(update_info_for(ws))
-    th.join(TIMEOUT_S + 10)
+    c.send(random_weights(c.model, 21))
+    with pytest.raises(ValueError, match="no trailing step number"):  # before anything is sent
+        c.client.finish_weight_update("latest", monotonic=True)
     with pytest.raises(
         LocalProtocolError, match=r"weight_version 'step-3' is older than the served 'step-5'"
     ):
-        c.client.finish_weight_update(weight_version="step-3", monotonic=True)
+        c.client.finish_weight_update("step-3", monotonic=True)
     assert _states(c) == ["failed", "failed"]
-    assert c.client.get_weight_version() == ["step-5", "step-5"]  # never backwards
+    assert c.client.get_weight_versions() == ["step-5", "step-5"]  # never backwards
     _round(c, 22, "step-6")
     c.client.resume()
-    assert c.client.get_weight_version() == ["step-6", "step-6"]
+    assert c.client.get_weight_versions() == ["step-6", "step-6"]
     _serves(c, "after-monotonic")

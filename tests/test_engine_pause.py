@@ -89,24 +89,17 @@ def _keep_round(c: Cluster, seed: int, clear_cache: bool, n: int, tag: str) -> N
     before = {s.req_id: len(s.tokens) for s in streams}
     assert all(not s.done.is_set() for s in streams), "keep: a request finished during pause"
     late = c.client.add_request([9, 10], greedy(3), req_id=f"{tag}-late")
+    old = c.client.get_weight_version()
     c.client.start_weight_update()
-    ws_seed = seed
-    from weightsync.impl.engine.weights import random_weights, update_info_for
+    from weightsync.impl.engine.weights import random_weights
 
-    ws = random_weights(c.model, ws_seed)
-    import threading
-
-    assert c.trainer is not None
-    th = threading.Thread(target=c.send, args=(ws,))
-    th.start()
-    c.client.update_weights(update_info_for(ws))
-    th.join(30)
-    c.client.finish_weight_update()
+    c.send(random_weights(c.model, seed))  # the trainer: update_weights || its broadcast
+    version = f"{tag}-{seed}"
+    c.client.finish_weight_update(version)
     frozen = {s.req_id: len(s.tokens) for s in streams}
     assert frozen == before, "keep: tokens were produced while paused"
     assert late.tokens == []
-    version = c.client.get_weight_version()
-    assert len(set(version)) == 1
+    assert c.client.get_weight_versions() == [version] * c.client.dp_size
     c.client.resume()
     for s in streams:
         s.wait(60)
@@ -114,8 +107,8 @@ def _keep_round(c: Cluster, seed: int, clear_cache: bool, n: int, tag: str) -> N
         assert s.finish_reason == "length"
         assert len(s.tokens) == max_new, "keep: a token was lost or duplicated"
         assert len(s.logprobs) == max_new
-        assert all(v == version[0] - 1 for v in s.versions[:k])
-        assert all(v == version[0] for v in s.versions[k:])
+        assert all(v == old for v in s.versions[:k])
+        assert all(v == version for v in s.versions[k:])
         if clear_cache:
             # post-resume tokens equal a fresh run of the new weights from the same prefix
             ref, ref_lp = c.client.reference_generate(s.rank, list(s.prompt) + s.tokens[:k], max_new - k)
@@ -142,6 +135,6 @@ def test_three_ranks_all_modes() -> None:
         c.client.resume()
         _wait_round(c, 3, 20, "three-wait")
         _keep_round(c, seed=21, clear_cache=True, n=3, tag="three-keep")
-        assert len(set(c.client.get_weight_version())) == 1
+        assert c.client.get_weight_version() == "three-keep-21"
     finally:
         c.close()

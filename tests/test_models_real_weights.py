@@ -30,22 +30,22 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _engine_cls(backend: str) -> Any:
+def _trainer_cls(backend: str) -> Any:
+    """The trainer's transport endpoint of ``backend`` (the data plane of ``send_weights``)."""
     if backend == "nccl":
-        from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine
+        from weightsync.impl.transfer.broadcast import BroadcastTrainer
 
-        return BroadcastWeightTransferEngine
-    from weightsync.impl.transfer.ipc import IPCWeightTransferEngine
+        return BroadcastTrainer
+    from weightsync.impl.transfer.ipc import IPCTrainer
 
-    return IPCWeightTransferEngine
+    return IPCTrainer
 
 
 def trainer_role(backend: str, port: int, world: int, done_dir: str) -> int:
-    engine = _engine_cls(backend)
     weights = load_minilm_weights()
-    tr = engine.trainer_init(init_info(port, world, 60.0))
+    tr = _trainer_cls(backend)(init_info(port, world, 60.0, **PACKING))
     try:
-        engine.trainer_send_weights(iter(weights), {"group": tr, **PACKING})
+        tr.send(iter(weights))
         # Keep hosting the store until every engine has finished its round: the IPC consumers read their
         # final verdict from the trainer's TCPStore after the producer's send returns.
         deadline = time.monotonic() + 60.0
@@ -68,8 +68,8 @@ def engine_role(
     }
     model = DictModel(spec)
     w = WeightTransferWorker(model, backend, ParallelInfo(dp_index=dp_index))
-    w.init_weight_transfer_engine(init_info(port, world, 60.0))
-    w.start_weight_update(True)
+    w.init_weight_transfer_engine(init_info(port, world, 60.0, **PACKING))
+    w.start_weight_update()
     w.update_weights(info)
     try:
         w.finish_weight_update()
@@ -86,7 +86,7 @@ def test_minilm_bit_exact_through_transport(backend: str, tmp_path: pathlib.Path
     weights = load_minilm_weights()
     assert len(weights) > 90
     expected = {n: _digest(t) for n, t in weights}
-    info = update_info_for(weights, **PACKING)
+    info = update_info_for(weights)
     port, world = free_port(), 3
     results = run_roles(
         [

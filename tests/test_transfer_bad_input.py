@@ -8,7 +8,8 @@
 - The same for a streaming trainer (``send_stream``: metadata declared up front, tensors pulled bucket by
   bucket, never gathered) whose stream raises mid-round: every rank aborts at the bucket being pulled, the
   engines naming the trainer's exception, the trainer re-raising it; the next round works.
-- A bad packing argument or a non-pair item on the trainer is vetoed, so the engines fail at once too.
+- A non-pair item on the trainer is vetoed, so the engines fail at once too (a bad packing argument cannot
+  reach a round any more: vLLM 0.32 fixes packing in ``init_info``, validated when it is built).
 - Timeout errors say how the deadline was sized; without ``timeout_s`` a round's deadline is sized to its bytes.
 """
 
@@ -33,16 +34,15 @@ from transfer_procs import (
     update_info_for,
 )
 
-from weightsync.impl.transfer.base import ParallelInfo, RendezvousInitInfo, SendArgs
+from weightsync.impl.transfer.base import InitInfo, ParallelInfo
 from weightsync.impl.transfer.broadcast import BroadcastTrainer
-from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine as Engine
 from weightsync.impl.transfer.ipc import IPCTrainer
-from weightsync.impl.transfer.ipc import IPCWeightTransferEngine as IPCEngine
 from weightsync.impl.transfer.worker import WeightTransferWorker
 
 pytestmark = pytest.mark.timeout(120)
 
-ENGINES = {"nccl": Engine, "ipc": IPCEngine}
+#: the trainer's transport endpoint of each backend (the data plane of ``send_weights``)
+TRAINERS: dict[str, type[BroadcastTrainer] | type[IPCTrainer]] = {"nccl": BroadcastTrainer, "ipc": IPCTrainer}
 PACKED = {"packed": True, "packed_buffer_size_bytes": 4096, "packed_num_buffers": 2}
 
 
@@ -50,7 +50,7 @@ PACKED = {"packed": True, "packed_buffer_size_bytes": 4096, "packed_num_buffers"
 
 
 def trainer_init_ws(backend: str, port: int, world: int, timeout_s: float) -> str:
-    tr = ENGINES[backend].trainer_init(init_info(port, world, timeout_s))
+    tr = TRAINERS[backend](init_info(port, world, timeout_s))
     tr.close()
     return "joined"
 
@@ -74,18 +74,17 @@ def _failing(pairs: list[tuple[str, torch.Tensor]], after: int) -> Iterator[tupl
 
 
 def trainer_iterator_raises(backend: str, port: int, world: int, timeout_s: float) -> dict[str, Any]:
-    eng = ENGINES[backend]
-    tr = eng.trainer_init(init_info(port, world, timeout_s))
+    tr = TRAINERS[backend](init_info(port, world, timeout_s, **PACKED))
     try:
         pairs = make_tensors(0)
         t0 = time.monotonic()
         try:
-            eng.trainer_send_weights(_failing(pairs, 2), {"group": tr, **PACKED})
+            tr.send(_failing(pairs, 2))
         except ShardGone as exc:  # the iterator's own exception, re-raised as is
             first = {"type": type(exc).__name__, "msg": str(exc), "elapsed": time.monotonic() - t0}
         else:
-            raise AssertionError("trainer_send_weights swallowed the iterator's exception")
-        eng.trainer_send_weights(iter(make_tensors(1)), {"group": tr, **PACKED})
+            raise AssertionError("send swallowed the iterator's exception")
+        tr.send(iter(make_tensors(1)))
         return first
     finally:
         tr.close()
@@ -98,19 +97,19 @@ def engine_sees_trainer_failure(
 
     model = DictModel(model_spec())
     w = WeightTransferWorker(model, backend, ParallelInfo(dp_index=dp_index))
-    w.init_weight_transfer_engine(init_info(port, world, timeout_s))
+    w.init_weight_transfer_engine(init_info(port, world, timeout_s, **PACKED))
     before = model.weights()
-    w.start_weight_update(True)
+    w.start_weight_update()
     t0 = time.monotonic()
     try:
-        w.update_weights(update_info_for(make_tensors(0), **PACKED))
+        w.update_weights(update_info_for(make_tensors(0)))
     except PeerFailedError as exc:
         out: dict[str, Any] = {"msg": str(exc), "ranks": exc.ranks, "elapsed": time.monotonic() - t0}
     else:
         raise AssertionError("update_weights succeeded although the trainer's iterator raised")
     out["unchanged"] = all(bytes_equal(before[n], t) for n, t in model.weights().items())
     # the round is still open; the next update (a good iterator) completes it
-    w.update_weights(update_info_for(make_tensors(1), **PACKED))
+    w.update_weights(update_info_for(make_tensors(1)))
     w.finish_weight_update()
     out["weights"] = model.weights()
     out["version"] = w.weight_version
@@ -121,21 +120,20 @@ def engine_sees_trainer_failure(
 def trainer_stream_raises(
     backend: str, port: int, world: int, timeout_s: float, after: int
 ) -> dict[str, Any]:
-    info = RendezvousInitInfo.parse(init_info(port, world, timeout_s))
+    info = InitInfo.parse(init_info(port, world, timeout_s, **PACKED))
     tr: BroadcastTrainer | IPCTrainer = BroadcastTrainer(info) if backend == "nccl" else IPCTrainer(info)
-    args = SendArgs(packed=True, packed_buffer_size_bytes=4096, packed_num_buffers=2)
     try:
         pairs = make_tensors(0)
         declared = [(n, t.dtype, tuple(t.shape)) for n, t in pairs]
         t0 = time.monotonic()
         try:
-            tr.send_stream(declared, _failing(pairs, after), args)
+            tr.send_stream(declared, _failing(pairs, after))
         except ShardGone as exc:  # the stream's own exception, re-raised as is
             first = {"type": type(exc).__name__, "msg": str(exc), "elapsed": time.monotonic() - t0}
         else:
             raise AssertionError("send_stream swallowed the stream's exception")
         good = make_tensors(1)
-        tr.send_stream([(n, t.dtype, tuple(t.shape)) for n, t in good], iter(good), args)
+        tr.send_stream([(n, t.dtype, tuple(t.shape)) for n, t in good], iter(good))
         return first
     finally:
         tr.close()
@@ -150,20 +148,20 @@ def engine_sees_stream_failure(
 
     model = DictModel(model_spec())
     w = WeightTransferWorker(model, backend, ParallelInfo(dp_index=dp_index))
-    w.init_weight_transfer_engine(init_info(port, world, timeout_s))
+    w.init_weight_transfer_engine(init_info(port, world, timeout_s, **PACKED))
     before = model.weights()
-    w.start_weight_update(True)
+    w.start_weight_update()
     t0 = time.monotonic()
     try:
-        w.update_weights(update_info_for(make_tensors(0), **PACKED))
+        w.update_weights(update_info_for(make_tensors(0)))
     except PeerFailedError as exc:
         out: dict[str, Any] = {"msg": str(exc), "ranks": exc.ranks, "elapsed": time.monotonic() - t0}
     else:
         raise AssertionError("update_weights succeeded although the trainer's stream raised")
     out["unchanged"] = all(bytes_equal(before[n], t) for n, t in model.weights().items())
     w.fail_round()
-    w.start_weight_update(True)
-    w.update_weights(update_info_for(make_tensors(1), **PACKED))
+    w.start_weight_update()
+    w.update_weights(update_info_for(make_tensors(1)))
     w.finish_weight_update()
     out["weights"] = model.weights()
     out["version"] = w.weight_version
@@ -171,18 +169,18 @@ def engine_sees_stream_failure(
     return out
 
 
-def trainer_bad_args(port: int, world: int, trainer_args: dict[str, Any], items: list[Any]) -> None:
-    tr = Engine.trainer_init(init_info(port, world, 20.0))
+def trainer_bad_items(port: int, world: int, items: list[Any]) -> None:
+    tr = BroadcastTrainer(init_info(port, world, 20.0, **PACKED))
     try:
-        Engine.trainer_send_weights(iter(items), {"group": tr, **trainer_args})
+        tr.send(iter(items))
     finally:
         tr.close()
 
 
 def engine_update_once(port: int, world: int, dp_index: int, info: dict[str, Any]) -> None:
     w = WeightTransferWorker(DictModel(model_spec()), "nccl", ParallelInfo(dp_index=dp_index))
-    w.init_weight_transfer_engine(init_info(port, world, 20.0))
-    w.start_weight_update(True)
+    w.init_weight_transfer_engine(init_info(port, world, 20.0, **PACKED))
+    w.start_weight_update()
     w.update_weights(info)
 
 
@@ -191,9 +189,9 @@ def trainer_send_times_out(port: int, world: int, info: dict[str, Any], floor_s:
 
     if floor_s is not None:  # a short floor so the sized default is reached quickly in a test
         base.DEFAULT_ROUND_FLOOR_S = floor_s
-    tr = Engine.trainer_init(info)
+    tr = BroadcastTrainer(info)
     try:
-        Engine.trainer_send_weights(iter(make_tensors(0)), {"group": tr, **PACKED})
+        tr.send(iter(make_tensors(0)))
     finally:
         tr.close()
 
@@ -311,31 +309,16 @@ def test_trainer_stream_raising_fails_every_engine_at_once(backend: str, after: 
             assert bytes_equal(e["weights"][name], sent.contiguous()), name
 
 
-@pytest.mark.parametrize(
-    ("trainer_args", "bad_item", "trainer_msg"),
-    [
-        ({**PACKED, "packed_num_buffers": 0}, None, "trainer_args['packed_num_buffers']=0 must be >= 1"),
-        (
-            PACKED,
-            ("model.norm.weight", 5),
-            "trainer_send_weights: weight 7 is not a (non-empty str name, torch.Tensor) pair: got tuple of "
-            "str, int",
-        ),
-    ],
-    ids=["bad-packing-arg", "not-a-pair"],
-)
-def test_trainer_side_bad_input_is_vetoed_so_engines_fail_at_once(
-    trainer_args: dict[str, Any], bad_item: Any, trainer_msg: str
-) -> None:
+def test_trainer_side_bad_item_is_vetoed_so_engines_fail_at_once() -> None:
     port, world = free_port(), 3
     items: list[Any] = make_tensors(0)
-    if bad_item is not None:
-        items[-1] = bad_item
-    info = update_info_for(make_tensors(0), **PACKED)
+    items[-1] = ("model.norm.weight", 5)
+    trainer_msg = "send_weights: weight 7 is not a (non-empty str name, torch.Tensor) pair: got tuple of str, int"
+    info = update_info_for(make_tensors(0))
     t0 = time.monotonic()
     res = run_roles(
         [
-            (trainer_bad_args, (port, world, trainer_args, items)),
+            (trainer_bad_items, (port, world, items)),
             (engine_update_once, (port, world, 0, info)),
             (engine_update_once, (port, world, 1, info)),
         ]
@@ -345,16 +328,16 @@ def test_trainer_side_bad_input_is_vetoed_so_engines_fail_at_once(
     assert msg == trainer_msg
     for r in res[1:]:
         msg, _ = err(r, "WireMismatchError")
-        detail = trainer_msg.removeprefix("trainer_send_weights: ")
+        detail = trainer_msg.removeprefix("send_weights: ")
         assert msg == (
             "update_weights/wire_agreement (round 1): rank(s) 0 rejected the update before any payload "
-            f"moved: rank 0: {detail if bad_item is not None else 'ValueError: ' + detail}"
+            f"moved: rank 0: {detail}"
         )
 
 
 def test_round_deadline_is_sized_to_the_work() -> None:
     base = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
-    auto = RendezvousInitInfo.parse(base)
+    auto = InitInfo.parse(base)
     assert auto.timeout_s is None and auto.rendezvous_timeout_s == 300.0
     assert auto.rendezvous_timeout_basis == "timeout 300 s: the default, init_info has no timeout_s"
     assert auto.round_deadline(12_000_000) == (
@@ -364,7 +347,7 @@ def test_round_deadline_is_sized_to_the_work() -> None:
     )
     assert auto.round_deadline(16 << 30)[0] == pytest.approx(60 + (16 << 30) / 50e6)
     assert auto.round_deadline(None)[0] == 60.0
-    fixed = RendezvousInitInfo.parse({**base, "timeout_s": 7.5})
+    fixed = InitInfo.parse({**base, "timeout_s": 7.5})
     assert fixed.round_deadline(16 << 30) == (7.5, "timeout 7.5 s: init_info['timeout_s']")
     assert fixed.rendezvous_timeout_s == 7.5
 

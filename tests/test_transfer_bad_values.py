@@ -33,12 +33,13 @@ from weightsync.impl.models.config import LMConfig
 from weightsync.impl.models.generate import generate
 from weightsync.impl.models.sampling import SamplingParams
 from weightsync.impl.transfer.base import ParallelInfo
-from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine
-from weightsync.impl.transfer.ipc import IPCWeightTransferEngine
+from weightsync.impl.transfer.broadcast import BroadcastTrainer
+from weightsync.impl.transfer.ipc import IPCTrainer
 from weightsync.impl.transfer.worker import WeightTransferWorker
 
 pytestmark = pytest.mark.timeout(180)
-ENGINES: dict[str, Any] = {"nccl": BroadcastWeightTransferEngine, "ipc": IPCWeightTransferEngine}
+#: the trainer's transport endpoint of each backend (the data plane of ``send_weights``)
+TRAINERS: dict[str, Any] = {"nccl": BroadcastTrainer, "ipc": IPCTrainer}
 # 8 KiB buckets: the tied model's 2 x 8 KiB embedding travels alone, the rest in several packed buckets
 PACKING = {"packed": True, "packed_buffer_size_bytes": 8192, "packed_num_buffers": 2}
 IDS = [[1, 5, 9, 2, 33, 7, 12, 60]]
@@ -129,14 +130,13 @@ def _err(exc: BaseException) -> list[str]:
 
 def trainer_rounds(port: int, backend: str, rounds: list[dict[str, Any]]) -> list[Any]:
     """Send each round's state dict; one entry per round: "sent" or [error type, message]."""
-    eng = ENGINES[backend]
-    tr = eng.trainer_init(init_info(port, 2))
+    tr = TRAINERS[backend](init_info(port, 2, **PACKING))
     out: list[Any] = []
     try:
         for r in rounds:
             try:
                 for part in _parts(_state_dict(**r["weights"]), r.get("split", False)):
-                    eng.trainer_send_weights(iter(part), {"group": tr, **PACKING})
+                    tr.send(iter(part))
                 out.append("sent")
             except Exception as exc:
                 out.append(_err(exc))
@@ -151,15 +151,15 @@ def engine_rounds(port: int, backend: str, rounds: list[dict[str, Any]]) -> list
     lm = CausalLM(LMConfig.from_hf_dict(_lm_config()))
     kw: dict[str, Any] = {"device": "cpu"} if backend == "ipc" else {}
     w = WeightTransferWorker(lm, backend, ParallelInfo(dp_index=0), **kw)
-    w.init_weight_transfer_engine(init_info(port, 2))
+    w.init_weight_transfer_engine(init_info(port, 2, **PACKING))
     out: list[dict[str, Any]] = []
     for r in rounds:
         pairs = _state_dict(**r["weights"])
         res: dict[str, Any] = {"error": None, "finish_error": None}
-        w.start_weight_update(True)
+        w.start_weight_update()
         try:
             for part in _parts(pairs, r.get("split", False)):
-                w.update_weights(update_info_for(part, **PACKING, **r.get("extra", {})))
+                w.update_weights(update_info_for(part, **r.get("extra", {})))
         except Exception as exc:
             res["error"] = _err(exc)
         try:
@@ -283,9 +283,9 @@ def test_non_finite_weight_refused_with_check_on_and_served_with_check_off(backe
 
 
 def trainer_kernel(port: int, pairs_nan: bool) -> list[Any]:
-    tr = BroadcastWeightTransferEngine.trainer_init(init_info(port, 2))
+    tr = BroadcastTrainer(init_info(port, 2))
     try:
-        BroadcastWeightTransferEngine.trainer_send_weights(iter(_kernel(pairs_nan)), {"group": tr})
+        tr.send(iter(_kernel(pairs_nan)))
         return ["sent"]
     except Exception as exc:
         return _err(exc)
@@ -304,8 +304,8 @@ def _kernel(nan: bool) -> list[tuple[str, torch.Tensor]]:
 def engine_kernel(port: int) -> dict[str, Any]:
     model = DictModel(model_spec())
     w = WeightTransferWorker(model, "nccl")
-    w.init_weight_transfer_engine(init_info(port, 2))
-    w.start_weight_update(is_checkpoint_format=False)
+    w.init_weight_transfer_engine(init_info(port, 2, is_checkpoint_format=False))
+    w.start_weight_update()
     try:
         w.update_weights(update_info_for(_kernel(True), check_finite=True))
         error = None

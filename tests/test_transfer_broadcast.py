@@ -26,11 +26,14 @@ from transfer_procs import (
 )
 
 from weightsync.impl.transfer.base import ParallelInfo
+from weightsync.impl.transfer.broadcast import BroadcastTrainer
 from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine as Engine
 from weightsync.impl.transfer.worker import WeightTransferWorker
 
 pytestmark = pytest.mark.timeout(120)
 
+#: Packing plans (vLLM 0.32: the packing parameters are init_info's, fixed per group: each plan is a group of
+#: its own, on its own port; the workers re-run init_weight_transfer_engine, the trainer opens a new endpoint).
 PLANS: list[dict[str, Any]] = [
     # several buckets; the two largest tensors exceed the 4 KiB buffer and travel on their own
     {"packed": True, "packed_buffer_size_bytes": 4096, "packed_num_buffers": 2},
@@ -56,28 +59,28 @@ def _halves(pairs: list[Any], plan: dict[str, Any]) -> list[list[Any]]:
 # ---------------------------------------------------------------------------------------------- roles
 
 
-def trainer_rounds(port: int, world: int, plans: list[dict[str, Any]]) -> list[int]:
-    tr = Engine.trainer_init(init_info(port, world))
+def trainer_rounds(ports: list[int], world: int, plans: list[dict[str, Any]]) -> list[int]:
     pools = []
-    try:
-        for r, plan in enumerate(plans):
+    for r, (port, plan) in enumerate(zip(ports, plans, strict=True)):
+        tr = BroadcastTrainer(init_info(port, world, **_packing(plan)))
+        try:
             for part in _halves(make_tensors(r), plan):
-                Engine.trainer_send_weights(iter(part), {"group": tr, **_packing(plan)})
+                tr.send(iter(part))
             pools.append(tr.pool_bytes)
-    finally:
-        tr.close()
+        finally:
+            tr.close()
     return pools
 
 
-def engine_rounds(port: int, world: int, dp_index: int, plans: list[dict[str, Any]]) -> dict[str, Any]:
+def engine_rounds(ports: list[int], world: int, dp_index: int, plans: list[dict[str, Any]]) -> dict[str, Any]:
     model = DictModel(model_spec())
     w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=dp_index))
-    w.init_weight_transfer_engine(init_info(port, world))
     rounds = []
-    for r, plan in enumerate(plans):
-        w.start_weight_update(True)
+    for r, (port, plan) in enumerate(zip(ports, plans, strict=True)):
+        w.init_weight_transfer_engine(init_info(port, world, **_packing(plan)))
+        w.start_weight_update()
         for part in _halves(make_tensors(r), plan):
-            w.update_weights(update_info_for(part, **_packing(plan)))
+            w.update_weights(update_info_for(part))
         w.finish_weight_update()
         rounds.append(model.weights())
     w.shutdown()
@@ -87,24 +90,30 @@ def engine_rounds(port: int, world: int, dp_index: int, plans: list[dict[str, An
 def trainer_send_once(
     port: int, world: int, packing: dict[str, Any], timeout_s: float = 20.0, **kw: Any
 ) -> float:
-    tr = Engine.trainer_init(init_info(port, world, timeout_s))
+    tr = BroadcastTrainer(init_info(port, world, timeout_s, **packing))
     t0 = time.monotonic()
     try:
         pairs = kw.get("pairs") or make_tensors(0)
-        Engine.trainer_send_weights(iter(pairs), {"group": tr, **packing})
+        tr.send(iter(pairs))
     finally:
         tr.close()
     return time.monotonic() - t0
 
 
 def engine_update_once(
-    port: int, world: int, dp_index: int, info: dict[str, Any], spec: Any = None, timeout_s: float = 20.0
+    port: int,
+    world: int,
+    dp_index: int,
+    info: dict[str, Any],
+    spec: Any = None,
+    timeout_s: float = 20.0,
+    packing: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     model = DictModel(spec or model_spec())
     before = model.weights()
     w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=dp_index))
-    w.init_weight_transfer_engine(init_info(port, world, timeout_s))
-    w.start_weight_update(True)
+    w.init_weight_transfer_engine(init_info(port, world, timeout_s, **(packing or {})))
+    w.start_weight_update()
     t0 = time.monotonic()
     try:
         w.update_weights(info)
@@ -122,7 +131,7 @@ def engine_init_only(port: int, world: int, parallel: ParallelInfo, timeout_s: f
 
 
 def trainer_init_only(port: int, world: int, timeout_s: float = 20.0) -> str:
-    tr = Engine.trainer_init(init_info(port, world, timeout_s))
+    tr = BroadcastTrainer(init_info(port, world, timeout_s))
     tr.close()
     return "joined"
 
@@ -130,9 +139,9 @@ def trainer_init_only(port: int, world: int, timeout_s: float = 20.0) -> str:
 def engine_fail_midway(port: int, world: int, dp_index: int, fail: bool) -> str:
     model = DictModel(model_spec(), fail_on="model.layers.0.positions" if fail else None)
     w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=dp_index))
-    w.init_weight_transfer_engine(init_info(port, world))
-    w.start_weight_update(True)
-    w.update_weights(update_info_for(make_tensors(0), **PLANS[0]))
+    w.init_weight_transfer_engine(init_info(port, world, **PLANS[0]))
+    w.start_weight_update()
+    w.update_weights(update_info_for(make_tensors(0)))
     return "finished"
 
 
@@ -141,12 +150,12 @@ def engine_fail_midway(port: int, world: int, dp_index: int, fail: bool) -> str:
 
 def test_bit_exact_packed_unpacked_several_rounds_and_dp2_rank_mapping() -> None:
     """Acceptance 1 (broadcast) + B1: DP=2, TP=1, world 3, offset 1 -> ranks {1, 2}."""
-    port, world = free_port(), 3
+    ports, world = [free_port() for _ in PLANS], 3
     res = run_roles(
         [
-            (trainer_rounds, (port, world, PLANS)),
-            (engine_rounds, (port, world, 0, PLANS)),
-            (engine_rounds, (port, world, 1, PLANS)),
+            (trainer_rounds, (ports, world, PLANS)),
+            (engine_rounds, (ports, world, 0, PLANS)),
+            (engine_rounds, (ports, world, 1, PLANS)),
         ]
     )
     pools = ok(res[0])
@@ -183,14 +192,16 @@ def test_b5_mismatched_buffer_size_raises_wire_mismatch_on_every_rank_within_sec
     port, world = free_port(), 3
     spec = {f"w{i}": (torch.uint8, (20 << 20,)) for i in range(5)}
     pairs = [(n, torch.empty(1, dtype=d).expand(s)) for n, (d, s) in spec.items()]
-    engine_info = update_info_for(pairs, packed=True, packed_buffer_size_bytes=32 << 20, packed_num_buffers=2)
-    trainer_args = {"packed": True, "packed_buffer_size_bytes": 64 << 20, "packed_num_buffers": 2}
+    # a hand-made init_info: a trainer_init-built one carries the trainer's own packing to the workers
+    engines = {"packed": True, "packed_buffer_size_bytes": 32 << 20, "packed_num_buffers": 2}
+    trainer = {"packed": True, "packed_buffer_size_bytes": 64 << 20, "packed_num_buffers": 2}
+    info = update_info_for(pairs)
     t0 = time.monotonic()
     res = run_roles(
         [
-            (_trainer_send_pairs, (port, world, trainer_args, spec)),
-            (engine_update_once, (port, world, 0, engine_info, spec)),
-            (engine_update_once, (port, world, 1, engine_info, spec)),
+            (_trainer_send_pairs, (port, world, trainer, spec)),
+            (engine_update_once, (port, world, 0, info, spec, 20.0, engines)),
+            (engine_update_once, (port, world, 1, info, spec, 20.0, engines)),
         ]
     )
     assert time.monotonic() - t0 < 30
@@ -208,9 +219,12 @@ def _trainer_send_pairs(port: int, world: int, packing: dict[str, Any], spec: An
 def test_packed_flag_mismatch_is_a_wire_mismatch() -> None:
     """SkyRL PR #2114: ``packed`` differs between trainer and engines."""
     port, world = free_port(), 2
-    info = update_info_for(make_tensors(0), packed=False)
+    info = update_info_for(make_tensors(0))
     res = run_roles(
-        [(trainer_send_once, (port, world, {"packed": True})), (engine_update_once, (port, world, 0, info))]
+        [
+            (trainer_send_once, (port, world, {"packed": True})),
+            (engine_update_once, (port, world, 0, info, None, 20.0, {"packed": False})),
+        ]
     )
     for r in res:
         msg, _ = err(r, "WireMismatchError")
@@ -285,7 +299,7 @@ def test_port_in_use() -> None:
     port = s.getsockname()[1]
     try:
         with pytest.raises(PortInUseError, match=f"master_port {port} on 127.0.0.1 is already in use"):
-            Engine.trainer_init(init_info(port, 2, 2.0))
+            BroadcastTrainer(init_info(port, 2, 2.0))
     finally:
         s.close()
 
@@ -309,28 +323,28 @@ def test_trainer_missing_means_rank0_timeout() -> None:
 # ------------------------------------------------------------------------------------- flat trainer
 
 
-def trainer_flat_rounds(port: int, world: int, plans: list[dict[str, Any]]) -> list[int]:
-    tr = Engine.trainer_init(init_info(port, world))
+def trainer_flat_rounds(ports: list[int], world: int, plans: list[dict[str, Any]]) -> list[int]:
     pools = []
-    try:
-        for r, plan in enumerate(plans):
+    for r, (port, plan) in enumerate(zip(ports, plans, strict=True)):
+        tr = BroadcastTrainer(init_info(port, world, **_packing(plan)))
+        try:
             pairs, owner = flat_tensors(r)
-            Engine.trainer_send_weights(iter(pairs), {"group": tr, **_packing(plan)})
+            tr.send(iter(pairs))
             pools.append(tr.pool_bytes)
             del owner
-    finally:
-        tr.close()
+        finally:
+            tr.close()
     return pools
 
 
-def engine_flat_rounds(port: int, world: int, dp_index: int, plans: list[dict[str, Any]]) -> list[Any]:
+def engine_flat_rounds(ports: list[int], world: int, dp_index: int, plans: list[dict[str, Any]]) -> list[Any]:
     model = DictModel(model_spec())
     w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=dp_index))
-    w.init_weight_transfer_engine(init_info(port, world))
     rounds = []
-    for r, plan in enumerate(plans):
-        w.start_weight_update(True)
-        w.update_weights(update_info_for(make_tensors(r), **_packing(plan)))
+    for r, (port, plan) in enumerate(zip(ports, plans, strict=True)):
+        w.init_weight_transfer_engine(init_info(port, world, **_packing(plan)))
+        w.start_weight_update()
+        w.update_weights(update_info_for(make_tensors(r)))
         w.finish_weight_update()
         rounds.append(model.weights())
     w.shutdown()
@@ -347,12 +361,12 @@ FLAT_PLANS: list[dict[str, Any]] = [
 def test_flat_trainer_is_sent_without_packing_and_bit_exact() -> None:
     """Packing rule 7 end to end: a trainer whose parameters are views of one flat buffer (plus one
     non-contiguous tensor, which is packed) arrives bit-exact on both engines, several rounds."""
-    port, world = free_port(), 3
+    ports, world = [free_port() for _ in FLAT_PLANS], 3
     res = run_roles(
         [
-            (trainer_flat_rounds, (port, world, FLAT_PLANS)),
-            (engine_flat_rounds, (port, world, 0, FLAT_PLANS)),
-            (engine_flat_rounds, (port, world, 1, FLAT_PLANS)),
+            (trainer_flat_rounds, (ports, world, FLAT_PLANS)),
+            (engine_flat_rounds, (ports, world, 0, FLAT_PLANS)),
+            (engine_flat_rounds, (ports, world, 1, FLAT_PLANS)),
         ]
     )
     ok(res[0])
@@ -363,13 +377,11 @@ def test_flat_trainer_is_sent_without_packing_and_bit_exact() -> None:
 
 
 def trainer_flat_pool(port: int, world: int) -> int:
-    tr = Engine.trainer_init(init_info(port, world))
+    tr = BroadcastTrainer(init_info(port, world, packed=True, packed_buffer_size_bytes=4096))
     try:
         skip = [n for n, t in make_tensors(0) if not t.is_contiguous()]
         pairs, owner = flat_tensors(0, skip=skip)
-        Engine.trainer_send_weights(
-            iter(pairs), {"group": tr, "packed": True, "packed_buffer_size_bytes": 4096}
-        )
+        tr.send(iter(pairs))
         del owner
         return tr.pool_bytes
     finally:
@@ -380,10 +392,10 @@ def engine_flat_pool(port: int, world: int, dp_index: int) -> dict[str, torch.Te
     spec = {n: (t.dtype, tuple(t.shape)) for n, t in make_tensors(0) if t.is_contiguous()}
     model = DictModel(spec)
     w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=dp_index))
-    w.init_weight_transfer_engine(init_info(port, world))
+    w.init_weight_transfer_engine(init_info(port, world, packed=True, packed_buffer_size_bytes=4096))
     pairs = [(n, t) for n, t in make_tensors(0) if t.is_contiguous()]
-    w.start_weight_update(True)
-    w.update_weights(update_info_for(pairs, packed=True, packed_buffer_size_bytes=4096))
+    w.start_weight_update()
+    w.update_weights(update_info_for(pairs))
     w.finish_weight_update()
     w.shutdown()
     return model.weights()
@@ -412,27 +424,28 @@ def _kernel_pairs(r: int, contiguous_only: bool) -> list[tuple[str, torch.Tensor
     return [(n.replace(".", "__"), t) for n, t in make_tensors(r) if t.is_contiguous() or not contiguous_only]
 
 
-def trainer_kernel_rounds(port: int, world: int, plans: list[dict[str, Any]], flat: bool) -> None:
-    tr = Engine.trainer_init(init_info(port, world))
-    try:
-        for r, plan in enumerate(plans):
-            Engine.trainer_send_weights(iter(_kernel_pairs(r, flat)), {"group": tr, **_packing(plan)})
-    finally:
-        tr.close()
+def trainer_kernel_rounds(ports: list[int], world: int, plans: list[dict[str, Any]], flat: bool) -> None:
+    for r, (port, plan) in enumerate(zip(ports, plans, strict=True)):
+        tr = BroadcastTrainer(init_info(port, world, **_packing(plan)))
+        try:
+            tr.send(iter(_kernel_pairs(r, flat)))
+        finally:
+            tr.close()
 
 
 def engine_kernel_rounds(
-    port: int, world: int, dp_index: int, plans: list[dict[str, Any]], arena: bool
+    ports: list[int], world: int, dp_index: int, plans: list[dict[str, Any]], arena: bool
 ) -> list[Any]:
     spec = {n: (t.dtype, tuple(t.shape)) for n, t in make_tensors(0) if t.is_contiguous() or not arena}
     model = DictModel(spec, arena=arena)
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=dp_index))
-    w.init_weight_transfer_engine(init_info(port, world))
     rounds = []
-    for r, plan in enumerate(plans):
-        w.start_weight_update(is_checkpoint_format=False)
-        w.update_weights(update_info_for(_kernel_pairs(r, arena), **_packing(plan)))
+    for r, (port, plan) in enumerate(zip(ports, plans, strict=True)):
+        # kernel format is an init_info option (vLLM 0.32's start_weight_update() takes no argument)
+        w.init_weight_transfer_engine(init_info(port, world, is_checkpoint_format=False, **_packing(plan)))
+        w.start_weight_update()
+        w.update_weights(update_info_for(_kernel_pairs(r, arena)))
         w.finish_weight_update()
         assert isinstance(w.engine, Engine) and w.engine.group is not None
         rounds.append((model.weights(), w.engine.group.pool.nbytes))
@@ -454,12 +467,12 @@ def test_kernel_format_receives_in_place(arena: bool) -> None:
     whose parameters lie in one arena in the trainer's order needs no staging buffer at all (pool 0
     bytes) until ``verify=True`` forces staging; separately allocated parameters are staged for
     multi-tensor buckets. Bit-exact in every round, and no parameter's storage moves."""
-    port, world = free_port(), 3
+    ports, world = [free_port() for _ in KERNEL_PLANS], 3
     res = run_roles(
         [
-            (trainer_kernel_rounds, (port, world, KERNEL_PLANS, arena)),
-            (engine_kernel_rounds, (port, world, 0, KERNEL_PLANS, arena)),
-            (engine_kernel_rounds, (port, world, 1, KERNEL_PLANS, arena)),
+            (trainer_kernel_rounds, (ports, world, KERNEL_PLANS, arena)),
+            (engine_kernel_rounds, (ports, world, 0, KERNEL_PLANS, arena)),
+            (engine_kernel_rounds, (ports, world, 1, KERNEL_PLANS, arena)),
         ]
     )
     ok(res[0])

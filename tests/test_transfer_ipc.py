@@ -27,12 +27,13 @@ from transfer_procs import (
 )
 
 from weightsync.impl.transfer.base import ParallelInfo
+from weightsync.impl.transfer.ipc import IPCTrainer, _import
 from weightsync.impl.transfer.ipc import IPCWeightTransferEngine as Engine
-from weightsync.impl.transfer.ipc import _import
 from weightsync.impl.transfer.worker import WeightTransferWorker
 
 pytestmark = pytest.mark.timeout(120)
 
+#: Packing plans: vLLM 0.32 fixes them at init, so each plan is a group of its own (its own port).
 PLANS: list[dict[str, Any]] = [
     {"packed": True, "packed_buffer_size_bytes": 4096, "packed_num_buffers": 2},
     {"packed": False, "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 1},
@@ -41,27 +42,27 @@ PLANS: list[dict[str, Any]] = [
 ]
 
 
-def producer_rounds(port: int, world: int, plans: list[dict[str, Any]]) -> dict[str, Any]:
-    tr = Engine.trainer_init(init_info(port, world))
+def producer_rounds(ports: list[int], world: int, plans: list[dict[str, Any]]) -> dict[str, Any]:
     pools, paths = [], []
-    try:
-        for r, plan in enumerate(plans):
-            Engine.trainer_send_weights(iter(make_tensors(r)), {"group": tr, **plan})
+    for r, (port, plan) in enumerate(zip(ports, plans, strict=True)):
+        tr = IPCTrainer(init_info(port, world, **plan))
+        try:
+            tr.send(iter(make_tensors(r)))
             pools.append(tr.pool_bytes)
             paths.append(sorted(s.path or "" for s in tr.slots))
-    finally:
-        tr.close()
+        finally:
+            tr.close()
     return {"pools": pools, "paths": paths, "left": [p for ps in paths for p in ps if os.path.exists(p)]}
 
 
-def consumer_rounds(port: int, world: int, dp_index: int, plans: list[dict[str, Any]]) -> dict[str, Any]:
+def consumer_rounds(ports: list[int], world: int, dp_index: int, plans: list[dict[str, Any]]) -> dict[str, Any]:
     model = DictModel(model_spec())
     w = WeightTransferWorker(model, "ipc", ParallelInfo(dp_index=dp_index), device="cpu")
-    w.init_weight_transfer_engine(init_info(port, world))
     rounds = []
-    for r, plan in enumerate(plans):
+    for r, (port, plan) in enumerate(zip(ports, plans, strict=True)):
+        w.init_weight_transfer_engine(init_info(port, world, **plan))
         w.start_weight_update()
-        w.update_weights(update_info_for(make_tensors(r), **plan))
+        w.update_weights(update_info_for(make_tensors(r)))
         w.finish_weight_update()
         rounds.append(model.weights())
     w.shutdown()
@@ -70,12 +71,12 @@ def consumer_rounds(port: int, world: int, dp_index: int, plans: list[dict[str, 
 
 def test_cpu_ipc_bit_exact_several_rounds_two_consumers() -> None:
     """Acceptance 1 (IPC on CPU): mixed dtypes, non-contiguous, zero-size, larger-than-buffer, 4 rounds."""
-    port, world = free_port(), 3
+    ports, world = [free_port() for _ in PLANS], 3
     res = run_roles(
         [
-            (producer_rounds, (port, world, PLANS)),
-            (consumer_rounds, (port, world, 0, PLANS)),
-            (consumer_rounds, (port, world, 1, PLANS)),
+            (producer_rounds, (ports, world, PLANS)),
+            (consumer_rounds, (ports, world, 0, PLANS)),
+            (consumer_rounds, (ports, world, 1, PLANS)),
         ]
     )
     prod = ok(res[0])
@@ -92,11 +93,12 @@ def test_cpu_ipc_bit_exact_several_rounds_two_consumers() -> None:
 # ---------------------------------------------------------------------------------------------- B7
 
 B7_TENSORS = {f"w{i}": (torch.float32, (256,), "plain") for i in range(4)}  # 1 KiB each
+B7_PACKING = {"packed": True, "packed_buffer_size_bytes": 1024, "packed_num_buffers": 1}
 
 
 def producer_b7(port: int, world: int) -> list[float]:
     """One 1 KiB buffer, four 1 KiB chunks: every chunk reuses the buffer; log when each refill starts."""
-    tr = Engine.trainer_init(init_info(port, world))
+    tr = IPCTrainer(init_info(port, world, **B7_PACKING))
     refills: list[float] = []
     import weightsync.impl.transfer.ipc as ipc_mod
 
@@ -109,10 +111,7 @@ def producer_b7(port: int, world: int) -> list[float]:
     ipc_mod.pack_bucket = logged_pack
     try:
         pairs = make_tensors(0, B7_TENSORS)
-        Engine.trainer_send_weights(
-            iter(pairs),
-            {"group": tr, "packed": True, "packed_buffer_size_bytes": 1024, "packed_num_buffers": 1},
-        )
+        tr.send(iter(pairs))
         # the producer is free to scribble on its buffer now: consumers must already hold their copies
         tr.slots[0].tensor.fill_(0xAB)
     finally:
@@ -125,13 +124,9 @@ def consumer_b7(port: int, world: int, dp_index: int, slow_s: float) -> dict[str
     model = DictModel(model_spec(B7_TENSORS))
     model.slow_s = slow_s  # a slow consumer: each copy starts 0.1 s after it was handed the view
     w = WeightTransferWorker(model, "ipc", ParallelInfo(dp_index=dp_index), device="cpu")
-    w.init_weight_transfer_engine(init_info(port, world))
+    w.init_weight_transfer_engine(init_info(port, world, **B7_PACKING))
     w.start_weight_update()
-    w.update_weights(
-        update_info_for(
-            make_tensors(0, B7_TENSORS), packed=True, packed_buffer_size_bytes=1024, packed_num_buffers=1
-        )
-    )
+    w.update_weights(update_info_for(make_tensors(0, B7_TENSORS)))
     w.finish_weight_update()
     time.sleep(0.2)  # let the producer overwrite its buffer: our weights must not change
     return {"log": model.load_log, "weights": model.weights()}
@@ -162,9 +157,9 @@ def test_b7_ack_implies_copy_complete() -> None:
 
 
 def producer_once(port: int, world: int, plan: dict[str, Any]) -> str:
-    tr = Engine.trainer_init(init_info(port, world))
+    tr = IPCTrainer(init_info(port, world, **plan))
     try:
-        Engine.trainer_send_weights(iter(make_tensors(0)), {"group": tr, **plan})
+        tr.send(iter(make_tensors(0)))
     finally:
         tr.close()
     return "sent"
@@ -173,9 +168,9 @@ def producer_once(port: int, world: int, plan: dict[str, Any]) -> str:
 def consumer_once(port: int, world: int, dp_index: int, plan: dict[str, Any], fail: bool) -> str:
     model = DictModel(model_spec(), fail_on="model.layers.0.positions" if fail else None)
     w = WeightTransferWorker(model, "ipc", ParallelInfo(dp_index=dp_index), device="cpu")
-    w.init_weight_transfer_engine(init_info(port, world))
+    w.init_weight_transfer_engine(init_info(port, world, **plan))
     w.start_weight_update()
-    w.update_weights(update_info_for(make_tensors(0), **plan))
+    w.update_weights(update_info_for(make_tensors(0)))
     return "loaded"
 
 
@@ -225,15 +220,15 @@ def test_ipc_handle_validation() -> None:
 # ----------------------------------------------------------------------------------------------- GPU
 
 
+CUDA_PACKING = {"packed": True, "packed_buffer_size_bytes": 4096, "packed_num_buffers": 2}
+
+
 def _cuda_producer(port: int, world: int) -> str:
-    tr = Engine.trainer_init(init_info(port, world), device="cuda")
+    tr = IPCTrainer(init_info(port, world, **CUDA_PACKING), device="cuda")
     pairs = [(n, t.cuda()) for n, t in make_tensors(0)]
     try:
         for _ in range(2):
-            Engine.trainer_send_weights(
-                iter(pairs),
-                {"group": tr, "packed": True, "packed_buffer_size_bytes": 4096, "packed_num_buffers": 2},
-            )
+            tr.send(iter(pairs))
     finally:
         tr.close()
     return "sent"
@@ -242,12 +237,10 @@ def _cuda_producer(port: int, world: int) -> str:
 def _cuda_consumer(port: int, world: int) -> dict[str, torch.Tensor]:
     model = DictModel(model_spec()).cuda()
     w = WeightTransferWorker(model, "ipc", ParallelInfo(), device="cuda")
-    w.init_weight_transfer_engine(init_info(port, world))
+    w.init_weight_transfer_engine(init_info(port, world, **CUDA_PACKING))
     for _ in range(2):
         w.start_weight_update()
-        w.update_weights(
-            update_info_for(make_tensors(0), packed=True, packed_buffer_size_bytes=4096, packed_num_buffers=2)
-        )
+        w.update_weights(update_info_for(make_tensors(0)))
         w.finish_weight_update()
     return {n: t.cpu() for n, t in model.weights().items()}
 
@@ -267,52 +260,52 @@ def test_cuda_ipc_bit_exact() -> None:
 # ------------------------------------------------------------------ zero-copy producer, closing race
 
 
-def producer_shared(port: int, world: int, plans: list[dict[str, Any]]) -> dict[str, Any]:
-    tr = Engine.trainer_init(init_info(port, world))
+def producer_shared(ports: list[int], world: int, plans: list[dict[str, Any]]) -> dict[str, Any]:
     pools, paths = [], []
-    try:
-        for r, plan in enumerate(plans):
+    for r, (port, plan) in enumerate(zip(ports, plans, strict=True)):
+        tr = IPCTrainer(init_info(port, world, **plan))
+        try:
             if r == 0:  # first call fully shared (no packing buffer at all), then the non-contiguous rest
                 rest = [(n, t) for n, t in make_tensors(r) if not t.is_contiguous()]
                 shared, owner = flat_tensors(r, shared=True, skip=[n for n, _ in rest])
-                Engine.trainer_send_weights(iter(shared), {"group": tr, **plan})
+                tr.send(iter(shared))
                 pools.append(tr.pool_bytes)
-                Engine.trainer_send_weights(iter(rest), {"group": tr, **plan})
+                tr.send(iter(rest))
             else:
                 pairs, owner = flat_tensors(r, shared=True)
-                Engine.trainer_send_weights(iter(pairs), {"group": tr, **plan})
+                tr.send(iter(pairs))
             paths.append(owner.path)
             owner.close()
-    finally:
-        tr.close()  # right after the last send: consumers may still be reading the verdict
+        finally:
+            tr.close()  # right after the last send: consumers may still be reading the verdict
     return {"pools": pools, "left": [p for p in paths if os.path.exists(p)]}
 
 
 def consumer_shared(
-    port: int, world: int, dp_index: int, plans: list[dict[str, Any]], late_s: float
+    ports: list[int], world: int, dp_index: int, plans: list[dict[str, Any]], late_s: float
 ) -> list[dict[str, torch.Tensor]]:
     model = DictModel(model_spec())
     w = WeightTransferWorker(model, "ipc", ParallelInfo(dp_index=dp_index), device="cpu")
-    w.init_weight_transfer_engine(init_info(port, world))
-    eng = w.engine
-    assert isinstance(eng, Engine) and eng.cp is not None
-    cp = eng.cp
-    plain_get = cp.get
-
-    def late_get(key: str, phase: str, rank: int) -> Any:
-        if key.endswith("/done"):
-            time.sleep(late_s)  # a consumer slow to read the verdict after its last ack
-        return plain_get(key, phase, rank)
-
-    cp.get = late_get  # type: ignore[method-assign]
     rounds = []
-    for r, plan in enumerate(plans):
+    for r, (port, plan) in enumerate(zip(ports, plans, strict=True)):
+        w.init_weight_transfer_engine(init_info(port, world, **plan))
+        eng = w.engine
+        assert isinstance(eng, Engine) and eng.cp is not None
+        cp = eng.cp
+        plain_get = cp.get
+
+        def late_get(key: str, phase: str, rank: int, plain: Any = plain_get) -> Any:
+            if key.endswith("/done"):
+                time.sleep(late_s)  # a consumer slow to read the verdict after its last ack
+            return plain(key, phase, rank)
+
+        cp.get = late_get  # type: ignore[method-assign]
         pairs = make_tensors(r)
         names = [n for n, t in pairs if t.is_contiguous()] if r == 0 else [n for n, _ in pairs]
         w.start_weight_update()
-        w.update_weights(update_info_for([p for p in pairs if p[0] in names], **plan))
+        w.update_weights(update_info_for([p for p in pairs if p[0] in names]))
         if r == 0:
-            w.update_weights(update_info_for([p for p in pairs if p[0] not in names], **plan))
+            w.update_weights(update_info_for([p for p in pairs if p[0] not in names]))
         w.finish_weight_update()
         rounds.append(model.weights())
     w.shutdown()
@@ -330,12 +323,12 @@ def test_cpu_ipc_zero_copy_from_shared_trainer_tensors_and_close_waits_for_reade
     """IPC rule 5: tensors in a SharedBuffer are handed out by (handle, offset), bit-exact, with no
     packing buffer when all are shared; rule 6: closing right after the last send waits for a consumer
     still reading the verdict (it used to lose the store after 5 s: DistNetworkError)."""
-    port, world = free_port(), 3
+    ports, world = [free_port() for _ in SHARED_PLANS], 3
     res = run_roles(
         [
-            (producer_shared, (port, world, SHARED_PLANS)),
-            (consumer_shared, (port, world, 0, SHARED_PLANS, 0.0)),
-            (consumer_shared, (port, world, 1, SHARED_PLANS, 6.0)),
+            (producer_shared, (ports, world, SHARED_PLANS)),
+            (consumer_shared, (ports, world, 0, SHARED_PLANS, 0.0)),
+            (consumer_shared, (ports, world, 1, SHARED_PLANS, 6.0)),
         ],
         deadline_s=90.0,
     )

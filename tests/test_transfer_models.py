@@ -14,12 +14,12 @@ models = pytest.importorskip("weightsync.impl.models.causal_lm")
 
 from weightsync.impl.models.config import LMConfig  # noqa: E402
 from weightsync.impl.transfer.base import ParallelInfo  # noqa: E402
-from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine  # noqa: E402
-from weightsync.impl.transfer.ipc import IPCWeightTransferEngine  # noqa: E402
+from weightsync.impl.transfer.broadcast import BroadcastTrainer  # noqa: E402
+from weightsync.impl.transfer.ipc import IPCTrainer  # noqa: E402
 from weightsync.impl.transfer.worker import WeightTransferWorker  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-ENGINES = {"nccl": BroadcastWeightTransferEngine, "ipc": IPCWeightTransferEngine}
+TRAINERS: dict[str, Any] = {"nccl": BroadcastTrainer, "ipc": IPCTrainer}  # the trainer's endpoints
 PACKING = {"packed": True, "packed_buffer_size_bytes": 8192, "packed_num_buffers": 2}
 
 
@@ -56,11 +56,10 @@ def _checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def trainer(port: int, backend: str) -> str:
-    eng = ENGINES[backend]
-    tr = eng.trainer_init(init_info(port, 3))  # type: ignore[attr-defined]
+    tr = TRAINERS[backend](init_info(port, 3, **PACKING))
     try:
         for seed in (1, 2):
-            eng.trainer_send_weights(iter(_checkpoint(seed)), {"group": tr, **PACKING})
+            tr.send(iter(_checkpoint(seed)))
     finally:
         tr.close()
     return "sent"
@@ -70,10 +69,10 @@ def engine(port: int, backend: str, dp_index: int) -> dict[str, Any]:
     lm = models.CausalLM(_config())
     kw: dict[str, Any] = {"device": "cpu"} if backend == "ipc" else {}
     w = WeightTransferWorker(lm, backend, ParallelInfo(dp_index=dp_index), **kw)
-    w.init_weight_transfer_engine(init_info(port, 3))
+    w.init_weight_transfer_engine(init_info(port, 3, **PACKING))
     for seed in (1, 2):
-        w.start_weight_update(True)
-        w.update_weights(update_info_for(_checkpoint(seed), **PACKING))
+        w.start_weight_update()
+        w.update_weights(update_info_for(_checkpoint(seed)))
         w.finish_weight_update()
     cmap = lm._build_checkpoint_map()
     exact = all(

@@ -113,7 +113,7 @@ def fail_round(cp: ControlPlane, seq: int, reason: str) -> None:
         cp.settle(f"r{seq}/wire")
 
 
-def _pair_problem(i: int, item: Any) -> str | None:
+def pair_problem(i: int, item: Any) -> str | None:
     """Why weight ``i`` is not a ``(non-empty str name, torch.Tensor)`` pair, or None."""
     if (
         isinstance(item, tuple | list)
@@ -134,7 +134,7 @@ def _pair_problem(i: int, item: Any) -> str | None:
 def _describe(items: Sequence[Any]) -> tuple[list[TensorMeta], str | None]:
     metas: list[TensorMeta] = []
     for i, item in enumerate(items):
-        problem = _pair_problem(i, item)
+        problem = pair_problem(i, item)
         if problem is not None:
             return [], problem
         try:
@@ -266,7 +266,7 @@ class TensorFeed:
             except BaseException as exc:  # the trainer's own failure: every rank aborts at this bucket
                 self._fail_source(exc)
                 raise
-            problem = _pair_problem(i, item)
+            problem = pair_problem(i, item)
             if problem is not None:
                 raise ValueError(f"the weight stream: {problem}")
             name, t = item

@@ -35,8 +35,15 @@ Rules:
    for a plain iterator), never the whole model.
 4. **Multi-rank trainers.** Ranks other than 0 hold no endpoint and call no RPC; ``send_weights`` only
    iterates the source, so the trainer-side collectives (FSDP ``full_tensor``) stay aligned.
-5. **Bad input** (no source, a ``weight_version`` that is not a str, an init info of another backend)
-   raises ``ValueError`` naming the value before any RPC or byte moves.
+5. **Bad input** (no source, a ``weight_version`` that is not a str, an init info of another backend, an
+   item that is not a ``(str, Tensor)`` pair) raises ``ValueError`` naming the value before any RPC or
+   byte moves (a bad item of a declared source aborts its bucket on every rank, ``rounds`` rule 4).
+6. **After a failed round.** A round that every rank aborted together (a veto, a wire mismatch, a failed
+   bucket, the source's own exception, or an engine error after the data plane finished) leaves the
+   group usable: the next ``send_weights`` is a new round (the engines recover a ``failed`` rank with
+   one). A round whose data plane or RPC timed out, or whose data plane was still blocked when the
+   engines' error was raised, leaves the endpoint unusable (:attr:`TrainerEngine.broken`): every later round raises
+   ``RuntimeError`` until ``shutdown`` and a new ``trainer_init``.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from weightsync.impl.transfer.base import (
     WireArgs,
     _int,
 )
+from weightsync.impl.transfer.rounds import pair_problem
 from weightsync.spec.errors import TransferTimeoutError
 
 T = TypeVar("T")
@@ -206,10 +214,19 @@ def chunks(
     pairs: Iterable[tuple[str, torch.Tensor]], limit: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Rule 3: consecutive chunks of ``pairs``, each closed after the tensor that makes it exceed ``limit``
-    bytes; a chunk is released by this generator before the next is pulled."""
+    bytes; a chunk is released by this generator before the next is pulled.
+
+    Raises:
+        ValueError: an item that is not a ``(str, Tensor)`` pair, naming its position (before the chunk
+            that would hold it is announced to any engine).
+    """
     cur: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, t in pairs:
+    for i, item in enumerate(pairs):
+        why = pair_problem(i, item)
+        if why is not None:
+            raise ValueError(f"send_weights: {why}")
+        name, t = item
         cur.append((name, t))
         size += t.numel() * t.element_size()
         if size > limit:
@@ -297,7 +314,7 @@ class TrainerEngine(ABC):
         client, source, is_sender: as vLLM's.
         init_info: the trainer's init info; wire: the wire arguments it fixes.
         endpoint: the transport endpoint (sender only, after :meth:`trainer_init`).
-        broken: why the endpoint is unusable (a round failed), or None.
+        broken: why the endpoint is unusable (rule 6), or None.
         send_error: the data plane's own exception of the last failed round, or None: set when the
             trainer's send raised, even after the engines' RPC error was raised to the caller first (the
             send may fail later, at its own deadline).
@@ -325,6 +342,7 @@ class TrainerEngine(ABC):
         self.endpoint: Endpoint | None = None
         self.broken: str | None = None
         self.send_error: BaseException | None = None
+        self._sending = False  # the data plane of the current round is running
         self.rounds = 0
 
     @abstractmethod
@@ -369,7 +387,7 @@ class TrainerEngine(ABC):
         Raises:
             ValueError: no source, a ``weight_version`` that is not a str (before any RPC); a source that
                 disagrees with its metadata; a rejected request.
-            RuntimeError: an earlier round broke the endpoint (re-run ``trainer_init``).
+            RuntimeError: an earlier round broke the endpoint (rule 6: re-run ``trainer_init``).
             WireMismatchError / PeerFailedError / TransferTimeoutError, or the engines' RPC error.
         """
         if weight_version is not None and not isinstance(weight_version, str):
@@ -402,6 +420,8 @@ class TrainerEngine(ABC):
         """
         endpoint = self._require_endpoint()
         source = self._source(weights)
+        self.send_error = None
+        self._sending = False
         try:
             metadata = getattr(source, "metadata", None)
             if callable(metadata):
@@ -412,7 +432,11 @@ class TrainerEngine(ABC):
                     self._round(endpoint, [(n, t.dtype, tuple(t.shape)) for n, t in chunk], iter(chunk))
                     del chunk  # before the next chunk is pulled: hold one chunk at a time
         except BaseException as exc:
-            self.broken = f"{type(exc).__name__}: {exc}"
+            # rule 6: the group survives a round every rank aborted together; not one whose data plane is
+            # still blocked (the engines' RPC failed first) or timed out
+            timed_out = isinstance(exc, TransferTimeoutError) or isinstance(self.send_error, TransferTimeoutError)
+            if self._sending or timed_out:
+                self.broken = f"{type(exc).__name__}: {exc}"
             raise
 
     def _source(self, weights: Any) -> Any:
@@ -437,11 +461,14 @@ class TrainerEngine(ABC):
         deadline, basis = self.worker_info.round_deadline(nbytes)  # the transport's own (rounds rule 0)
 
         def send() -> None:
+            self._sending = True
             try:
                 endpoint.send_stream(sendable, stream, self.wire)
             except BaseException as exc:
                 self.send_error = exc  # also when the engines' RPC error is the one raised
                 raise
+            finally:
+                self._sending = False
 
         concurrently(lambda: self.client.update_weights(update_info), send, deadline, "update_weights", basis)
 
