@@ -32,11 +32,11 @@ def _assert_clean(res: dict[str, Any], steps: int, ranks: int = 2) -> None:
     assert res["max_logit_diff"] == 0.0 and res["exact_dtype"]
     assert res["requests"] == res["finished_requests"] + res["aborted_requests"]
     for i, rec in enumerate(res["records"]):
-        # the same weight_version on every rank after every sync, and it counts the syncs
-        assert rec["weight_versions"] == [i + 1] * ranks, rec
+        # the same weight_version on every rank after every sync: vLLM's string version of that sync
+        assert rec["weight_versions"] == [f"step-{i}"] * ranks and rec["weight_version"] == f"step-{i}", rec
         assert rec["logits_equal"] and rec["max_logit_diff"] == 0.0
         assert rec["bytes"] > 10_000_000 and rec["buckets"] >= 1
-    assert res["weight_versions"] == [steps + 1] * ranks
+    assert res["weight_versions"] == [f"step-{steps}"] * ranks
     assert all(res["checks"].values()), res["checks"]
 
 

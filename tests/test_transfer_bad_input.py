@@ -313,7 +313,9 @@ def test_trainer_side_bad_item_is_vetoed_so_engines_fail_at_once() -> None:
     port, world = free_port(), 3
     items: list[Any] = make_tensors(0)
     items[-1] = ("model.norm.weight", 5)
-    trainer_msg = "send_weights: weight 7 is not a (non-empty str name, torch.Tensor) pair: got tuple of str, int"
+    trainer_msg = (
+        "send_weights: weight 7 is not a (non-empty str name, torch.Tensor) pair: got tuple of str, int"
+    )
     info = update_info_for(make_tensors(0))
     t0 = time.monotonic()
     res = run_roles(

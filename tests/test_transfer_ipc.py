@@ -55,7 +55,9 @@ def producer_rounds(ports: list[int], world: int, plans: list[dict[str, Any]]) -
     return {"pools": pools, "paths": paths, "left": [p for ps in paths for p in ps if os.path.exists(p)]}
 
 
-def consumer_rounds(ports: list[int], world: int, dp_index: int, plans: list[dict[str, Any]]) -> dict[str, Any]:
+def consumer_rounds(
+    ports: list[int], world: int, dp_index: int, plans: list[dict[str, Any]]
+) -> dict[str, Any]:
     model = DictModel(model_spec())
     w = WeightTransferWorker(model, "ipc", ParallelInfo(dp_index=dp_index), device="cpu")
     rounds = []

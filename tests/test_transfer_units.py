@@ -338,7 +338,12 @@ def test_init_info_parse_roundtrip() -> None:
     assert (info.rank_offset, info.world_size, info.group_backend) == (1, 3, "auto")
     assert (info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers) == (False, 1 << 30, 2)
     # vLLM's fields always (with vLLM's worker defaults), weightsync's only when set (timeout_s here)
-    assert info.to_dict() == {**d, "packed": False, "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}
+    assert info.to_dict() == {
+        **d,
+        "packed": False,
+        "packed_buffer_size_bytes": 1 << 30,
+        "packed_num_buffers": 2,
+    }
     assert info.is_checkpoint_format and InitInfo.parse(info.to_dict()) == info
     assert info.wire("aligned") == WireArgs() and info.wire("vllm").layout == "vllm"
     packed = InitInfo.parse({**d, "packed": True, "packed_num_buffers": 3, "layout": "vllm"})

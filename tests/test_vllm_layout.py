@@ -31,7 +31,7 @@ require_vllm()
 
 from vllm.distributed.weight_transfer import packed_tensor as vpt  # noqa: E402
 
-from weightsync.impl.transfer.base import RendezvousInitInfo, SendArgs, UpdateInfo, meta_of  # noqa: E402
+from weightsync.impl.transfer.base import InitInfo, UpdateInfo, WireArgs, meta_of  # noqa: E402
 from weightsync.impl.transfer.broadcast import BroadcastTrainer, BroadcastWeightTransferEngine  # noqa: E402
 from weightsync.impl.transfer.packing import BufferPool, pack_bucket, plan_buckets, unpack_bucket  # noqa: E402
 
@@ -226,7 +226,7 @@ def test_weightsyncs_broadcast_sender_puts_vllms_bytes_on_the_wire(
     to a real receiver: the bytes it broadcasts equal vLLM's producer's chunks, and the receiver gets
     the tensors back bit for bit."""
     port = free_port()
-    info = RendezvousInitInfo.parse(init_info(port, 2, 30.0, backend="gloo"))
+    info = InitInfo.parse(init_info(port, 2, 30.0, group_backend="gloo"))
     receiver = BroadcastWeightTransferEngine()
     box: dict[str, Any] = {}
     th = threading.Thread(target=lambda: box.setdefault("t", BroadcastTrainer(info)))
@@ -246,9 +246,11 @@ def test_weightsyncs_broadcast_sender_puts_vllms_bytes_on_the_wire(
         for seed in range(0, CASES, 4):
             pairs, b = make_case(seed)
             ref = [c for c in vllm_produce(pairs, b) if c.numel() > 0]  # weightsync skips empty chunks
-            args = SendArgs(packed=True, packed_buffer_size_bytes=b, packed_num_buffers=2, layout="vllm")
-            uinfo = args.update_info([meta_of(n, t) for n, t in pairs])
-            assert isinstance(uinfo, UpdateInfo)
+            args = WireArgs(packed=True, packed_buffer_size_bytes=b, packed_num_buffers=2, layout="vllm")
+            # one group, a buffer size per case: both transports' wire arguments are set directly (through
+            # the API they are init_info's, fixed for the group)
+            receiver.wire = args
+            uinfo = UpdateInfo.of([meta_of(n, t) for n, t in pairs])
             got: dict[str, torch.Tensor] = {}
             rx = threading.Thread(
                 target=lambda u=uinfo, g=got: receiver.receive_weights(

@@ -4,11 +4,13 @@
   ``send_weights`` with a recording client; only its NCCL endpoint and broadcast are stubbed), what its
   HTTP client posts (``HTTPVLLMWeightSyncClient``, ``requests.post`` recorded) and what the API router /
   ``AsyncLLM`` hand the workers (``WeightTransferInitRequest`` / ``WeightTransferUpdateRequest``, and the
-  worker's per-rank pick from a list payload, ``Worker.update_weights``) parse in weightsync's backends
-  unchanged.
-- What weightsync's trainer sends parses in vLLM's own dataclasses (``NCCLWeightTransferInitInfo``,
-  ``NCCLWeightTransferUpdateInfo``) when weightsync's optional fields are at their defaults; with them
-  set, vLLM rejects the dict (they are weightsync's, and optional).
+  worker's per-rank pick from a list payload, ``Worker.update_weights``) parse unchanged in weightsync's
+  vLLM backends and in its reference engine (the worker's parsers, ``WeightTransferWorker``, and the same
+  per-rank pick, ``ParallelInfo.local_update_info``): one request shape.
+- What weightsync's trainers send (the reference's and the plugin's: one trainer, two subclasses) and what
+  the reference engine's helpers produce parse in vLLM's own dataclasses (``NCCLWeightTransferInitInfo``,
+  ``NCCLWeightTransferUpdateInfo``) when weightsync's optional fields are at their defaults; with them set,
+  vLLM rejects the dict (they are weightsync's, and optional).
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
 from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo  # noqa: E402
 from vllm.v1.worker.gpu_worker import Worker  # noqa: E402
 
+from weightsync.impl.engine.weights import update_info_for  # noqa: E402
+from weightsync.impl.transfer.base import InitInfo, ParallelInfo, UpdateInfo  # noqa: E402
+from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine  # noqa: E402
+from weightsync.impl.transfer.ipc import IPCWeightTransferEngine  # noqa: E402
+from weightsync.impl.transfer.trainer import IPCTrainerInitInfo, TrainerInitInfo  # noqa: E402
 from weightsync.vllm.engine import WeightsyncBroadcastEngine, WeightsyncIPCEngine  # noqa: E402
 from weightsync.vllm.trainer import (  # noqa: E402
     WeightsyncIPCTrainerInitInfo,
@@ -67,13 +74,15 @@ class Recorder:
 
 
 def _engines() -> list[Any]:
+    """Every parser of weightsync's: the vLLM backends' and the reference engine's transports'."""
     vcfg = SimpleNamespace(
         parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None
     )
-    return [
+    vllm_backends = [
         cls(SimpleNamespace(), vcfg, torch.device("cpu"), torch.nn.Linear(1, 1))
         for cls in (WeightsyncBroadcastEngine, WeightsyncIPCEngine)
     ]
+    return [*vllm_backends, BroadcastWeightTransferEngine(), IPCWeightTransferEngine(device="cpu")]
 
 
 def _model() -> torch.nn.Module:
@@ -126,9 +135,11 @@ def test_vllms_nccl_trainer_payloads_parse_in_weightsync(
             init["packed_buffer_size_bytes"],
             init["packed_num_buffers"],
         )
-        u = eng.parse_update_info(update).parsed()
+        u = eng.parse_update_info(update)
+        assert isinstance(parsed, InitInfo) and isinstance(u, UpdateInfo)  # one definition, both stacks
         assert list(u.names) == [n for n, _ in _model().named_parameters()]
-        assert set(u.dtype_names) == {"bfloat16"} and u.shapes[0] == (3, 4)
+        assert set(u.dtype_names) == {"bfloat16"} and u.shapes[0] == [3, 4]
+        assert u.to_dict() == update and parsed.to_dict() == init  # and back, unchanged
 
 
 def test_http_client_and_router_requests_parse_in_weightsync(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,28 +199,53 @@ def test_http_client_and_router_requests_parse_in_weightsync(monkeypatch: pytest
         )
         Worker.update_weights(fake, list_req.update_info)  # type: ignore[arg-type]
     assert [d["names"] for d in seen] == [["a"], ["b"]]
-    assert _engines()[0].parse_update_info(seen[1]).parsed().metas()[0].nbytes == 4
+    for eng in _engines():
+        assert eng.parse_update_info(seen[1]).metas()[0].nbytes == 4
+    # the reference engine's worker picks the same entry (dp_index * TP*PP + rank), from the same list
+    mine = [ParallelInfo(dp_index=d).local_update_info(list_req.update_info) for d in (0, 1)]
+    assert mine == seen
+    with pytest.raises(ValueError, match="list of 2 per-worker entries but this worker's index is 2"):
+        ParallelInfo(dp_index=2).local_update_info(list_req.update_info)
 
 
 def test_weightsyncs_payloads_parse_in_vllms_dataclasses() -> None:
-    for info_cls in (WeightsyncTrainerInitInfo, WeightsyncIPCTrainerInitInfo):
+    for info_cls in (
+        WeightsyncTrainerInitInfo,
+        WeightsyncIPCTrainerInitInfo,
+        TrainerInitInfo,
+        IPCTrainerInitInfo,
+    ):
         payload = info_cls(
             master_address="127.0.0.1", master_port=29601, world_size=2, rank=0
         ).worker_payload()
         vinfo = NCCLWeightTransferInitInfo(**json.loads(json.dumps(payload)))
         assert (vinfo.rank_offset, vinfo.packed, vinfo.packed_buffer_size_bytes) == (1, True, 1 << 30)
+    # the reference engine's own init dicts with packing, as its tests and demo build them
+    ref_init = InitInfo(
+        master_address="h", master_port=3, rank_offset=1, world_size=3, packed=True, packed_num_buffers=3
+    ).to_dict()
+    assert NCCLWeightTransferInitInfo(**ref_init).packed_num_buffers == 3
     model = _model()
     update = json.loads(
         json.dumps(update_info_of([(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]))
     )
     vupdate = vnccl.NCCLWeightTransferUpdateInfo(**update)
     assert vupdate.names == [n for n, _ in model.named_parameters()] and vupdate.dtype_names[0] == "bfloat16"
+    # the reference engine's update dicts: vLLM's three fields, nothing else
+    ref_update = update_info_for(list(model.named_parameters()))
+    assert ref_update == update
+    assert (
+        vnccl.NCCLWeightTransferUpdateInfo(**UpdateInfo.parse(ref_update).to_dict()).shapes
+        == update["shapes"]
+    )
     # a vLLM NCCL trainer config converts by changing the class
     vt = vnccl.NCCLTrainerInitInfo(
         master_address="h", master_port=2, world_size=4, rank=0, packed_num_buffers=3
     )
     mine = WeightsyncTrainerInitInfo(**dataclasses.asdict(vt))
     assert mine.backend == "weightsync" and mine.packed_num_buffers == 3 and mine.rank == 0
+    ref = TrainerInitInfo(**dataclasses.asdict(vt))  # and so does the reference engine's trainer's
+    assert ref.worker_payload() == mine.worker_payload()
 
 
 def test_weightsyncs_optional_fields_are_its_own() -> None:
@@ -221,10 +257,29 @@ def test_weightsyncs_optional_fields_are_its_own() -> None:
         NCCLWeightTransferInitInfo(**payload)
     for eng in _engines():
         parsed = eng.parse_init_info(payload)
-        assert parsed.send_args(eng.default_layout).layout == "aligned" and parsed.verify
+        assert parsed.wire(eng.default_layout).layout == "aligned" and parsed.verify
         assert (
             eng.parse_update_info(
                 {"names": ["x"], "dtype_names": ["int8"], "shapes": [[1]], "verify": False}
             ).verify
             is False
         )
+
+
+def test_kernel_format_is_an_init_option_of_the_reference_engine_only() -> None:
+    """vLLM 0.32's ``start_weight_update()`` takes no argument: the format is ``init_info``'s
+    ``is_checkpoint_format`` (vLLM's term, ``model_loader/reload/inplace.py``), sent only when False. The
+    reference engine's parsers take it; the vLLM backends refuse it naming the rule; vLLM's own class
+    rejects the unknown field."""
+    payload = TrainerInitInfo(
+        master_address="h", master_port=1, world_size=2, rank=0, is_checkpoint_format=False
+    ).worker_payload()
+    assert payload["is_checkpoint_format"] is False
+    with pytest.raises(TypeError):
+        NCCLWeightTransferInitInfo(**payload)
+    vllm_backends, reference = _engines()[:2], _engines()[2:]
+    for eng in reference:
+        assert eng.parse_init_info(payload).is_checkpoint_format is False
+    for eng in vllm_backends:
+        with pytest.raises(ValueError, match="is_checkpoint_format'\\]=False"):
+            eng.parse_init_info(payload)

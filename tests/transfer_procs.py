@@ -167,6 +167,21 @@ def update_info_for(pairs: list[tuple[str, torch.Tensor]], **extra: Any) -> dict
     }
 
 
+def module_of(pairs: list[tuple[str, torch.Tensor]]) -> nn.Module:
+    """An ``nn.Module`` whose ``named_parameters()`` are exactly ``pairs`` (dotted names become submodules),
+    as a trainer's model would hold them."""
+    root = nn.Module()
+    for name, t in pairs:
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, nn.Parameter(t.contiguous().clone(), requires_grad=False))
+    return root
+
+
 def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact equality: same dtype, shape and raw bytes."""
     if a.dtype != b.dtype or a.shape != b.shape:

@@ -159,19 +159,13 @@ class CheckedEngine:
                 return  # already reflected in the snapshot the shadow started from
             m = self.machines[r]
             if not hasattr(rec, "event"):  # a RelabelRecord: update_weight_version, no transition
-                self._on_relabel(m, rec)
+                label = f"relabel {rec.weight_version!r}"
+                if self._follow(m, rec, label, lambda: relabel_weight_version(m.vars, rec.weight_version)):
+                    self._record(rec)
                 return
             event = RankEvent(rec.event)
-            try:
-                m.fire(event, **dict(rec.args))
-            except Exception as exc:
-                self.violations.append(f"rank {r} step {rec.rank_seq}: {exc}")
+            if not self._follow(m, rec, str(rec.event), lambda: m.fire(event, **dict(rec.args)).after):
                 return
-            got = vars_to_dict(m.vars)
-            if got != dict(rec.after):
-                self.violations.append(
-                    f"rank {r} step {rec.rank_seq} ({rec.event}): table gives {got}, engine reported {rec.after}"
-                )
             infl = self._inflight[r]
             for i, (e, _) in enumerate(infl):
                 if e is event:
@@ -179,19 +173,20 @@ class CheckedEngine:
                     break
             self._record(rec)
 
-    def _on_relabel(self, m: RankMachine, rec: Any) -> None:
+    def _follow(self, m: RankMachine, rec: Any, what: str, step: Callable[[], RankVars]) -> bool:
+        """Apply one reported record to the shadow ``m`` (``step`` returns its variables afterwards); a
+        refusal or a disagreement with the reported variables is a violation. False when it was refused."""
         try:
-            m.vars = relabel_weight_version(m.vars, rec.weight_version)
-        except ValueError as exc:
-            self.violations.append(f"rank {rec.rank} step {rec.rank_seq} (relabel): {exc}")
-            return
+            m.vars = step()
+        except Exception as exc:
+            self.violations.append(f"rank {rec.rank} step {rec.rank_seq} ({what}): {exc}")
+            return False
         got = vars_to_dict(m.vars)
         if got != dict(rec.after):
             self.violations.append(
-                f"rank {rec.rank} step {rec.rank_seq} (relabel {rec.weight_version!r}): the spec gives {got}, "
-                f"engine reported {rec.after}"
+                f"rank {rec.rank} step {rec.rank_seq} ({what}): table gives {got}, engine reported {rec.after}"
             )
-        self._record(rec)
+        return True
 
     def _record(self, rec: Any) -> None:
         self.records += 1
@@ -278,9 +273,7 @@ class CheckedEngine:
         self, update_info: dict[str, Any] | list[dict[str, Any]], *, timeout: float | None = None
     ) -> None:
         """Checked ``update_weights`` (legal only between start and finish)."""
-        self._call(
-            RankEvent.UPDATE_WEIGHTS, lambda: self.engine.update_weights(update_info, timeout=timeout)
-        )
+        self._call(RankEvent.UPDATE_WEIGHTS, lambda: self.engine.update_weights(update_info, timeout=timeout))
 
     def finish_weight_update(
         self, weight_version: str | None = None, *, monotonic: bool = False, timeout: float | None = None

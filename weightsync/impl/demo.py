@@ -50,6 +50,7 @@ demo-only keys ``demo_probe_dir`` and ``demo_kill`` (added by the client adapter
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import pathlib
@@ -713,7 +714,7 @@ class _Run:
                 continue  # counted as lost by _wait
             full = len(s.tokens) == self.task.max_new_tokens or (s.tokens and s.tokens[-1] == EOS_ID)
             order = [version_order(v) for v in s.versions]
-            monotone = all(x <= y for x, y in zip(order, order[1:], strict=False))
+            monotone = all(x <= y for x, y in itertools.pairwise(order))
             if s.finish_reason == "abort" or not full or not monotone:
                 self.kept_bad += 1
 
@@ -939,7 +940,9 @@ class _Run:
         self.finished = self.requests - self.aborted - self.lost
         rs = self.records
         rewards = [r for r in self.rewards if r is not None]
-        versions_ok = all(r.weight_version == f"step-{i}" for i, r in enumerate(rs)) and len(rs) == cfg.steps + 1
+        versions_ok = (
+            all(r.weight_version == f"step-{i}" for i, r in enumerate(rs)) and len(rs) == cfg.steps + 1
+        )
         max_diff = max((r.max_logit_diff for r in rs), default=None)
         checks = {
             "completed": error is None and len(rs) == cfg.steps + 1,
@@ -1145,7 +1148,7 @@ class DemoRenderer:
             if self.task is not None:
                 if data["sync"] > 0:
                     self.progress.advance(self.task)
-                self.progress.update(self.task, info=f"synced v{data['weight_version']}")
+                self.progress.update(self.task, info=f"synced {data['weight_version']}")
 
     def _print_row(self, r: dict[str, Any]) -> None:
         t = _table(show_header=r["sync"] == 0)

@@ -540,7 +540,9 @@ class VLLMAdapter:
             for r, m in enumerate(self.machines):
                 before = vars_to_dict(m.vars)
                 m.vars = relabel_weight_version(m.vars, new_version)
-                rec = RelabelRecord(r, self.rank_seq[r], new_version, before, vars_to_dict(m.vars), time.time())
+                rec = RelabelRecord(
+                    r, self.rank_seq[r], new_version, before, vars_to_dict(m.vars), time.time()
+                )
                 self.rank_seq[r] += 1
                 for cb in list(self._listeners):
                     cb(rec)

@@ -708,7 +708,9 @@ class DPEngineClient:
                 try:
                     version_order(v)
                 except ValueError as exc:
-                    raise ValueError(f"finish_weight_update(monotonic=True): rank {r}'s version: {exc}") from None
+                    raise ValueError(
+                        f"finish_weight_update(monotonic=True): rank {r}'s version: {exc}"
+                    ) from None
         self.fan_out("finish_weight_update", timeout, weight_version=weight_version, monotonic=monotonic)
 
     def update_weight_version(self, new_version: str, *, timeout: float | None = None) -> None:

@@ -38,12 +38,12 @@ from weightsync.impl.engine.messages import (
     AbortMsg,
     AddMsg,
     EngineFailure,
+    RankRecord,
+    RelabelRecord,
     Shutdown,
     StartDPWave,
     StartWave,
     StepOutputs,
-    RankRecord,
-    RelabelRecord,
     TokenDelta,
     TransitionRecord,
     UtilityCall,
@@ -336,7 +336,9 @@ class EngineCore:
         before = self.machine.vars
         after = relabel_weight_version(before, new_version)
         self.machine.vars = after
-        rec = RelabelRecord(self.rank, self.rank_seq, new_version, vars_dict(before), vars_dict(after), time.time())
+        rec = RelabelRecord(
+            self.rank, self.rank_seq, new_version, vars_dict(before), vars_dict(after), time.time()
+        )
         self.rank_seq += 1
         if self._trace_fd is not None:
             os.write(self._trace_fd, (json.dumps(record_line(rec), sort_keys=True) + "\n").encode())

@@ -293,7 +293,9 @@ def _role(
     }
     w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=rank - 1), name=f"engine {rank - 1}")
     w.init_weight_transfer_engine(_info(ports[0], world, packing))
-    wk = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=rank - 1), name=f"engine {rank - 1} kernel")
+    wk = WeightTransferWorker(
+        model, "nccl", ParallelInfo(dp_index=rank - 1), name=f"engine {rank - 1} kernel"
+    )
     wk.init_weight_transfer_engine(_info(ports[2], world, packing, is_checkpoint_format=False))
     g_ = w.engine.group if isinstance(w.engine, BroadcastWeightTransferEngine) else None
     assert g_ is not None

@@ -56,9 +56,9 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 from weightsync.impl.transfer.base import (
     ChecksumMismatchError,
     Destination,
+    InitInfo,
     LoadFn,
     LocalCheck,
-    InitInfo,
     ParallelInfo,
     TensorMeta,
     UpdateInfo,

@@ -107,7 +107,9 @@ class ModuleWeights:
 
     def metadata(self) -> list[ParamMeta]:
         """``(name, dtype, shape)`` of every parameter, in ``named_parameters()`` order."""
-        return [ParamMeta(n, p.dtype, tuple(int(d) for d in p.shape)) for n, p in self.module.named_parameters()]
+        return [
+            ParamMeta(n, p.dtype, tuple(int(d) for d in p.shape)) for n, p in self.module.named_parameters()
+        ]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.module.named_parameters():
@@ -210,9 +212,7 @@ def update_info_of(declared: Declared) -> dict[str, Any]:
     }
 
 
-def chunks(
-    pairs: Iterable[tuple[str, torch.Tensor]], limit: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def chunks(pairs: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Rule 3: consecutive chunks of ``pairs``, each closed after the tensor that makes it exceed ``limit``
     bytes; a chunk is released by this generator before the next is pulled.
 
@@ -434,7 +434,9 @@ class TrainerEngine(ABC):
         except BaseException as exc:
             # rule 6: the group survives a round every rank aborted together; not one whose data plane is
             # still blocked (the engines' RPC failed first) or timed out
-            timed_out = isinstance(exc, TransferTimeoutError) or isinstance(self.send_error, TransferTimeoutError)
+            timed_out = isinstance(exc, TransferTimeoutError) or isinstance(
+                self.send_error, TransferTimeoutError
+            )
             if self._sending or timed_out:
                 self.broken = f"{type(exc).__name__}: {exc}"
             raise
@@ -454,7 +456,9 @@ class TrainerEngine(ABC):
             )
         return source
 
-    def _round(self, endpoint: Endpoint, declared: Declared, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def _round(
+        self, endpoint: Endpoint, declared: Declared, stream: Iterator[tuple[str, torch.Tensor]]
+    ) -> None:
         update_info = update_info_of(declared)
         sendable: Sequence[tuple[str, torch.dtype, Sequence[int]]] = declared
         nbytes = sum(math.prod(s) * d.itemsize for _, d, s in declared)
