@@ -2,7 +2,7 @@
 
 The tiny dense Llama with backend ``weightsync``; the controller drives
 ``CheckedEngine(AsyncLLMAdapter(llm, loop), trace_path=...)`` and the trainer (vLLM's public factory)
-talks to it through ``CheckedWeightSyncClient``. "vLLM never saw the call" is measured, not assumed:
+talks to it through the same CheckedEngine (a ``VLLMWeightSyncClient`` itself). "vLLM never saw the call" is measured, not assumed:
 :class:`UtilityCounter` counts every utility call where it leaves the front-end for the engine cores
 (``AsyncMPClient._call_utility_async``, the path of ``pause_generation``, ``resume_generation`` and every
 ``collective_rpc`` weight call); a direct, unchecked call is counted there (the control).
@@ -31,7 +31,7 @@ from vllm_served import Served, assert_serves  # noqa: E402
 from weightsync.cli import main  # noqa: E402
 from weightsync.impl.checked import CheckedEngine  # noqa: E402
 from weightsync.spec.errors import LocalProtocolError  # noqa: E402
-from weightsync.vllm.checked import AsyncLLMAdapter, CheckedWeightSyncClient  # noqa: E402
+from weightsync.vllm.checked import AsyncLLMAdapter  # noqa: E402
 from weightsync.vllm.models import perturbed_state  # noqa: E402
 from weightsync.vllm.trainer import WeightsyncBroadcastTrainer, update_info_of  # noqa: E402
 
@@ -73,7 +73,7 @@ class Rig:
     counter: UtilityCounter
     adapter: AsyncLLMAdapter
     eng: CheckedEngine
-    client: CheckedWeightSyncClient
+    client: CheckedEngine
     trainer: WeightsyncBroadcastTrainer
     trace: Path
 
@@ -87,7 +87,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         trace = tmp_path_factory.mktemp("trace") / "asyncllm.jsonl"
         adapter = AsyncLLMAdapter(s.llm, s.loop, timeout_s=120)
         eng = CheckedEngine(adapter, trace_path=trace)
-        client = CheckedWeightSyncClient(eng)
+        client = eng
         tr = s.connect(client=client)  # init_weight_transfer_engine, checked (legal while running)
         yield Rig(s, counter, adapter, eng, client, tr, trace)
     finally:
@@ -123,7 +123,7 @@ def test_update_weights_while_serving_is_refused_and_never_reaches_vllm(rig: Rig
     with pytest.raises(LocalProtocolError, match="update_weights is illegal in state running"):
         rig.eng.update_weights(info)
     with pytest.raises(LocalProtocolError, match="update_weights is illegal in state running"):
-        rig.client.update_weights(info)  # the trainer's path
+        rig.trainer.client.update_weights(info)  # the trainer's path
     assert rig.counter.controller() == before  # nothing left the front-end
     assert len(rig.adapter.transitions) == records  # nothing recorded
     # control: the same call, unchecked, does reach vLLM (counted), and vLLM does not refuse it for serving
@@ -209,3 +209,20 @@ def test_the_trace_replays_and_a_corrupted_line_is_rejected(
     assert main(["replay", str(bad), "--json"]) == 1
     div = json.loads(capsys.readouterr().out)["traces"][0]["divergence"]
     assert div["line"] == 2 and "illegal" in div["reason"], div
+
+
+def test_update_weight_version_relabels_vllm_and_the_trace_replays(
+    rig: Rig, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM 0.32's ``update_weight_version`` (``v1/engine/async_llm.py:1357``): the label moves in vLLM and on
+    every rank of the table, with no transition; the trace gets one relabel line per rank and replays."""
+    s, eng = rig.served, rig.eng
+    records = len(rig.adapter.transitions)
+    eng.update_weight_version("relabelled")  # while serving: vLLM has no gate, nor does the table need one
+    assert s.version() == "relabelled" == eng.get_weight_version()
+    assert rig.adapter.get_weight_versions() == ["relabelled"] * rig.adapter.dp_size
+    assert len(rig.adapter.transitions) == records and eng.violations == []  # no transition
+    lines = [json.loads(x) for x in rig.trace.read_text().splitlines()]
+    assert [x["weight_version"] for x in lines if x.get("kind") == "relabel"] == ["relabelled"] * eng.dp_size
+    assert main(["replay", str(rig.trace), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["traces"][0]["ok"]

@@ -16,8 +16,8 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from weightsync.cli import main
-from weightsync.spec.errors import LocalProtocolError
-from weightsync.vllm.checked import CheckedWeightSyncClient, VLLMCallError, checked_http
+from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
+from weightsync.vllm.checked import VLLMCallError, checked_http
 
 
 class Stub:
@@ -54,6 +54,9 @@ class Stub:
             if body.get("weight_version") is not None:
                 self.version = body["weight_version"]
             return 200, {"message": "Weight update finished"}
+        if u.path == "/update_weight_version":
+            self.version = body["new_version"]
+            return 200, {"success": True, "new_version": body["new_version"]}
         if u.path in {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights"}:
             return 200, {"message": "ok"}
         return 404, {"detail": "Not Found"}
@@ -107,7 +110,7 @@ def test_http_round_shapes_refusals_and_replay(
     trace = tmp_path / "http.jsonl"
     eng = checked_http(url, trace_path=trace, timeout_s=10)
     assert eng.dp_size == 2
-    client = CheckedWeightSyncClient(eng)
+    client = eng  # a CheckedEngine is a VLLMWeightSyncClient itself
     client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": 1, "world_size": 3})
     with pytest.raises(LocalProtocolError, match="update_weights is illegal in state running"):
         client.update_weights(INFO)
@@ -155,3 +158,33 @@ def test_http_error_status_is_a_failed_round(stub: tuple[Stub, str]) -> None:
     eng.finish_weight_update(weight_version="step-1")
     eng.resume()
     assert st.version == "step-1" and not st.paused
+
+
+def test_http_update_weight_version_is_a_relabel_that_replays(
+    stub: tuple[Stub, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's ``POST /update_weight_version {"new_version"}`` (``api_router.py:214-220``): no transition, in
+    any state; every rank's label moves, the trace gets one relabel line per rank and replays."""
+    st, url = stub
+    trace = tmp_path / "relabel.jsonl"
+    eng = checked_http(url, trace_path=trace, timeout_s=10)
+    eng.update_weight_version("while-serving")
+    eng.pause(mode="keep")
+    eng.update_weight_version("while-paused")
+    eng.resume()
+    posts = [(p, b) for m, p, _, b in st.requests if m == "POST"]
+    assert posts[0] == ("/update_weight_version", {"new_version": "while-serving"})
+    assert posts[2] == ("/update_weight_version", {"new_version": "while-paused"})
+    assert st.version == "while-paused" == eng.get_weight_version() and eng.violations == []
+    assert [m.vars.weight_version for m in eng.machines] == ["while-paused"] * 2
+    # vLLM reporting another version afterwards is a divergence: the adapter stops (state unknown)
+    eng.engine.get_weight_version = lambda: "someone-else"
+    with pytest.raises(RemoteProtocolError, match="vLLM reports version 'someone-else', the table"):
+        eng.update_weight_version("relabel-3")
+    with pytest.raises(RemoteProtocolError, match="state is unknown"):
+        eng.update_weight_version("relabel-4")
+    assert main(["replay", str(trace), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["traces"][0]
+    assert out["ok"]
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert sum(1 for x in lines if x.get("kind") == "relabel") == 6  # 3 relabels x 2 ranks

@@ -28,7 +28,7 @@ from vllm_served import Served, assert_serves  # noqa: E402
 
 from weightsync.cli import main  # noqa: E402
 from weightsync.impl.checked import CheckedEngine  # noqa: E402
-from weightsync.vllm.checked import AsyncLLMAdapter, CheckedWeightSyncClient  # noqa: E402
+from weightsync.vllm.checked import AsyncLLMAdapter  # noqa: E402
 from weightsync.vllm.models import perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -97,7 +97,7 @@ def test_dp2_checked_round_counts_each_engine_and_replays(
     trace = tmp_path / "dp2.jsonl"
     eng = CheckedEngine(AsyncLLMAdapter(s.llm, s.loop, timeout_s=120), trace_path=trace)
     assert eng.dp_size == 2
-    tr = s.connect(client=CheckedWeightSyncClient(eng))
+    tr = s.connect(client=eng)
     started: set[str] = set()
 
     async def request(i: int, rank: int) -> Any:

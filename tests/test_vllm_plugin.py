@@ -150,8 +150,11 @@ def test_request_validation_raises_valueerror_naming_the_field() -> None:
         eng.parse_init_info(
             {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2, "x": 1}
         )
-    with pytest.raises(ValueError, match="unexpected keyword"):  # vLLM's own cls(**d) path too
-        WeightsyncInitInfo(master_address="h", master_port=1, rank_offset=1, world_size=2, x=1)  # type: ignore[call-arg]
+    bad = {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2, "x": 1}
+    with pytest.raises(
+        ValueError, match=r"Invalid init_info.*unexpected keyword"
+    ):  # vLLM's own cls(**d) path
+        WeightTransferEngine.parse_init_info(eng, bad)
     with pytest.raises(ValueError, match="kernel format is available on weightsync's reference engine only"):
         WeightsyncInitInfo(
             master_address="h", master_port=1, rank_offset=1, world_size=2, is_checkpoint_format=False

@@ -33,6 +33,7 @@ from vllm.distributed.weight_transfer import (  # noqa: E402
 )
 from vllm.distributed.weight_transfer import nccl_engine as vnccl  # noqa: E402
 from vllm.distributed.weight_transfer.base import (  # noqa: E402
+    VLLMWeightSyncClient,
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
@@ -283,3 +284,13 @@ def test_kernel_format_is_an_init_option_of_the_reference_engine_only() -> None:
     for eng in vllm_backends:
         with pytest.raises(ValueError, match="is_checkpoint_format'\\]=False"):
             eng.parse_init_info(payload)
+
+
+def test_the_reference_engine_client_and_checked_engine_are_vllm_clients() -> None:
+    """vLLM's ``VLLMWeightSyncClient`` protocol (``distributed/weight_transfer/base.py:505-533``): the same
+    trainer class drives vLLM and weightsync's reference engine."""
+    from weightsync.impl.checked import CheckedEngine
+    from weightsync.impl.engine.client import DPEngineClient
+
+    assert isinstance(DPEngineClient.__new__(DPEngineClient), VLLMWeightSyncClient)
+    assert isinstance(CheckedEngine.__new__(CheckedEngine), VLLMWeightSyncClient)
