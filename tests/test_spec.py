@@ -97,7 +97,7 @@ def test_two_phase_pause_update_resume_cycle() -> None:
     m.fire(RankEvent.WEIGHT_BROADCAST_DONE)
     m.fire(RankEvent.FINISH_UPDATE)
     assert m.state is RankState.UPDATING and m.vars.weight_version == 0  # not before the workers' finish
-    m.fire(RankEvent.FINISH_DONE)
+    m.fire(RankEvent.FINISH_DONE, weight_version=1)  # the model's versions are round numbers
     assert m.state is RankState.VERIFIED and m.vars.weight_version == 1
     m.fire(RankEvent.RESUME)
     assert m.state is RankState.RESUMING and m.vars.collective == "resume_barrier"
@@ -242,3 +242,34 @@ def test_vllm_032_cadence_mirror_and_resume() -> None:
     assert "start_weight_update" in f.transition.effects and m.state is RankState.PAUSED
     f = m.fire(RankEvent.START_UPDATE, worker="active")
     assert f.transition.effects == ("refuse",)
+
+
+def test_finish_without_a_version_keeps_it_and_relabel_is_no_transition() -> None:
+    """vLLM 0.32: ``finish_weight_update(None)`` leaves the version (``async_llm.py:1351-1355``);
+    ``update_weight_version(v)`` only relabels, in any state (``core.py:1082``), outside the tables."""
+    from weightsync.spec.rank import relabel_weight_version
+
+    m = RankMachine(0, 2, "two-phase-epoch", sync_interval=2)
+    m.vars = relabel_weight_version(m.vars, "default")
+    _pause_to_verified(m)
+    for version, want in ((None, "default"), ("step-1", "step-1"), (None, "step-1")):
+        m.fire(RankEvent.START_UPDATE)
+        m.fire(RankEvent.FINISH_UPDATE)
+        m.fire(RankEvent.FINISH_DONE, weight_version=version, monotonic=False)
+        assert m.state is RankState.VERIFIED and m.vars.weight_version == want
+    before = m.vars
+    after = relabel_weight_version(before, "relabelled")
+    assert after == before._replace(weight_version="relabelled")  # nothing else moves
+    for state in RankState:  # any state: the label is not guarded by the table
+        assert relabel_weight_version(before._replace(state=state), "x").state is state
+    with pytest.raises(ValueError, match=r"must be a str .*got int 3"):
+        relabel_weight_version(before, 3)  # type: ignore[arg-type]
+    # the opt-in monotonic guard orders vLLM's string versions by their trailing step number
+    from weightsync.spec.rank import GUARDS
+
+    older = GUARDS["version_older"]
+    assert older(after._replace(weight_version="step-5"), {"weight_version": "step-3", "monotonic": True})
+    assert not older(
+        after._replace(weight_version="default"), {"weight_version": "step-0", "monotonic": True}
+    )
+    assert not older(after._replace(weight_version="step-5"), {"weight_version": None, "monotonic": True})
