@@ -128,32 +128,38 @@ def kills(
     modes: tuple[PauseMode, ...] = tuple(PauseMode),
     max_states: int = 300_000,
     configs: tuple[MutationConfig, ...] | None = None,
+    same_as_unmutated: frozenset[tuple[str, PauseMode]] = frozenset(),
 ) -> str | None:
     """The first violated property (``"config:mode:property"``) of ``table`` checked as ``variant``, or None.
 
     ``configs`` (default: ``(("default", bounds, max_states),)``; the full run passes
-    :data:`MUTATION_BOUNDS`) are tried in order. Safety is checked first with ``stop_at_first`` (fast) in
-    every configuration; only a mutant that survives all of them gets the full check with progress (and
-    non-vacuity, under the first configuration only). A mutant whose state space exceeds a configuration's
-    ``max_states`` made a bounded quantity unbounded (a wave or step counter that grows forever); it is
-    reported as ``"config:mode:unbounded (...)"`` and counted as killed.
+    :data:`MUTATION_BOUNDS`) are tried in order, each mode in turn, with one exploration each: it stops at
+    the first safety violation, and when it completes without one the progress properties are checked on
+    the same graph (exhaustive configurations only; non-vacuity under the first configuration only). A
+    mutant whose state space exceeds a configuration's ``max_states`` made a bounded quantity unbounded (a
+    wave or step counter that grows forever); it is reported as ``"config:mode:unbounded (...)"`` and
+    counted as killed.
+
+    ``same_as_unmutated``: ``(configuration, mode)`` pairs where every table lookup the unmutated model
+    makes gives the mutant's table the same result (:func:`differs_in` is None). There the mutant's
+    reachable graph is the unmutated one's, which satisfies every property (:func:`reachable_firings`
+    checked it), so they are skipped.
     """
     guards = mutation_guards()
     cfgs = configs if configs is not None else (MutationConfig("default", bounds or Bounds(), max_states),)
-    for full in (False, True):
-        for k, (cname, b, cap, exhaustive, cmodes) in enumerate(cfgs):
-            if full and not exhaustive:
+    for k, (cname, b, cap, exhaustive, cmodes) in enumerate(cfgs):
+        for mode in modes if cmodes is None else cmodes:
+            if (cname, mode) in same_as_unmutated:
                 continue
-            for mode in modes if cmodes is None else cmodes:
-                m = Model(Config(variant, ranks, mode, channels, b), table=table, guards=guards)
-                r = check_mode(m, stop_at_first=not full, progress=full, max_states=cap)
-                bad = [n for n, v in r.properties.items() if v == VIOLATED and (k == 0 or n not in SOMETIMES)]
-                if bad:
-                    cx = r.counterexample
-                    prop = cx["property"] if cx and cx["property"] in bad else bad[0]
-                    return f"{cname}:{mode.value}:{prop}"
-                if not r.complete and exhaustive:
-                    return f"{cname}:{mode.value}:unbounded (more than {cap} states)"
+            m = Model(Config(variant, ranks, mode, channels, b), table=table, guards=guards)
+            r = check_mode(m, stop_at_first=True, progress=exhaustive, max_states=cap)
+            bad = [n for n, v in r.properties.items() if v == VIOLATED and (k == 0 or n not in SOMETIMES)]
+            if bad:
+                cx = r.counterexample
+                prop = cx["property"] if cx and cx["property"] in bad else bad[0]
+                return f"{cname}:{mode.value}:{prop}"
+            if not r.complete and exhaustive:
+                return f"{cname}:{mode.value}:unbounded (more than {cap} states)"
     return None
 
 
@@ -224,21 +230,32 @@ def reachable_firings(
     return out
 
 
+def differs_in(mutant: Table, f: Firings) -> str | None:
+    """The first of ``f``'s reachable table lookups where ``mutant`` fires differently from the unmutated
+    table (another row, other effects, or other resulting variables), as ``"config:mode: state/event
+    args"``; None when there is none (then, by induction over the exploration, the mutant's reachable
+    graph under ``f``'s configuration and mode is the unmutated one's)."""
+    m = Model(f.model.config, table=mutant, guards=f.model.guards)
+    for key, (tr, after) in f.results.items():
+        v, event, i, extra = key
+        tr2, after2 = m.fire(i, v, event, extra)
+        effects = None if tr is None else tr.effects
+        effects2 = None if tr2 is None else tr2.effects
+        if effects != effects2 or after2 != after:
+            args = ", ".join(f"{k}={val}" for k, val in extra)
+            return f"{f.config}:{f.mode.value}: rank {i} {v.state.value}/{event.value}({args})"
+    return None
+
+
 def first_difference(mutant: Table, firings: list[Firings]) -> str | None:
     """The first reachable table lookup where ``mutant`` fires differently from the unmutated table
-    (another row, other effects, or other resulting variables), as ``"config:mode: state/event args"``; None
-    when there is none: then the mutant's transition system is identical to the original's under these
-    configurations (an *equivalent* mutant: no checker can kill it there)."""
+    (:func:`differs_in` over every configuration and mode); None when there is none: then the mutant's
+    transition system is identical to the original's under these configurations (an *equivalent* mutant:
+    no checker can kill it there)."""
     for f in firings:
-        m = Model(f.model.config, table=mutant, guards=f.model.guards)
-        for key, (tr, after) in f.results.items():
-            v, event, i, extra = key
-            tr2, after2 = m.fire(i, v, event, extra)
-            effects = None if tr is None else tr.effects
-            effects2 = None if tr2 is None else tr2.effects
-            if effects != effects2 or after2 != after:
-                args = ", ".join(f"{k}={val}" for k, val in extra)
-                return f"{f.config}:{f.mode.value}: rank {i} {v.state.value}/{event.value}({args})"
+        d = differs_in(mutant, f)
+        if d is not None:
+            return d
     return None
 
 
@@ -293,9 +310,12 @@ EQUIVALENT = "equivalent"
 def _kill_one(job: tuple[str, int, dict[str, Any]]) -> str | None:
     variant, idx, kw = job
     table = next(t for k, (_, t) in enumerate(mutants(get_variant(variant).table)) if k == idx)
-    if _FIRINGS is not None and first_difference(table, _FIRINGS) is None:
+    if _FIRINGS is None:
+        return kills(variant, table, **kw)
+    same = frozenset((f.config, f.mode) for f in _FIRINGS if differs_in(table, f) is None)
+    if len(same) == len(_FIRINGS):
         return EQUIVALENT
-    return kills(variant, table, **kw)
+    return kills(variant, table, same_as_unmutated=same, **kw)
 
 
 def run_mutation(
