@@ -107,7 +107,7 @@ def coordinator_table(latches: bool = False, excludes: bool = True) -> Table:
     first = _S.RUNNING if latches else _S.IDLE
     published = (PUBLISH,) if latches else ()
     fresh = "start_dp_wave_but_target" if excludes else "start_dp_wave_all"
-    latch_rule = "issue #51476 (before the fix)" if latches else f"{_SRC}:363-375 (no latch, issue #51476)"
+    latch_rule = "latches: before issue #51476's fix" if latches else "no latch: issue #51476's fix"
     t = Transition
     return {
         (_S.IDLE, _E.FIRST_REQ): (
