@@ -267,7 +267,8 @@ def row_fire_counts(table: Table, firings: list[Firings]) -> dict[tuple[str, str
             if tr is None:
                 continue
             rows = table.get((v.state, event), ())
-            k = next(j for j, r in enumerate(rows) if r is tr)
+            # by value: lookups computed in worker processes come back as copies of the rows
+            k = next(j for j, r in enumerate(rows) if r == tr)
             key = (str(v.state.value), str(event.value), k)
             counts[key] = counts.get(key, 0) + 1
     return counts
