@@ -363,7 +363,7 @@ def counterexample_record(
     model: Model, ex: Exploration[G], v: Violation, *, symmetry: bool = False
 ) -> dict[str, Any]:
     """A counterexample as a dict: ``property``, ``mode``, ``statement``, ``steps`` (numbered strings) and
-    ``records`` (structured :class:`~weightsync.model.system.Step` dicts), and ``labels`` (the model's
+    ``records`` (structured :class:`~weightsync.model.system.steps.Step` dicts), and ``labels`` (the model's
     successor labels, for replay)."""
     edges = concrete_path(model, ex, v.state, symmetry)
     if v.label is not None:
