@@ -68,6 +68,14 @@ class CoordVars(NamedTuple):
         return self.state is CoordState.RUNNING
 
 
+#: The fields of each coordinator input, in the order the model's message tuples ``(kind, *fields)`` carry
+#: them (``kind`` is the :class:`CoordEvent` value).
+MESSAGE_FIELDS: dict[CoordEvent, tuple[str, ...]] = {
+    CoordEvent.FIRST_REQ: ("exclude", "wave"),
+    CoordEvent.WAVE_COMPLETE: ("wave", "sender"),
+    CoordEvent.START_WAVE: ("wave", "sender"),
+}
+
 #: A START_DP_WAVE broadcast: the effect names below and whom each excludes (``"none"``: every engine;
 #: ``"exclude"`` / ``"sender"``: the message's argument of that name). The broadcast carries the
 #: coordinator's ``current_wave`` after the transition.
@@ -192,6 +200,7 @@ __all__ = [
     "BROADCASTS",
     "COORD_GUARDS",
     "COORD_UPDATES",
+    "MESSAGE_FIELDS",
     "PUBLISH",
     "CoordEvent",
     "CoordFired",

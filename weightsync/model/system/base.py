@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightsync.model.system.state import CHANNEL_FIFOS, CHANNELS, IDLE, NOT_SENT, Config, Ctrl, G, Rank
+from weightsync.spec.coordinator import coordinator_table
 from weightsync.spec.rank import GUARDS, UPDATES, RankVars, Table, Variant, apply, get_variant, select
 from weightsync.spec.states import PauseMode, RankEvent, RankState
 from weightsync.spec.table import Transition, apply_transition, select_transition
@@ -63,6 +64,11 @@ class ModelBase:
             raise ValueError(f"bad bounds {b}: failures must be >= 0")
         self._cache: dict[tuple[Any, ...], tuple[Transition | None, RankVars]] = {}
         self._wcache: dict[tuple[WorkerVars, WorkerEvent], WorkerVars] = {}
+        # the DP coordinator's table (spec/coordinator.py) for this variant, and its firings by input
+        self.coord_table = coordinator_table(
+            self.variant.coordinator_latches, self.variant.first_req_exclusion
+        )
+        self._coord_cache: dict[tuple[Any, ...], tuple[tuple[int, bool], tuple[tuple[int, int], ...]]] = {}
         # non-vacuity witnesses, set while exploring
         self.seen_all_verified = False
         self.seen_update_with_wave_in_flight = False

@@ -28,6 +28,7 @@ from weightsync.model.system.state import (
     Label,
     _Work,
 )
+from weightsync.spec.coordinator import MESSAGE_FIELDS, CoordEvent, CoordState, CoordVars, coordinator_fire
 from weightsync.spec.states import RankEvent
 from weightsync.spec.table import ALWAYS
 
@@ -50,25 +51,19 @@ class Environment(RankEffects):
             rk = w.ranks[src]
             msg = rk.outq[0]
             w.ranks[src] = rk.with_outq(rk.outq[1:])
-        wave, running = w.coord
-        kind = msg[0]
-        if kind == "FIRST_REQ":
-            exclude, mw = msg[1], msg[2]
-            if mw < wave or not self.variant.first_req_exclusion:
-                exclude = -1  # vLLM 0.32: bytes identity vs int index, never equal (core.py:2288)
-            if not running:
-                if (
-                    self.variant.coordinator_latches
-                ):  # issue #51476; vLLM 0.32 coordinator.py:363-375 does not
-                    w.coord = (wave, True)
-                self._broadcast(w, wave, exclude)
-        elif kind == "start_wave":
-            sw, sender = msg[1], msg[2]
-            if sw > wave or (sw == wave and not running):
-                w.coord = (sw, True)
-                self._broadcast(w, sw, sender)
-        elif kind == "wave_complete" and wave <= msg[1]:
-            w.coord = (msg[1] + 1, False)
+        key = (w.coord, msg)
+        r = self._coord_cache.get(key)
+        if r is None:
+            wave, running = w.coord
+            ev = CoordEvent(msg[0])
+            args = dict(zip(MESSAGE_FIELDS[ev], msg[1:], strict=True))
+            before = CoordVars(CoordState.RUNNING if running else CoordState.IDLE, wave)
+            fired = coordinator_fire(self.coord_table, before, ev, args)
+            r = ((fired.after.current_wave, fired.after.engines_running), fired.broadcasts)
+            self._coord_cache[key] = r
+        w.coord = r[0]
+        for wave, exclude in r[1]:
+            self._broadcast(w, wave, exclude)
         return w.freeze()
 
     def _broadcast(self, w: _Work, wave: int, exclude: int) -> None:
