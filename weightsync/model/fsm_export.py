@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.spec.coordinator import coordinator_digest, coordinator_table
+from weightsync.spec.front_end import FRONT_END_TABLE, front_end_digest
 from weightsync.spec.rank import EFFECTS, VARIANTS, Variant, spec_digest
 from weightsync.spec.rules import RULES
 from weightsync.spec.states import LOCAL_CALLS, RankEvent, RankState
@@ -152,6 +153,16 @@ def protocol_markdown() -> str:
         "",
     ]
     parts += _coordinator_markdown()
+    parts += [
+        "## API front-end",
+        "",
+        "vLLM's DP front-end client: its state is its `engines_running` belief, its variables the believed "
+        "`current_wave` (stamped on every ADD) and the front-end pause gate (`weightsync/spec/front_end.py`). "
+        f"Digest `{front_end_digest()[:16]}`.",
+        "",
+        _rows_markdown(FRONT_END_TABLE),
+        "",
+    ]
     for v in VARIANTS.values():
         parts += [
             f"## Variant `{v.name}`",

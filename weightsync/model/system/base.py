@@ -7,6 +7,7 @@ from typing import Any
 
 from weightsync.model.system.state import CHANNEL_FIFOS, CHANNELS, IDLE, NOT_SENT, Config, Ctrl, G, Rank
 from weightsync.spec.coordinator import coordinator_table
+from weightsync.spec.front_end import FrontEvent, FrontState, FrontVars, front_end_fire
 from weightsync.spec.rank import GUARDS, UPDATES, RankVars, Table, Variant, apply, get_variant, select
 from weightsync.spec.states import PauseMode, RankEvent, RankState
 from weightsync.spec.table import Transition, apply_transition, select_transition
@@ -68,6 +69,7 @@ class ModelBase:
         self.coord_table = coordinator_table(
             self.variant.coordinator_latches, self.variant.first_req_exclusion
         )
+        self._front_cache: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[int, bool, bool]]] = {}
         self._coord_cache: dict[tuple[Any, ...], tuple[tuple[int, bool], tuple[tuple[int, int], ...]]] = {}
         # non-vacuity witnesses, set while exploring
         self.seen_all_verified = False
@@ -124,3 +126,18 @@ class ModelBase:
             )
             self._wcache[key] = r
         return r
+
+    def _front(
+        self, front: tuple[Any, ...], event: FrontEvent, **args: Any
+    ) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+        """The front-end's table (spec/front_end.py) on ``event``: the row's effects and the new
+        ``front`` tuple (``next_request`` and ``client_aborted`` unchanged)."""
+        key = (front[0], front[1], front[3], event, tuple(sorted(args.items())))
+        r = self._front_cache.get(key)
+        if r is None:
+            before = FrontVars(FrontState.RUNNING if front[1] else FrontState.IDLE, front[0], front[3])
+            tr, after = front_end_fire(before, event, args)
+            r = (tr.effects, (after.current_wave, after.engines_running, after.gated))
+            self._front_cache[key] = r
+        effects, (bw, brun, gated) = r
+        return effects, (bw, brun, front[2], gated, front[4])

@@ -26,6 +26,7 @@ from weightsync.model.system.state import (
     Rank,
     _Work,
 )
+from weightsync.spec.front_end import FrontEvent
 from weightsync.spec.rank import RankVars
 from weightsync.spec.states import (
     RankEvent,
@@ -244,9 +245,9 @@ class RankEffects(ModelBase):
         elif eff == "emit_start_wave":
             self._to_coord(w, i, ("start_wave", rk.vars.current_wave, i))
         elif eff == "front_end_gate":
-            w.front = (w.front[0], w.front[1], w.front[2], True, w.front[4])
-        elif eff == "front_end_ungate":
-            w.front = (w.front[0], w.front[1], w.front[2], False, w.front[4])
+            w.front = self._front(w.front, FrontEvent.GATE)[1]
+        elif eff == "front_end_ungate":  # held requests: the model sends them only after this (release_held)
+            w.front = self._front(w.front, FrontEvent.UNGATE)[1]
         else:  # pragma: no cover - a table naming an effect the model does not know
             raise ValueError(f"unknown effect {eff!r}")
 

@@ -29,6 +29,7 @@ from weightsync.model.system.state import (
     _Work,
 )
 from weightsync.spec.coordinator import MESSAGE_FIELDS, CoordEvent, CoordState, CoordVars, coordinator_fire
+from weightsync.spec.front_end import FrontEvent
 from weightsync.spec.states import RankEvent
 from weightsync.spec.table import ALWAYS
 
@@ -76,16 +77,18 @@ class Environment(RankEffects):
     # -- front-end
 
     def _send_request(self, s: G, i: int) -> G:
-        bw, brun, nxt, gated, cab = s.front
+        """The client sends request ``next_request`` to rank ``i`` through the front-end's table (the
+        caller offers this only when the row does not hold it)."""
+        effects, front = self._front(s.front, FrontEvent.SEND_REQUEST, target=i)
+        bw, nxt = s.front[0], s.front[2]
         w = _Work(s)
-        f = self.f_add
-        rk = w.ranks[i]
-        w.ranks[i] = rk.with_inq((*rk.inq[:f], (*rk.inq[f], ("ADD", nxt, bw)), *rk.inq[f + 1 :]))
-        if not brun:
-            msg = ("FIRST_REQ", i, bw)
-            w.coord_q = ((*w.coord_q[0], msg),)
-            brun = True
-        w.front = (bw, brun, nxt + 1, gated, cab)
+        if "send_add" in effects:
+            f = self.f_add
+            rk = w.ranks[i]
+            w.ranks[i] = rk.with_inq((*rk.inq[:f], (*rk.inq[f], ("ADD", nxt, bw)), *rk.inq[f + 1 :]))
+        if "send_first_req" in effects:
+            w.coord_q = ((*w.coord_q[0], ("FIRST_REQ", i, bw)),)
+        w.front = (front[0], front[1], nxt + 1, front[3], front[4])
         return w.freeze()
 
     def _holder(self, s: G, r: int) -> int:

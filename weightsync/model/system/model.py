@@ -5,6 +5,7 @@ from __future__ import annotations
 from weightsync.model.system.properties import Properties
 from weightsync.model.system.state import DP_KINDS, RETRY, TRANSFER_KINDS, G, Label, _Work
 from weightsync.model.system.symmetry import Symmetry
+from weightsync.spec.front_end import FrontEvent
 from weightsync.spec.states import RankState
 
 
@@ -71,12 +72,15 @@ class Model(Properties, Symmetry):
                 if ranks[i].outq:
                     out.append((("coord", i, 0), self._coord_recv(s, i, 0)))
         # front-end
-        bw, brun, nxt, gated, cab = s.front
-        if nxt < self.R and not gated and not self._init_holds_front(s):
+        bw, brun, nxt = s.front[:3]
+        cab = s.front[4]
+        if nxt < self.R and not self._init_holds_front(s):
             for i in range(n):
-                out.append((("send", i), self._send_request(s, i)))
-        if (bw, brun) != s.coord:
-            out.append((("refresh",), s._replace(front=(s.coord[0], s.coord[1], nxt, gated, cab))))
+                if "hold_request" not in self._front(s.front, FrontEvent.SEND_REQUEST, target=i)[0]:
+                    out.append((("send", i), self._send_request(s, i)))
+        if (bw, brun) != s.coord:  # the stats refresh (a refresh that changes nothing is a self-loop)
+            _, front = self._front(s.front, FrontEvent.STATS, wave=s.coord[0], running=s.coord[1])
+            out.append((("refresh",), s._replace(front=front)))
         if len(cab) < self.client_aborts:
             for r in range(nxt):
                 if r not in cab and r not in s.done and r not in s.aborted:
