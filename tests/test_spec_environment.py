@@ -1,4 +1,4 @@
-"""The DP coordinator is one table (weightsync/spec/coordinator.py) that the model and the reference
+"""The DP coordinator and the API front-end are tables (weightsync/spec/coordinator.py, front_end.py) that the model and
 engine's coordinator process both run: the same random message sequences go through the model's
 coordinator step and through a real coordinator process, and their START_DP_WAVE broadcasts and
 ``(current_wave, engines_running)`` must agree after every message. The table itself is checked against
@@ -163,3 +163,23 @@ def test_latching_and_exclusion_flags() -> None:
     assert f.after.engines_running and f.broadcasts == ((3, 1),)
     f = coordinator_fire(t, idle, CoordEvent.FIRST_REQ, {"wave": 2, "exclude": 1})
     assert f.broadcasts == ((3, -1),)  # stale: every engine takes it
+
+
+def test_front_end_table_follows_vllm_032() -> None:
+    """vLLM 0.32 ``v1/engine/core_client.py:1582-1593, 1540-1549, 1562-1565``: a request is stamped with the
+    believed wave; FIRST_REQ only while the engines are believed idle, after which they are believed
+    running; stats replace the belief; a closed front-end pause gate holds requests."""
+    from weightsync.spec.front_end import FrontEvent, FrontState, FrontVars, front_end_fire
+
+    idle = FrontVars(FrontState.IDLE, 4)
+    tr, after = front_end_fire(idle, FrontEvent.SEND_REQUEST, {"target": 1})
+    assert tr.effects == ("send_add", "send_first_req") and after == FrontVars(FrontState.RUNNING, 4)
+    tr, after2 = front_end_fire(after, FrontEvent.SEND_REQUEST, {"target": 0})
+    assert tr.effects == ("send_add",) and after2 == after
+    _, st = front_end_fire(after, FrontEvent.STATS, {"wave": 5, "running": False})
+    assert st == FrontVars(FrontState.IDLE, 5)
+    _, gated = front_end_fire(st, FrontEvent.GATE, {})
+    tr, held = front_end_fire(gated, FrontEvent.SEND_REQUEST, {"target": 0})
+    assert tr.effects == ("hold_request",) and held == gated  # nothing sent, belief unchanged
+    tr, opened = front_end_fire(held, FrontEvent.UNGATE, {})
+    assert tr.effects == ("release_held",) and not opened.gated
