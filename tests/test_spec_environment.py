@@ -1,8 +1,8 @@
-"""The DP coordinator and the API front-end are tables (weightsync/spec/coordinator.py, front_end.py) that the model and
-engine's coordinator process both run: the same random message sequences go through the model's
+"""The DP coordinator and the API front-end are tables (weightsync/spec/coordinator.py, front_end.py) that
+the model and the reference engine both run: the same random message sequences go through the model's
 coordinator step and through a real coordinator process, and their START_DP_WAVE broadcasts and
-``(current_wave, engines_running)`` must agree after every message. The table itself is checked against
-vLLM 0.32's rules."""
+``(current_wave, engines_running)`` must agree after every message. The tables themselves are checked
+against vLLM 0.32's rules."""
 
 from __future__ import annotations
 
