@@ -68,11 +68,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# --allow-stale-mutation is TEMPORARY: proofs/mutation.json predates the failure rows and the safe resume
-# (the full `weightsync mutate --write` run takes over an hour on 2 cores and did not finish in the session
-# that changed the table); prove --check prints a WARNING for it. Drop the flag once it is re-run.
 prove-check: $(STAMP)
-	$(BIN)/weightsync prove --check --allow-stale-mutation
+	$(BIN)/weightsync prove --check
 
 ci: test test-vllm-slow lint prove-check
 

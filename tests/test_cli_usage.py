@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from weightsync.cli import main
+from weightsync.impl.engine.repro import EXPECTED
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -106,6 +107,16 @@ def test_check_negative_max_states_is_a_usage_error_not_a_bug_found() -> None:
             ["repro", "two-phase-epoch", "--fix", "epoch"],
             "--fix applies to --engine vllm (the reference engine runs the fixed variants by name)",
         ),
+        (
+            ["repro", "two-phase", "--schedule", "ignore-wave"],
+            "--schedule 'ignore-wave': two-phase runs the counterexample of two-phase",
+        ),
+        (
+            ["repro", "two-phase-epoch", "--schedule", "two-phase-epoch"],
+            "--schedule 'two-phase-epoch': two-phase-epoch runs the counterexample of front-end-pause, "
+            "idle-fast-path, ignore-wave, two-phase",
+        ),
+        (["repro", "vllm-0.32"], "unknown variant 'vllm-0.32'; known: " + ", ".join(EXPECTED)),
     ],
 )
 def test_repro_engine_and_fix_misuse_exit_2_before_anything_starts(

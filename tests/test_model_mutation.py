@@ -113,11 +113,6 @@ def test_mutation_refuses_a_table_that_fails_unmutated() -> None:
             reachable_firings("two-phase", cfg, workers=workers)
 
 
-@pytest.mark.xfail(
-    reason="proofs/mutation.json predates the failure rows and the safe resume; re-run `weightsync mutate "
-    "--write` (over an hour on 2 cores) and remove this mark (an XPASS says it is fresh again)",
-    strict=False,
-)
 def test_checked_in_mutation_report_is_fresh_and_explained() -> None:
     from pathlib import Path
 

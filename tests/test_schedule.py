@@ -1,5 +1,5 @@
-"""The compiler behind ``weightsync repro vllm-0.32 --engine vllm`` (:mod:`weightsync.schedule`; no engine is
-started: the model only).
+"""The compiler behind ``weightsync repro`` on both engines (:mod:`weightsync.schedule`; no engine is started:
+the model only). First for ``--engine vllm``:
 
 - The model's shortest vllm-0.32 counterexample compiles, from its labels and the states the successor
   function gives along them, into driver actions: the ADD and FIRST_REQ held, the pause and resume
@@ -9,6 +9,10 @@ started: the model only).
   alone, and the rows that differ before it are the fix's: the resume barrier re-bases the wave, so the
   late START_DP_WAVE is dropped.
 - A label that is not an edge is refused with its index.
+
+Then for the reference engine (its runs are in ``tests/test_engine_repro.py``): a fix's schedule is compiled
+on the fix's model up to the step it makes impossible and ends with that step on the buggy model's terms;
+labels no driver drives (injected failures, timeouts) and channels the engines do not have are refused.
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ from __future__ import annotations
 import pytest
 
 from weightsync.model.check import build_model
-from weightsync.schedule import compile_schedule, fix_divergence, model_counterexample
+from weightsync.schedule import (
+    channels,
+    compile_schedule,
+    fired_events,
+    fix_divergence,
+    fix_schedule,
+    model_counterexample,
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +78,36 @@ def test_the_fix_makes_the_lone_step_impossible_and_names_its_rows(cx: dict[str,
 def test_a_label_that_is_no_edge_is_refused() -> None:
     with pytest.raises(ValueError, match=r"label 1 \['step', 0\] is not an edge of vllm-0.32"):
         compile_schedule(build_model("vllm-0.32", 2, "keep"), [["step", 0]], [])
+
+
+# ------------------------------------------------------------------- the same compiler, reference engine
+def test_a_fix_schedule_ends_with_the_step_the_fix_makes_impossible() -> None:
+    """two-phase's labels on two-phase-epoch: steps 1-19 on the fix's model (its rows and its text), then
+    step 20 on the buggy model's terms (rank 0 stepping alone into dp_step), which the driver must not see."""
+    cx = model_counterexample("two-phase", "keep")
+    labels = [list(x) for x in cx["labels"]]
+    buggy, fixed = build_model("two-phase", 2, "keep"), build_model("two-phase-epoch", 2, "keep")
+    actions, div = fix_schedule(buggy, fixed, labels, list(cx["steps"]), "reference")
+    assert div["impossible_step"] == len(labels) == len(actions) == 20
+    late = actions[18]
+    assert [f[:3] for f in late.fired] == [(0, "START_DP_WAVE", "wave_dropped")]  # the fix's row
+    assert "wave_dropped" in late.text and "wave_for_me_not_ignoring" in cx["steps"][18]
+    assert late.fired[0][3]["current_wave"] == 2 and late.fired[0][3]["engines_running"] is False
+    barrier = actions[17]
+    assert {f[2] for f in barrier.fired} == {"barrier_idle"}
+    last = actions[-1]
+    assert (last.kind, last.rank, last.text) == ("step", 0, cx["steps"][19])
+    assert [f[:3] for f in last.fired] == [(0, "step", "step_plain")] and last.blocked_after[0] == "dp_step"
+
+
+def test_the_reference_compiler_refuses_what_no_driver_drives() -> None:
+    model = build_model("two-phase", 2, "keep")
+    s = model.initial()
+    with pytest.raises(ValueError, match="injected failures are not driven"):
+        fired_events(model, s, ["done", "weight_broadcast", "fail"], s)
+    with pytest.raises(ValueError, match="is not driven on real processes"):
+        fired_events(model, s, ["timeout", 0, "weight_broadcast"], s)
+    with pytest.raises(ValueError, match="one FIFO per socket"):
+        channels(build_model("two-phase", 2, "keep", channels="ordered"), s)
+    with pytest.raises(ValueError, match="engine 'sglang'"):
+        compile_schedule(model, [["send", 0]], [], "sglang")

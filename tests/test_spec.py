@@ -167,6 +167,24 @@ def test_worker_machine_order() -> None:
         w.fire(WorkerEvent.START)
 
 
+def test_worker_start_after_a_failed_reinit_is_refused() -> None:
+    """A failed init_weight_transfer_engine (the rank table's fail_init effect) leaves the worker
+    uninitialised even after an earlier init succeeded: the transfer group is gone, so a start before a
+    new init is refused (the mutation report's note on the dropped fail_init effect relies on it)."""
+    w = WorkerMachine()
+    w.fire(WorkerEvent.INIT)
+    w.fire(WorkerEvent.START)
+    w.fire(WorkerEvent.FINISH)
+    w.fire(WorkerEvent.FAIL_INIT)  # a later re-init failed
+    with pytest.raises(LocalProtocolError, match=r"start_weight_update.*guard\(s\) initialized"):
+        w.fire(WorkerEvent.START)
+    w = WorkerMachine()
+    w.fire(WorkerEvent.INIT)
+    w.fire(WorkerEvent.FAIL_INIT)
+    w.fire(WorkerEvent.INIT)  # initialised again: a round may start
+    w.fire(WorkerEvent.START)
+
+
 def test_generated_spec_files_are_fresh() -> None:
     assert stale_spec_files(ROOT / "spec") == [], "run `weightsync prove` and commit spec/"
 

@@ -233,7 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     r = add("repro", "replay the model's counterexample schedule for VARIANT on real processes")
     r.add_argument("variant")
     r.add_argument(
-        "--timeout", type=_seconds, default=None, help="collective timeout, seconds (reference: 10, vllm: 30)"
+        "--timeout",
+        type=_seconds,
+        default=None,
+        help="collective timeout, seconds (reference: 5, at most 10; vllm: 30)",
     )
     r.add_argument(
         "--engine",
@@ -244,7 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--fix", choices=("epoch",), default=None, help="(--engine vllm) install the fix in vLLM")
     r.add_argument(
-        "--mode", choices=("keep", "wait", "abort"), default="keep", help="(--engine vllm) pause mode"
+        "--mode",
+        choices=("keep", "wait", "abort"),
+        default="keep",
+        help="pause mode of the model's counterexample and of the controller's pause",
+    )
+    r.add_argument(
+        "--schedule",
+        default=None,
+        help="(reference, a fixed variant) the buggy variant whose counterexample to drive (default: the one "
+        "it fixes, two-phase for two-phase-epoch)",
     )
 
     rp = add("replay", "validate recorded traces against the model")
@@ -604,71 +616,86 @@ def _repro_vllm(args: argparse.Namespace) -> int:
 
 
 def _repro(args: argparse.Namespace) -> int:
-    from weightsync.impl.engine.repro import EXPECTED, repro, schedules_for
+    """``repro VARIANT``: the model's counterexample compiled by :mod:`weightsync.schedule` (glue, design s2:
+    model and impl meet only here) and driven on the reference engine by
+    :func:`weightsync.impl.engine.repro.run_schedule`."""
+    from weightsync.impl.engine.repro import BUGGY, EXPECTED, Plan, run_schedule
 
     if args.engine == "vllm":
         return _repro_vllm(args)
-    if args.fix is not None:
-        msg = "--fix applies to --engine vllm (the reference engine runs the fixed variants by name)"
-        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
-        return EXIT_USAGE
-    from weightsync.model.check import check
 
-    if args.variant not in EXPECTED:
-        msg = f"unknown variant {args.variant!r}; known: {', '.join(EXPECTED)}"
+    def usage(msg: str) -> int:
         emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
         return EXIT_USAGE
-    # glue (design s2: model and impl meet only here): the model's shortest counterexample of each
-    # schedule's variant, as plain data, handed to the router compiler
-    cxs: dict[str, dict[str, Any]] = {}
-    model_errors: dict[str, str] = {}
-    t_model = time.monotonic()
-    for name in schedules_for(args.variant):
-        try:
-            cx = check(name, 2, progress=False).get("counterexample")
-        except Exception as exc:  # fall back to the hand-written schedule, and say so
-            model_errors[name] = f"{type(exc).__name__}: {exc}"
-            continue
-        if cx is not None:
-            cxs[name] = {k: cx[k] for k in ("property", "mode", "steps", "records", "labels")}
+
+    if args.fix is not None:
+        return usage("--fix applies to --engine vllm (the reference engine runs the fixed variants by name)")
+    if args.variant not in EXPECTED:
+        return usage(f"unknown variant {args.variant!r}; known: {', '.join(EXPECTED)}")
+    from weightsync.model.check import build_model
+    from weightsync.schedule import FIX_OF, compile_schedule, final_state, fix_schedule, model_counterexample
+    from weightsync.spec.errors import WeightSyncError
+
+    fixed = EXPECTED[args.variant] == "completed"
+    schedule = args.schedule or (FIX_OF[args.variant] if fixed else args.variant)
+    if schedule not in BUGGY or (not fixed and schedule != args.variant):
+        known = ", ".join(BUGGY) if fixed else args.variant
+        return usage(f"--schedule {schedule!r}: {args.variant} runs the counterexample of {known}")
+    buggy = build_model(schedule, 2, args.mode)  # no exploration yet: the bounds the engines take
+    model_seconds: list[float] = []
+
+    def plan() -> Plan:  # the model's exploration, while the engines start
+        t_model = time.monotonic()
+        cx = model_counterexample(schedule, args.mode)
+        labels, texts = [list(x) for x in cx["labels"]], [str(x) for x in cx["steps"]]
+        if fixed:
+            fix = build_model(args.variant, 2, args.mode)
+            actions, div = fix_schedule(buggy, fix, labels, texts, "reference")
+            p = Plan(schedule, actions, None, div["fix_rows"], div["impossible_step"], str(cx["property"]))
         else:
-            model_errors[name] = "the model found no counterexample"
-    model_seconds = time.monotonic() - t_model
-    runs = repro(args.variant, cxs, timeout_s=min(float(args.timeout or 10.0), 10.0))
-    expected = EXPECTED[args.variant]
-    results = {r.result for r in runs}
-    result = expected if results == {expected} else sorted(results - {expected})[0]
-    sources = sorted({r.source for r in runs})
-    out: dict[str, Any] = {
-        "variant": args.variant,
-        "result": result,
-        "expected": expected,
-        "seconds": round(sum(r.seconds for r in runs), 3),
-        "model_seconds": round(model_seconds, 3),
-        "ranks": sorted({q for r in runs for q in r.ranks}),
-        "collectives": runs[0].collectives if len(runs) == 1 else {r.schedule: r.collectives for r in runs},
-        "schedule_source": sources[0] if len(sources) == 1 else "mixed",
-        "counterexample": (
-            {"property": cxs[runs[0].schedule]["property"], "steps": runs[0].counterexample}
-            if len(runs) == 1 and runs[0].schedule in cxs
-            else {n: {"property": c["property"], "steps": c["steps"]} for n, c in cxs.items()}
-        ),
-        "schedules": [r.as_dict() for r in runs],
-    }
-    if model_errors:
-        out["model_errors"] = model_errors
+            actions = compile_schedule(buggy, labels, texts, "reference")
+            p = Plan(schedule, actions, final_state(buggy, labels), prop=str(cx["property"]))
+        model_seconds.append(time.monotonic() - t_model)
+        return p
+
+    timeout = min(float(args.timeout), 10.0) if args.timeout is not None else 5.0
+    try:
+        res = run_schedule(
+            args.variant,
+            plan,
+            mode=args.mode,
+            clear_cache=buggy.clear,
+            tokens=buggy.T,
+            sync_interval=buggy.K,
+            timeout_s=timeout,
+            log=_progress(args),
+        )
+    except (WeightSyncError, RuntimeError, ValueError) as exc:  # no schedule, or no engines to run it
+        msg = f"{args.variant}: the run did not start: {type(exc).__name__}: {exc}"
+        emit({"result": "error", "error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_VIOLATION
+    out = res.as_dict()
+    out["expected"] = EXPECTED[args.variant]
+    out["model_seconds"] = round(sum(model_seconds), 3)
 
     def human() -> None:
-        for r in runs:
-            print(f"{r.variant} on the {r.schedule} schedule ({r.source}): {r.result} in {r.seconds:.1f} s")
-            for i, st in enumerate(r.steps, 1):
-                print(f"  {i}. {st}")
-            for q, c in sorted(r.collectives.items()):
-                print(f"  rank {q} blocked in {c}")
-        print(f"{args.variant}: {result} (expected {expected})")
+        print(
+            f"{res.variant} on the reference engine, {res.schedule}'s counterexample ({res.mode}): {res.result}"
+        )
+        print(f"  followed {res.followed_steps} model steps; diverged at {res.diverged_at}; {res.reason}")
+        if res.impossible_step is not None:
+            print(f"  step {res.impossible_step} is impossible under the fix")
+        for row in res.fix_rows:
+            print(f"  fix row at step {row['step']}, rank {row['rank']}: {row['fix_row']}")
+        for r, w in sorted(res.ranks.items()):
+            print(
+                f"  rank {r}: {'blocked in ' + w if w else 'outside any collective'} {res.errors.get(r, '')}"
+            )
+        if res.requests_finished:
+            print(f"  requests finished (tokens): {res.requests_finished}")
 
     emit(out, args.json, human)
-    return EXIT_OK if result == expected else EXIT_VIOLATION
+    return EXIT_OK if res.result == EXPECTED[args.variant] else EXIT_VIOLATION
 
 
 HANDLERS["repro"] = _repro

@@ -1,21 +1,39 @@
-"""The model -> real-process compiler for driving a real vLLM through a model counterexample (glue between
-:mod:`weightsync.model` and :mod:`weightsync.vllm`; it imports neither the implementation nor vLLM).
+"""The model -> real-process compiler behind ``weightsync repro`` on both engines (glue between
+:mod:`weightsync.model` and the drivers in :mod:`weightsync.impl.engine.repro` and :mod:`weightsync.vllm.repro`;
+it imports neither the implementation nor vLLM).
 
-The model's shortest counterexample (``weightsync check --variant vllm-0.32 --ranks 2``, one pause mode) is
-compiled from its **labels and states** (the model's successor function replayed along the labels,
+A model counterexample (``weightsync check --variant V --ranks 2``, one pause mode) is compiled from its
+**labels and states** (the model's successor function replayed along the labels,
 :func:`weightsync.model.check.replay_labels`; no step text is parsed) into :class:`Action` s, one per model
-step, each naming the driver action and the engine records that must follow (see
-:mod:`weightsync.vllm.repro` for the driver and the table of actions). :func:`fix_divergence` says where a
-fix's model leaves the same labels and which of its table rows differ.
+step. Each names the driver action and what must be observed after it:
+
+- for every engine: the table rows the step fires (``fired``: rank, event, guard, the rank's variables after
+  the row), every rank's variables and blocking collective after the step, what the step consumes from a
+  channel (``channel``, ``message``) and every channel's contents after it (``channels``), the coordinator's
+  and the front-end's ``(current_wave, engines_running)``, and the collective the trainer is in;
+- for vLLM: the probe records that must follow (``expect``) and vLLM's variables (``model_vars``), see
+  :mod:`weightsync.vllm.repro`.
+
+Messages are compared in one plain form (:func:`wire`): ``("ADD", req, wave)``, ``("ABORT", req)``,
+``("START_DP_WAVE", wave, exclude)``, ``(call,)``, ``("FIRST_REQ", exclude, wave)``, ``("wave_complete",
+wave)``, ``("start_wave", wave, sender)``. Channels are keyed ``(rank, name)``: ``front`` (front-end -> rank),
+``control`` (controller -> rank), ``wave`` (coordinator -> rank), ``coord`` (rank -> coordinator; rank -1: the
+front-end's FIRST_REQ).
+
+:func:`fix_divergence` says where a fix's model leaves the same labels and which of its table rows differ;
+:func:`fix_schedule` compiles the labels on the fix's model up to that step and the step itself on the
+buggy model's terms; :func:`final_state` is where the model says the ranks end.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from weightsync.model.check import check, replay_labels
-from weightsync.model.system import G, Model, message_event
+from weightsync.model.system import CALL_EVENT, DONE_EVENT, G, Model, describe, message_event
+from weightsync.spec.rank import RankVars
 from weightsync.spec.states import RankEvent, unfinished_for_sync
 
 #: the rank variables vLLM has under the same name, compared between the model and the engine
@@ -23,26 +41,60 @@ COMPARED = ("engines_running", "current_wave", "pending_pause", "ignore_start_dp
 #: observations taken before the event in vLLM (the probe records them on entry)
 BEFORE = frozenset({"step", "resume"})
 FIX_VARIANT = {"epoch": "vllm-0.32-epoch"}
+#: the buggy variant whose counterexample a fixed variant's ``repro`` drives by default
+FIX_OF = {"two-phase-epoch": "two-phase", "vllm-0.32-epoch": "vllm-0.32"}
 CALL_METHOD = {"pause": "pause_scheduler", "resume": "resume_scheduler"}
 #: the client->engine messages the driver holds (everything else, e.g. ``get_supported_tasks`` or the
 #: driver's own ``weightsync_release``, passes)
 HELD_KINDS = frozenset({"ADD", "ABORT", *CALL_METHOD.values()})
+#: the engines a schedule is compiled for, and the driver action of each model label kind on the reference
+#: engine (the vLLM driver's are set in :func:`action`)
+ENGINES = ("vllm", "reference")
+REFERENCE_KIND = {
+    "send": "add",
+    "fan": "call",
+    "fe": "fe",
+    "recv": "release",
+    "step": "step",
+    "done": "observe",
+    "coord": "coord",
+    "refresh": "refresh",
+}
+
+#: the guard :data:`Fired` names for an event no row of the table takes (the model's rank goes to error)
+ILLEGAL = "(illegal)"
+#: a channel: (rank, name); rank -1 with ``coord``: the front-end's FIFO to the coordinator
+Channel = tuple[int, str]
+#: a table row fired by a model step: (rank, event, guard, the rank's variables after the row)
+Fired = tuple[int, str, str, dict[str, Any]]
 
 
 @dataclass
 class Action:
-    """One compiled model step: what the driver does and which engine records must follow.
+    """One compiled model step: what the driver does and what must be observed after it.
 
     Attributes:
         step: 1-based index of the model step.
         label: the model's label (plain list).
         text: the model's step text (for the report only).
-        kind: driver action: ``add``, ``call``, ``send``, ``release``, ``observe``, ``coord``, ``refresh``.
-        rank: the rank acted on (-1: none / every rank).
+        kind: driver action: ``add``, ``call``, ``send``, ``release``, ``observe``, ``coord``, ``refresh``
+            (vLLM), or ``add``, ``call``, ``fe``, ``release``, ``step``, ``observe``, ``coord``, ``refresh``
+            (reference, :data:`REFERENCE_KIND`).
+        rank: the rank acted on (-1: none / every rank / the front-end).
         arg: the action's argument (the call, the held message kind, the collective).
-        expect: ``(rank, ev, fields)`` engine records that must follow, in order per rank.
-        model_vars: the model's compared variables per rank (after the step; before it for BEFORE events).
+        expect: (vLLM) ``(rank, ev, fields)`` probe records that must follow, in order per rank.
+        model_vars: (vLLM) the model's compared variables per rank (after the step; before it for BEFORE).
         coord: the coordinator's (current_wave, engines_running) after the step.
+        channel: the channel the step takes a message from (recv, coord), else ``(-1, "")``.
+        message: that message (:func:`wire`), or for ``send`` the ADD sent.
+        fired: the table rows the step fires (see :data:`Fired`; guard :data:`ILLEGAL` for an event no
+            row takes), in order; an outcome a row's effect causes (a worker's finish) is not listed but
+            shows in ``vars_after``.
+        vars_after: every rank's variables after the step (plain values: enums as their values).
+        blocked_after: every rank's collective after the step ("" when none).
+        channels: every non-empty channel's messages after the step (:func:`wire`).
+        front: the front-end's believed (current_wave, engines_running) after the step.
+        trainer: the collective the trainer is in after the step ("" when none).
     """
 
     step: int
@@ -54,6 +106,36 @@ class Action:
     expect: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
     model_vars: dict[int, dict[str, Any]] = field(default_factory=dict)
     coord: tuple[int, bool] = (0, False)
+    channel: Channel = (-1, "")
+    message: tuple[Any, ...] = ()
+    fired: list[Fired] = field(default_factory=list)
+    vars_after: dict[int, dict[str, Any]] = field(default_factory=dict)
+    blocked_after: dict[int, str] = field(default_factory=dict)
+    channels: dict[Channel, list[tuple[Any, ...]]] = field(default_factory=dict)
+    front: tuple[int, bool] = (0, False)
+    trainer: str = ""
+
+
+@dataclass
+class FinalState:
+    """Where the model's run of a schedule ends.
+
+    Attributes:
+        blocked: every rank's collective ("" when none).
+        vars: every rank's variables (plain values).
+        channels: every non-empty channel's messages (:func:`wire`).
+        trainer: the collective the trainer is in ("" when none).
+        terminal: no transition of the model is enabled (a deadlock), so letting every message flow and
+            every rank step cannot change it.
+        requests: requests the front-end sent.
+    """
+
+    blocked: dict[int, str]
+    vars: dict[int, dict[str, Any]]
+    channels: dict[Channel, list[tuple[Any, ...]]]
+    trainer: str
+    terminal: bool
+    requests: int
 
 
 def _vars(rk: Any) -> dict[str, Any]:
@@ -61,8 +143,119 @@ def _vars(rk: Any) -> dict[str, Any]:
     return {k: (int(getattr(v, k)) if k == "pause_state" else getattr(v, k)) for k in COMPARED}
 
 
-def compile_schedule(model: Model, labels: list[Any], texts: list[str]) -> list[Action]:
-    """The driver actions of ``labels`` on ``model`` (see the module docstring), from the model's states.
+def plain_vars(v: RankVars) -> dict[str, Any]:
+    """A rank's variables as plain values (enums as their values; the engines report theirs so too)."""
+    return {k: (x.value if isinstance(x, Enum) else x) for k, x in v._asdict().items()}
+
+
+def wire(m: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A model message in the plain form both drivers compare (see the module docstring)."""
+    k = m[0]
+    if k == "ADD":
+        return ("ADD", int(m[1]), int(m[2]))
+    if k == "ABORT":
+        return ("ABORT", int(m[1]))
+    if k == "W":
+        return ("START_DP_WAVE", int(m[1]), int(m[2]))
+    if k == "U":
+        return (str(m[1]),)
+    if k == "FIRST_REQ":
+        return ("FIRST_REQ", int(m[1]), int(m[2]))
+    if k == "wave_complete":
+        return ("wave_complete", int(m[1]))
+    return (str(k), int(m[1]), int(m[2]))  # start_wave(wave, sender)
+
+
+def channel_names(model: Model) -> dict[int, str]:
+    """The name of each rank input FIFO of ``model`` (per-socket channels only).
+
+    Raises:
+        ValueError: ``model`` does not use per-socket channels (one FIFO per socket, as both engines).
+    """
+    if model.config.channels != "per-socket":
+        raise ValueError(
+            f"channels {model.config.channels!r}: the engines have one FIFO per socket (per-socket)"
+        )
+    return {model.f_add: "front", model.f_ctrl: "control", model.f_wave: "wave"}
+
+
+def channels(model: Model, s: G) -> dict[Channel, list[tuple[Any, ...]]]:
+    """Every non-empty channel of ``s`` and its messages, oldest first (:func:`wire`)."""
+    names = channel_names(model)
+    out: dict[Channel, list[tuple[Any, ...]]] = {}
+    for i, rk in enumerate(s.ranks):
+        for f, q in enumerate(rk.inq):
+            if q:
+                out[(i, names[f])] = [wire(m) for m in q]
+        if rk.outq:
+            out[(i, "coord")] = [wire(m) for m in rk.outq]
+    if s.coord_q[0]:
+        out[(-1, "coord")] = [wire(m) for m in s.coord_q[0]]
+    return out
+
+
+def collective_args(model: Model, s: G, kind: str) -> tuple[tuple[str, Any], ...]:
+    """The arguments every member's outcome event of collective ``kind`` carries in ``s`` (besides
+    ``has_work``): the DP sync's sums, the resume barrier's maxima (as the model's completion gives them)."""
+    ranks = s.ranks
+    if kind == "dp_sync":
+        su = sum(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
+        sp = sum(1 for r in ranks if r.vars.pending_pause)
+        return (("sum_pending_pause", sp), ("sum_unfinished", su))
+    if kind == "resume_barrier":
+        mu = max(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
+        return (("max_unfinished", mu), ("max_wave", max(r.vars.current_wave for r in ranks)))
+    return ()
+
+
+def fired_events(
+    model: Model, s: G, label: Any, t: G
+) -> list[tuple[int, RankEvent, tuple[tuple[str, Any], ...]]]:
+    """The table events (rank, event, arguments) the model edge ``s --label--> t`` fires, in order.
+
+    Raises:
+        ValueError: a label no engine driver drives (an injected failure, a timeout, a client abort, a
+            retried or extra controller call).
+    """
+    lab = list(label)
+    kind = lab[0]
+    if lab[-1] == "fail":
+        raise ValueError(f"label {lab!r}: injected failures are not driven on real processes")
+    if kind == "recv":
+        i = int(lab[1])
+        rk = s.ranks[i]
+        ev, extra = message_event(model, rk, rk.inq[int(lab[2])][0])
+        return [(i, ev, extra)]
+    if kind == "step":
+        i = int(lab[1])
+        return [(i, RankEvent.STEP, (("has_work", bool(model._has_work(s.ranks[i]))),))]
+    if kind == "done":
+        coll = str(lab[1])
+        common = collective_args(model, s, coll)
+        return [
+            (i, DONE_EVENT[coll], (("has_work", bool(model._has_work(r))), *common))
+            for i, r in enumerate(s.ranks)
+        ]
+    if kind == "fe":
+        ev = CALL_EVENT[str(lab[1])]
+        return [(i, ev, model.call_extra(r, ev)) for i, r in enumerate(s.ranks)]
+    if kind == "fan":
+        # a call the model delivers at once (a no-op resume) is received with the fan-out
+        ev = CALL_EVENT[str(lab[1])]
+        f = model.f_ctrl
+        return [
+            (i, ev, model.call_extra(r, ev))
+            for i, r in enumerate(s.ranks)
+            if len(t.ranks[i].inq[f]) == len(r.inq[f])
+        ]
+    if kind in ("send", "coord", "refresh"):
+        return []
+    raise ValueError(f"label {lab!r} is not driven on real processes")
+
+
+def compile_schedule(model: Model, labels: list[Any], texts: list[str], engine: str = "vllm") -> list[Action]:
+    """The driver actions of ``labels`` on ``model`` for ``engine`` (see the module docstring), from the
+    model's states.
 
     Raises:
         ValueError: a label is not an edge of ``model`` (name and index), or one the driver cannot drive.
@@ -73,18 +266,67 @@ def compile_schedule(model: Model, labels: list[Any], texts: list[str]) -> list[
     out: list[Action] = []
     for k, lab in enumerate(labels):
         s, t = states[k], states[k + 1]
-        out.append(action(model, k + 1, list(lab), texts[k] if k < len(texts) else "", s, t))
+        out.append(action(model, k + 1, list(lab), texts[k] if k < len(texts) else "", s, t, engine))
     return out
 
 
-def action(model: Model, step: int, lab: list[Any], text: str, s: G, t: G) -> Action:
-    """The :class:`Action` of the model edge ``s --lab--> t`` (step ``step``, 1-based).
+def action(model: Model, step: int, lab: list[Any], text: str, s: G, t: G, engine: str = "vllm") -> Action:
+    """The :class:`Action` of the model edge ``s --lab--> t`` (step ``step``, 1-based) for ``engine``.
 
     Raises:
-        ValueError: a label or message the vLLM driver cannot drive (named with the step).
+        ValueError: an unknown engine, or a label or message its driver cannot drive (named with the step).
     """
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
     kind = lab[0]
+    try:
+        fired = fired_events(model, s, lab, t)
+    except ValueError as exc:
+        raise ValueError(f"step {step}: {exc}") from None
     a = Action(step, lab, text, kind, coord=(int(t.coord[0]), bool(t.coord[1])))
+    for i, ev, extra in fired:
+        tr, after = model.fire(i, s.ranks[i].vars, ev, extra)  # no row: illegal, the rank -> error
+        a.fired.append((i, ev.value, tr.guard if tr is not None else ILLEGAL, plain_vars(after)))
+    a.vars_after = {i: plain_vars(r.vars) for i, r in enumerate(t.ranks)}
+    a.blocked_after = {i: r.blocked for i, r in enumerate(t.ranks)}
+    a.front = (int(t.front[0]), bool(t.front[1]))
+    a.trainer = str(t.trainer[0])
+    if engine == "reference":
+        a.channels = channels(model, t)
+        _reference(model, a, lab, s, t)
+    else:
+        _vllm(model, a, lab, s, t)
+    return a
+
+
+def _reference(model: Model, a: Action, lab: list[Any], s: G, t: G) -> None:
+    kind = lab[0]
+    a.kind = REFERENCE_KIND[kind]
+    if kind in ("send", "recv", "step"):
+        a.rank = int(lab[1])
+    if kind == "send":
+        a.message = wire(t.ranks[a.rank].inq[model.f_add][-1])
+    elif kind == "recv":
+        f = int(lab[2])
+        a.channel = (a.rank, channel_names(model)[f])
+        a.message = wire(s.ranks[a.rank].inq[f][0])
+    elif kind == "coord":
+        src = int(lab[1])
+        a.rank, a.channel = src, (src, "coord")
+        a.message = wire(s.coord_q[int(lab[2])][0] if src < 0 else s.ranks[src].outq[0])
+    elif kind in ("fan", "fe"):
+        if kind == "fan" and int(lab[2]) >= 0:
+            raise ValueError(f"step {a.step}: a fan-out to one rank ({lab!r}) is not driven")
+        a.arg = str(lab[1])
+    elif kind == "done":
+        a.arg = str(lab[1])
+    if t.trainer[0] and t.trainer[0] != s.trainer[0] and t.trainer[0] != "weight_broadcast":
+        raise ValueError(f"step {a.step}: the trainer entering {t.trainer[0]} is not driven")
+
+
+def _vllm(model: Model, a: Action, lab: list[Any], s: G, t: G) -> None:
+    kind = lab[0]
+    step = a.step
     if kind == "send":
         a.kind, a.rank = "add", int(lab[1])
         a.arg = {"first_req": not bool(s.front[1])}
@@ -153,7 +395,26 @@ def action(model: Model, step: int, lab: list[Any], text: str, s: G, t: G) -> Ac
         a.coord = (int(s.coord[0]), bool(s.coord[1]))
     else:
         raise ValueError(f"step {step}: label {lab!r} is not driven on vLLM")
-    return a
+
+
+def final_state(model: Model, labels: list[Any]) -> FinalState:
+    """Where the model's run of ``labels`` ends (see :class:`FinalState`).
+
+    Raises:
+        ValueError: a label is not an edge of ``model``.
+    """
+    states, bad = replay_labels(model, labels)
+    if bad is not None:
+        raise ValueError(f"label {bad + 1} {labels[bad]!r} is not an edge of {model.config.variant}")
+    end = states[-1]
+    return FinalState(
+        {i: r.blocked for i, r in enumerate(end.ranks)},
+        {i: plain_vars(r.vars) for i, r in enumerate(end.ranks)},
+        channels(model, end) if model.config.channels == "per-socket" else {},
+        str(end.trainer[0]),
+        not model.successors(end),
+        int(end.front[2]),
+    )
 
 
 def model_counterexample(variant: str, mode: str = "keep") -> dict[str, Any]:
@@ -174,7 +435,8 @@ def model_counterexample(variant: str, mode: str = "keep") -> dict[str, Any]:
 def fix_divergence(buggy: Model, fixed: Model, labels: list[Any]) -> dict[str, Any]:
     """Where the fix's model leaves the buggy schedule: the first label that is no edge of ``fixed``
     (``impossible_step``, 1-based) and the table rows that fired differently before it (``fix_rows``:
-    step, rank, event, the buggy row's guard and the fix's)."""
+    step, rank, event, the buggy row's variables and the fix's, and the fix's row,
+    ``"VARIANT: state --event--> [guard]"``)."""
     _, bad = replay_labels(fixed, labels)
     good = labels if bad is None else labels[:bad]
     sb, _ = replay_labels(buggy, good)
@@ -194,44 +456,79 @@ def fix_divergence(buggy: Model, fixed: Model, labels: list[Any]) -> dict[str, A
                         "label": list(good[k]),
                         "buggy": {c: _jsonable(getattr(vb1, c)) for c in COMPARED},
                         "fix": {c: _jsonable(getattr(vf1, c)) for c in COMPARED},
-                        "fix_row": _row_name(fixed, sf[k], good[k], i),
+                        "fix_row": _row_name(fixed, sf[k], good[k], i, sf[k + 1]),
                     }
                 )
     return {"impossible_step": None if bad is None else bad + 1, "fix_rows": rows}
+
+
+def fix_schedule(
+    buggy: Model, fixed: Model, labels: list[Any], texts: list[str], engine: str = "vllm"
+) -> tuple[list[Action], dict[str, Any]]:
+    """The actions a fix's run drives, and :func:`fix_divergence`'s answer: ``labels`` compiled on the fix's
+    model up to the step it makes impossible (their text: the fix's model's), then that step on the buggy
+    model's terms, with ``texts``' line for it (the driver must find it does not happen).
+
+    Raises:
+        ValueError: a label is not an edge of ``buggy``, or one the driver cannot drive.
+    """
+    div = fix_divergence(buggy, fixed, labels)
+    impossible = div["impossible_step"]
+    driven = labels if impossible is None else labels[: impossible - 1]
+    fs, _ = replay_labels(fixed, driven)  # the steps' text as the fix's model tells them
+    ftexts = [
+        f"{k + 1}. {describe(fixed, fs[k], tuple(lab), fs[k + 1]).text}" for k, lab in enumerate(driven)
+    ]
+    actions = compile_schedule(fixed, driven, ftexts, engine)
+    if impossible is not None:
+        states, bad = replay_labels(buggy, labels[:impossible])
+        if bad is not None:
+            raise ValueError(f"label {bad + 1} {labels[bad]!r} is not an edge of {buggy.config.variant}")
+        text = texts[impossible - 1] if impossible - 1 < len(texts) else ""
+        actions.append(
+            action(buggy, impossible, list(labels[impossible - 1]), text, states[-2], states[-1], engine)
+        )
+    return actions, div
 
 
 def _jsonable(x: Any) -> Any:
     return int(x) if isinstance(x, int) and not isinstance(x, bool) else x
 
 
-def _row_name(model: Model, s: G, label: Any, rank: int) -> str:
-    """The guard of the table row rank ``rank`` fired on edge ``label`` from ``s`` ("" if none of its)."""
-    lab = list(label)
-    rk = s.ranks[rank]
-    kind = lab[0]
-    extra: tuple[tuple[str, Any], ...]
-    if kind == "recv" and int(lab[1]) == rank:
-        ev, extra = message_event(model, rk, rk.inq[int(lab[2])][0])
-    elif kind == "done" and lab[1] == "resume_barrier":
-        ev = RankEvent.RESUME_BARRIER_DONE
-        ranks = s.ranks
-        mu = max(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
-        extra = (("max_unfinished", mu), ("max_wave", max(r.vars.current_wave for r in ranks)))
-    else:
-        return ""
-    tr, _ = model.fire(rank, rk.vars, ev, extra)
-    return f"{model.config.variant}: {rk.vars.state.value} --{ev.value}--> [{tr.guard}]" if tr else ""
+def _row_name(model: Model, s: G, label: Any, rank: int, t: G) -> str:
+    """The table row rank ``rank`` fired on edge ``label`` from ``s`` to ``t``, ``"VARIANT: state --event-->
+    [guard]"`` ("" if the edge fires none of its rows)."""
+    for i, ev, extra in fired_events(model, s, label, t):
+        if i == rank:
+            v = s.ranks[rank].vars
+            tr, _ = model.fire(rank, v, ev, extra)
+            return f"{model.config.variant}: {v.state.value} --{ev.value}--> [{tr.guard}]" if tr else ""
+    return ""
 
 
 __all__ = [
     "BEFORE",
     "CALL_METHOD",
     "COMPARED",
+    "ENGINES",
+    "FIX_OF",
     "FIX_VARIANT",
     "HELD_KINDS",
+    "ILLEGAL",
+    "REFERENCE_KIND",
     "Action",
+    "Channel",
+    "FinalState",
+    "Fired",
     "action",
+    "channels",
+    "collective_args",
     "compile_schedule",
+    "final_state",
+    "fired_events",
     "fix_divergence",
+    "fix_schedule",
     "model_counterexample",
+    "plain_vars",
+    "wire",
 ]

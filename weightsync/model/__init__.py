@@ -6,8 +6,9 @@ Public API (for ``export``, ``prove``, ``replay``):
 - :func:`~weightsync.model.check.check` -> the ``weightsync check`` JSON object;
   :func:`~weightsync.model.check.check_mode` for one mode (keeps the model and exploration with ``keep``);
 - :func:`~weightsync.model.explorer.explore` (generic BFS) and :class:`~weightsync.model.explorer.Exploration`;
-- :meth:`Model.successors` (labelled edges), :func:`~weightsync.model.system.describe` (edge -> :class:`Step`),
-  :func:`~weightsync.model.check.step_edge` / :func:`~weightsync.model.check.replay_labels` (trace validation);
+- :meth:`Model.successors` (labelled edges), :func:`~weightsync.model.system.steps.describe` (edge ->
+  :class:`Step`), :func:`~weightsync.model.check.step_edge` / :func:`~weightsync.model.check.replay_labels`
+  (trace validation);
 - :func:`~weightsync.model.check.counterexample_mermaid`, :func:`~weightsync.model.check.state_graph`
   (networkx DiGraph, GraphML-safe);
 - :data:`~weightsync.model.check.PROPERTIES` (name -> statement, source).

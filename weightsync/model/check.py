@@ -202,10 +202,14 @@ def check_mode(
     stalls: bool = False,
 ) -> ModeResult:
     """Explore ``model`` exhaustively and check every property of :data:`PROPERTIES`; with ``stalls``, also
-    classify the states in which a rank waits in a DP collective (:func:`stranded_counts`)."""
+    classify the states in which a rank waits in a DP collective (:func:`stranded_counts`).
+
+    ``stop_at_first`` stops the exploration at the first safety violation; the progress properties are
+    then checked only when it completed without one (one exploration serves both, as the mutation
+    analysis needs for a mutant that survives)."""
     t0 = time.perf_counter()
     keep_labels = keep_labels or stalls
-    do_progress = progress and not stop_at_first
+    do_progress = progress
     ex = explore(
         [model.initial()],
         model.successors,
@@ -225,7 +229,13 @@ def check_mode(
             props[name] = VIOLATED
         else:
             props[name] = HOLDS if complete else NOT_CHECKED
-    if do_progress and complete and ex.src is not None and ex.dst is not None:
+    if (
+        do_progress
+        and complete
+        and not (stop_at_first and ex.violations)
+        and ex.src is not None
+        and ex.dst is not None
+    ):
         _progress(model, ex, props)
     else:
         for name in PROGRESS:
@@ -353,7 +363,7 @@ def counterexample_record(
     model: Model, ex: Exploration[G], v: Violation, *, symmetry: bool = False
 ) -> dict[str, Any]:
     """A counterexample as a dict: ``property``, ``mode``, ``statement``, ``steps`` (numbered strings) and
-    ``records`` (structured :class:`~weightsync.model.system.Step` dicts), and ``labels`` (the model's
+    ``records`` (structured :class:`~weightsync.model.system.steps.Step` dicts), and ``labels`` (the model's
     successor labels, for replay)."""
     edges = concrete_path(model, ex, v.state, symmetry)
     if v.label is not None:

@@ -7,12 +7,16 @@ freshness (reference section 10, 'Diagrams').
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from weightsync.spec.coordinator import coordinator_digest, coordinator_table
+from weightsync.spec.front_end import FRONT_END_TABLE, front_end_digest
 from weightsync.spec.rank import EFFECTS, VARIANTS, Variant, spec_digest
 from weightsync.spec.rules import RULES
 from weightsync.spec.states import LOCAL_CALLS, RankEvent, RankState
-from weightsync.spec.table import ALWAYS
+from weightsync.spec.table import ALWAYS, Transition
 from weightsync.spec.worker import WORKER_TABLE, WorkerState
 
 _MESSAGES = frozenset({RankEvent.ADD, RankEvent.ABORT, RankEvent.START_DP_WAVE})
@@ -103,11 +107,15 @@ def worker_fsm_mermaid() -> str:
 
 
 def _table_markdown(variant: Variant) -> str:
+    return _rows_markdown(variant.table)
+
+
+def _rows_markdown(table: Mapping[tuple[Any, Any], tuple[Transition, ...]]) -> str:
     out = [
         "| state | event | guard | target | updates | effects | rule |",
         "|---|---|---|---|---|---|---|",
     ]
-    for (s, e), rows in sorted(variant.table.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value)):
+    for (s, e), rows in sorted(table.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value)):
         for tr in rows:
             out.append(
                 f"| {s.value} | {e.value} | {tr.guard} | {tr.target.value} | {', '.join(tr.updates) or '-'} | "
@@ -144,6 +152,17 @@ def protocol_markdown() -> str:
         "```",
         "",
     ]
+    parts += _coordinator_markdown()
+    parts += [
+        "## API front-end",
+        "",
+        "vLLM's DP front-end client: its state is its `engines_running` belief, its variables the believed "
+        "`current_wave` (stamped on every ADD) and the front-end pause gate (`weightsync/spec/front_end.py`). "
+        f"Digest `{front_end_digest()[:16]}`.",
+        "",
+        _rows_markdown(FRONT_END_TABLE),
+        "",
+    ]
     for v in VARIANTS.values():
         parts += [
             f"## Variant `{v.name}`",
@@ -158,6 +177,33 @@ def protocol_markdown() -> str:
             "",
         ]
     return "\n".join(parts)
+
+
+def _coordinator_markdown() -> list[str]:
+    """The DP coordinator's tables (``weightsync/spec/coordinator.py``), one per flag combination the
+    variants use, naming the variants."""
+    parts = [
+        "## DP coordinator",
+        "",
+        "vLLM's `DPCoordinatorProc`: its state is `engines_running` (idle / running), its variable "
+        "`current_wave`; START_DP_WAVE broadcasts carry `current_wave` after the row (`start_dp_wave_all`: "
+        "every engine; `_but_target` / `_but_sender`: excluding FIRST_REQ's target or start_wave's sender). "
+        "Run by the model and by the reference coordinator process (`weightsync/spec/coordinator.py`).",
+        "",
+    ]
+    combos: dict[tuple[bool, bool], list[str]] = {}
+    for v in VARIANTS.values():
+        combos.setdefault((v.coordinator_latches, v.first_req_exclusion), []).append(v.name)
+    for (latches, excludes), names in sorted(combos.items()):
+        parts += [
+            f"### latches={latches}, excludes={excludes} ({', '.join(f'`{n}`' for n in names)})",
+            "",
+            f"Digest `{coordinator_digest(latches, excludes)[:16]}`.",
+            "",
+            _rows_markdown(coordinator_table(latches, excludes)),
+            "",
+        ]
+    return parts
 
 
 def generated_spec_files() -> dict[str, str]:

@@ -128,32 +128,38 @@ def kills(
     modes: tuple[PauseMode, ...] = tuple(PauseMode),
     max_states: int = 300_000,
     configs: tuple[MutationConfig, ...] | None = None,
+    same_as_unmutated: frozenset[tuple[str, PauseMode]] = frozenset(),
 ) -> str | None:
     """The first violated property (``"config:mode:property"``) of ``table`` checked as ``variant``, or None.
 
     ``configs`` (default: ``(("default", bounds, max_states),)``; the full run passes
-    :data:`MUTATION_BOUNDS`) are tried in order. Safety is checked first with ``stop_at_first`` (fast) in
-    every configuration; only a mutant that survives all of them gets the full check with progress (and
-    non-vacuity, under the first configuration only). A mutant whose state space exceeds a configuration's
-    ``max_states`` made a bounded quantity unbounded (a wave or step counter that grows forever); it is
-    reported as ``"config:mode:unbounded (...)"`` and counted as killed.
+    :data:`MUTATION_BOUNDS`) are tried in order, each mode in turn, with one exploration each: it stops at
+    the first safety violation, and when it completes without one the progress properties are checked on
+    the same graph (exhaustive configurations only; non-vacuity under the first configuration only). A
+    mutant whose state space exceeds a configuration's ``max_states`` made a bounded quantity unbounded (a
+    wave or step counter that grows forever); it is reported as ``"config:mode:unbounded (...)"`` and
+    counted as killed.
+
+    ``same_as_unmutated``: ``(configuration, mode)`` pairs where every table lookup the unmutated model
+    makes gives the mutant's table the same result (:func:`differs_in` is None). There the mutant's
+    reachable graph is the unmutated one's, which satisfies every property (:func:`reachable_firings`
+    checked it), so they are skipped.
     """
     guards = mutation_guards()
     cfgs = configs if configs is not None else (MutationConfig("default", bounds or Bounds(), max_states),)
-    for full in (False, True):
-        for k, (cname, b, cap, exhaustive, cmodes) in enumerate(cfgs):
-            if full and not exhaustive:
+    for k, (cname, b, cap, exhaustive, cmodes) in enumerate(cfgs):
+        for mode in modes if cmodes is None else cmodes:
+            if (cname, mode) in same_as_unmutated:
                 continue
-            for mode in modes if cmodes is None else cmodes:
-                m = Model(Config(variant, ranks, mode, channels, b), table=table, guards=guards)
-                r = check_mode(m, stop_at_first=not full, progress=full, max_states=cap)
-                bad = [n for n, v in r.properties.items() if v == VIOLATED and (k == 0 or n not in SOMETIMES)]
-                if bad:
-                    cx = r.counterexample
-                    prop = cx["property"] if cx and cx["property"] in bad else bad[0]
-                    return f"{cname}:{mode.value}:{prop}"
-                if not r.complete and exhaustive:
-                    return f"{cname}:{mode.value}:unbounded (more than {cap} states)"
+            m = Model(Config(variant, ranks, mode, channels, b), table=table, guards=guards)
+            r = check_mode(m, stop_at_first=True, progress=exhaustive, max_states=cap)
+            bad = [n for n, v in r.properties.items() if v == VIOLATED and (k == 0 or n not in SOMETIMES)]
+            if bad:
+                cx = r.counterexample
+                prop = cx["property"] if cx and cx["property"] in bad else bad[0]
+                return f"{cname}:{mode.value}:{prop}"
+            if not r.complete and exhaustive:
+                return f"{cname}:{mode.value}:unbounded (more than {cap} states)"
     return None
 
 
@@ -224,21 +230,32 @@ def reachable_firings(
     return out
 
 
+def differs_in(mutant: Table, f: Firings) -> str | None:
+    """The first of ``f``'s reachable table lookups where ``mutant`` fires differently from the unmutated
+    table (another row, other effects, or other resulting variables), as ``"config:mode: state/event
+    args"``; None when there is none (then, by induction over the exploration, the mutant's reachable
+    graph under ``f``'s configuration and mode is the unmutated one's)."""
+    m = Model(f.model.config, table=mutant, guards=f.model.guards)
+    for key, (tr, after) in f.results.items():
+        v, event, i, extra = key
+        tr2, after2 = m.fire(i, v, event, extra)
+        effects = None if tr is None else tr.effects
+        effects2 = None if tr2 is None else tr2.effects
+        if effects != effects2 or after2 != after:
+            args = ", ".join(f"{k}={val}" for k, val in extra)
+            return f"{f.config}:{f.mode.value}: rank {i} {v.state.value}/{event.value}({args})"
+    return None
+
+
 def first_difference(mutant: Table, firings: list[Firings]) -> str | None:
     """The first reachable table lookup where ``mutant`` fires differently from the unmutated table
-    (another row, other effects, or other resulting variables), as ``"config:mode: state/event args"``; None
-    when there is none: then the mutant's transition system is identical to the original's under these
-    configurations (an *equivalent* mutant: no checker can kill it there)."""
+    (:func:`differs_in` over every configuration and mode); None when there is none: then the mutant's
+    transition system is identical to the original's under these configurations (an *equivalent* mutant:
+    no checker can kill it there)."""
     for f in firings:
-        m = Model(f.model.config, table=mutant, guards=f.model.guards)
-        for key, (tr, after) in f.results.items():
-            v, event, i, extra = key
-            tr2, after2 = m.fire(i, v, event, extra)
-            effects = None if tr is None else tr.effects
-            effects2 = None if tr2 is None else tr2.effects
-            if effects != effects2 or after2 != after:
-                args = ", ".join(f"{k}={val}" for k, val in extra)
-                return f"{f.config}:{f.mode.value}: rank {i} {v.state.value}/{event.value}({args})"
+        d = differs_in(mutant, f)
+        if d is not None:
+            return d
     return None
 
 
@@ -250,7 +267,8 @@ def row_fire_counts(table: Table, firings: list[Firings]) -> dict[tuple[str, str
             if tr is None:
                 continue
             rows = table.get((v.state, event), ())
-            k = next(j for j, r in enumerate(rows) if r is tr)
+            # by value: lookups computed in worker processes come back as copies of the rows
+            k = next(j for j, r in enumerate(rows) if r == tr)
             key = (str(v.state.value), str(event.value), k)
             counts[key] = counts.get(key, 0) + 1
     return counts
@@ -293,9 +311,12 @@ EQUIVALENT = "equivalent"
 def _kill_one(job: tuple[str, int, dict[str, Any]]) -> str | None:
     variant, idx, kw = job
     table = next(t for k, (_, t) in enumerate(mutants(get_variant(variant).table)) if k == idx)
-    if _FIRINGS is not None and first_difference(table, _FIRINGS) is None:
+    if _FIRINGS is None:
+        return kills(variant, table, **kw)
+    same = frozenset((f.config, f.mode) for f in _FIRINGS if differs_in(table, f) is None)
+    if len(same) == len(_FIRINGS):
         return EQUIVALENT
-    return kills(variant, table, **kw)
+    return kills(variant, table, same_as_unmutated=same, **kw)
 
 
 def run_mutation(
@@ -432,11 +453,12 @@ def _header_is(path: Path, digest: str) -> bool:
 #: mutant behaves differently somewhere reachable, and no property is violated. One line each; the slow
 #: test fails on a non-equivalent survivor missing here, so a new survivor cannot go unexplained.
 _WAVE_COMPLETE = (
-    "the coordinator is not told that the wave ended and keeps engines_running = True; the next request's "
-    "ADD then reaches its rank with a stale wave (end_wave, and under two-phase-epoch the resume barrier, "
-    "moved the ranks on) and takes the stale-wave path (vLLM PR #37024: start_wave to the coordinator, "
-    "which broadcasts START_DP_WAVE to every peer), so the protocol heals itself at the cost of one "
-    "message; no property asks that the coordinator's belief be current"
+    "the coordinator is not told at the pause consensus that the wave ended and believes the engines "
+    "running while they are paused; nothing acts on that belief while they are paused (the front-end then "
+    "sends no FIRST_REQ, and an ADD waits on its paused rank), and before the ranks serve again the next "
+    "wave_complete corrects it: the resume barrier's barrier_idle row sends one, and a barrier with work "
+    "left starts a wave whose end rank 0 reports (the coordinator takes any report not older than its "
+    "wave); coordinator_belief is checked only once the ranks run idle, and holds"
 )
 _IGNORE_FLAG = (
     "the flag keeps START_DP_WAVE from re-arming a verified rank; in the table a verified or updating rank "
@@ -458,9 +480,39 @@ _DUMMY_STEP = (
 _OLDER_WAVE = (
     "no ADD is ever newer than its rank (one front-end stamps the coordinator's wave, which never runs ahead "
     "of the ranks), so the mutant makes a stale or current ADD adopt its older wave while the rank is "
-    "paused, verified or updating; there the wave only decides whether a START_DP_WAVE is honoured, and the "
-    "epoch barrier sets every rank to MAX(current_wave) + 1 at resume (under two-phase, without the epoch, "
-    "the same mutant in verified/updating is killed with a one-sided collective)"
+    "pausing, paused, verified or updating; there the wave only decides whether a START_DP_WAVE is honoured "
+    "and which wave a later wave_complete reports (an older one the coordinator ignores), and the epoch "
+    "barrier sets every rank to MAX(current_wave) + 1 at resume, before the rank serves again (under "
+    "two-phase, without the epoch, the same mutant in verified/updating is killed with a one-sided "
+    "collective); the pausing row is reached only in the bounded requests2-wait-bounded configuration"
+)
+_MIRROR = (
+    "rank 0's start_wave after the first step of a wave (vLLM 0.32 core.py:2394-2406) only keeps the "
+    "coordinator's belief current during the wave; without it (dropped effect) the coordinator believes the "
+    "engines idle until rank 0's wave_complete ends the wave, and with the flag not set (dropped update) rank "
+    "0 reports after every step, which the coordinator takes once and then ignores (not a newer wave, or "
+    "older than its own after wave_complete: spec/coordinator.py); a FIRST_REQ meanwhile only rebroadcasts "
+    "START_DP_WAVE(current_wave), which ranks running that wave take as a no-op; coordinator_belief is "
+    "checked once the ranks are idle, after the wave's wave_complete. (The DP sync's twin mirror row is "
+    "never reached with sync_interval 2: the wave's first step is no sync.)"
+)
+_FAIL_STOP = (
+    "fail_stop sets pause_state PAUSED_ALL, engines_running False, pending_pause False and the ignore flag; "
+    "none of the failed state's rows reads them (its step and START_DP_WAVE rows are no-ops, ADD only "
+    "queues, every call but a new round is refused), leave_collective already clears the collective, a "
+    "transfer failure fails every member of the collective at once (so no peer keeps stepping with the "
+    "failed rank), and the only way out of failed is a full round and a resume whose rows (unpause, the "
+    "epoch barrier's running_from_barrier and adopt_wave_after_barrier) overwrite them before the rank "
+    "serves; checked again with a request in flight (Bounds(init_transfer=True, failures=1), every mode, "
+    "1.8M states): still no property fails"
+)
+_FAIL_INIT = (
+    "fail_init clears the worker's initialized flag after a failed init_weight_transfer_engine, so a later "
+    "start_weight_update without a new init is refused; the model's controller always initialises again "
+    "after a failed init before it starts a round (the INIT phase repeats on failure), so the flag never "
+    "decides a call; the worker machine refuses that start (LocalProtocolError: "
+    "tests/test_spec.py::test_worker_start_after_a_failed_reinit_is_refused); checked again with a request in flight (Bounds(init_transfer=True, failures=1)): "
+    "still no property fails"
 )
 
 #: Why each non-equivalent survivor of the full run (:data:`MUTATION_BOUNDS`, N=2) survives: the
@@ -473,14 +525,6 @@ SURVIVOR_NOTES: dict[str, str] = {
     "paused/dp_sync_done#0: drop update set_ignore_start_dp_wave": _IGNORE_FLAG,
     "paused/dp_sync_done#1: drop update clear_pending_pause": _PENDING_AFTER_CONSENSUS,
     "pausing/dp_sync_done#2: drop update clear_pending_pause": _PENDING_AFTER_CONSENSUS,
-    "pausing/dp_sync_done#0: drop update clear_pending_pause": (
-        "the wait-mode verify from pausing leaves pending_pause set on a rank that drained a request; it "
-        "matters only if that rank, back in running with a wave in progress, joins a DP sync while a peer is "
-        "already paused in the next cycle: a request drained through this row in cycle 1 and another served "
-        "in cycle 2, beyond every configuration (a bounded search of the first 2,000,000 states with "
-        "requests=2, cycles=2, wait mode found nothing either); the abort-mode twin paused/dp_sync_done#0 "
-        "is killed by cycles2 with exactly that one-sided collective"
-    ),
     "paused/step#0: drop effect execute_step": _DUMMY_STEP,
     "paused/step#1: drop effect execute_step": _DUMMY_STEP,
     "pausing/dp_sync_done#0: drop effect clear_cache": (
@@ -491,6 +535,24 @@ SURVIVOR_NOTES: dict[str, str] = {
     "paused/ADD#0: negate guard add_newer_wave": _OLDER_WAVE,
     "verified/ADD#0: negate guard add_newer_wave": _OLDER_WAVE,
     "updating/ADD#0: negate guard add_newer_wave": _OLDER_WAVE,
+    "pausing/ADD#0: negate guard add_newer_wave": _OLDER_WAVE,
+    "running/dp_step_done#0: drop update mark_wave_started": _MIRROR,
+    "running/dp_step_done#0: drop effect emit_start_wave": _MIRROR,
+    "updating/transfer_failed#0: drop update fail_stop": _FAIL_STOP,
+    "running/transfer_failed#0: drop update fail_stop": _FAIL_STOP,
+    "verified/transfer_failed#0: drop update fail_stop": _FAIL_STOP,
+    "running/transfer_failed#0: drop effect fail_init": _FAIL_INIT,
+    "verified/transfer_failed#0: drop effect fail_init": _FAIL_INIT,
+    "failed/transfer_failed#0: drop effect fail_init": _FAIL_INIT,
+    "resuming/resume_barrier_done#1: drop update adopt_wave_after_barrier": (
+        "with work left the barrier leaves every rank running (running_from_barrier), so no rank waits for a "
+        "START_DP_WAVE to start the wave; each keeps its own wave number, which then only decides whether a "
+        "late START_DP_WAVE or ADD counts as stale, and with every rank running that changes nothing "
+        "observable; the wave's end is reported by rank 0's wave_complete and adopted by the coordinator "
+        "(coordinator_belief holds once the ranks are idle); the idle barrier's twin (row #0), where the "
+        "new wave number is what keeps a late START_DP_WAVE from re-arming one rank, is killed with a "
+        "one-sided collective"
+    ),
 }
 
 MUTATION_FILE = "mutation.json"
@@ -592,7 +654,12 @@ def report_markdown(rep: dict[str, Any]) -> str:
         f"- equivalent survivors (no reachable table lookup fires differently, so no checker can tell them "
         f"apart under these bounds): {e}",
         f"- mutation score, killed / non-equivalent: {k}/{n - e} = {rep['score']:.1%}",
-        f"- run {rep['seconds']} s, classification {rep['classify_seconds']} s",
+        (
+            f"- run {rep['seconds']} s, classification {rep['classify_seconds']} s"
+            if rep["seconds"] >= 1
+            else f"- run: every verdict resumed from `proofs/{CHECKPOINT_FILE}` (its time is not recorded), "
+            f"classification {rep['classify_seconds']} s"
+        ),
         "",
         "## Survivors that behave differently (explained)",
         "",

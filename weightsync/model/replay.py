@@ -8,7 +8,7 @@ that, the part that needs the composition of the ranks rather than one rank's ta
 
 - **Collective outcomes.** A collective completion's outcome arguments must be what the model computes
   from the members' states at entry (:func:`collective_outcome`, the same arithmetic as the model's joint
-  completion in :mod:`weightsync.model.system`): ``dp_sync`` -> ``sum_unfinished`` and
+  completion in :mod:`weightsync.model.system.effects`): ``dp_sync`` -> ``sum_unfinished`` and
   ``sum_pending_pause`` (SUM all-reduce of has-unfinished and pending_pause); ``resume_barrier`` ->
   ``max_unfinished`` and ``max_wave`` (MAX all-reduce). Every member's completion record must carry the
   same outcome, and every member must be blocked in that collective (``vars.collective``) when the first

@@ -1,13 +1,9 @@
-"""The DP coordinator process: ``current_wave`` / ``engines_running`` and START_DP_WAVE broadcasts.
+"""The DP coordinator process: runs the spec's coordinator table (:mod:`weightsync.spec.coordinator`).
 
-Rules (reference section 5 table; vLLM ``v1/engine/coordinator.py``):
-
-- FIRST_REQ(exclude, wave) from a front-end: if not running, set running; if the wave is stale
-  (``wave < current_wave``) drop the exclusion; broadcast START_DP_WAVE(current_wave, exclude).
-- wave_complete=w from engine rank 0: if ``current_wave <= w``: ``current_wave = w + 1``, running = False.
-- start_wave=w from an engine: if ``w > current_wave`` or (``w == current_wave`` and not running): adopt w,
-  set running, broadcast START_DP_WAVE(w, exclude=sender).
-- Every change publishes stats (current_wave, engines_running) to the front-ends.
+The rules (FIRST_REQ, wave_complete, start_wave; vLLM ``v1/engine/coordinator.py``) are rows of
+:func:`weightsync.spec.coordinator.coordinator_table`; this module only moves messages: it decodes each
+one into a :class:`~weightsync.spec.coordinator.CoordEvent` with its arguments, fires the table, sends the
+START_DP_WAVE broadcasts the row produced to every engine and publishes stats when the row says so.
 
 This module imports no torch, so the process starts fast.
 """
@@ -16,45 +12,66 @@ from __future__ import annotations
 
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.impl.engine.messages import FirstReq, StartDPWave, StartWave, Stats, WaveComplete
+from weightsync.spec.coordinator import (
+    PUBLISH,
+    CoordEvent,
+    CoordVars,
+    Table,
+    coordinator_fire,
+    coordinator_table,
+)
 
 
 @dataclass
 class CoordinatorState:
-    """The coordinator's variables (vLLM names). ``latches``: the variant's
-    :attr:`~weightsync.spec.rank.Variant.coordinator_latches` (FIRST_REQ sets engines_running; vLLM 0.32
-    ``v1/engine/coordinator.py:363-375`` does not: only the engines' reports move it). ``excludes``: the
-    variant's :attr:`~weightsync.spec.rank.Variant.first_req_exclusion`."""
+    """The coordinator process's table (from the variant's
+    :attr:`~weightsync.spec.rank.Variant.coordinator_latches` and
+    :attr:`~weightsync.spec.rank.Variant.first_req_exclusion`) and its variables."""
 
-    current_wave: int = 0
-    engines_running: bool = False
-    latches: bool = True
-    excludes: bool = True
+    table: Table = field(default_factory=coordinator_table)
+    vars: CoordVars = field(default_factory=CoordVars)
+
+    @property
+    def current_wave(self) -> int:
+        """vLLM's ``current_wave``."""
+        return self.vars.current_wave
+
+    @property
+    def engines_running(self) -> bool:
+        """vLLM's ``engines_running``."""
+        return self.vars.engines_running
 
 
-def handle(state: CoordinatorState, msg: Any) -> list[StartDPWave]:
-    """Apply one message to ``state``; return the START_DP_WAVE messages to broadcast (pure logic)."""
+def decode(msg: Any) -> tuple[CoordEvent, dict[str, int]]:
+    """The table event and arguments of one coordinator input message.
+
+    Raises:
+        TypeError: a message the coordinator does not read.
+    """
     if isinstance(msg, FirstReq):
-        if not state.engines_running:
-            exclude = -1 if msg.wave < state.current_wave or not state.excludes else msg.exclude
-            state.engines_running = state.latches
-            return [StartDPWave(state.current_wave, exclude)]
-        return []
+        return CoordEvent.FIRST_REQ, {"wave": msg.wave, "exclude": msg.exclude}
     if isinstance(msg, WaveComplete):
-        if state.current_wave <= msg.wave:
-            state.current_wave = msg.wave + 1
-            state.engines_running = False
-        return []
+        return CoordEvent.WAVE_COMPLETE, {"wave": msg.wave}
     if isinstance(msg, StartWave):
-        if msg.wave > state.current_wave or (msg.wave == state.current_wave and not state.engines_running):
-            state.current_wave = msg.wave
-            state.engines_running = True
-            return [StartDPWave(msg.wave, msg.sender)]
-        return []
+        return CoordEvent.START_WAVE, {"wave": msg.wave, "sender": msg.sender}
     raise TypeError(f"coordinator: unexpected message {msg!r}")
+
+
+def handle(state: CoordinatorState, msg: Any) -> tuple[list[StartDPWave], bool]:
+    """Apply one message to ``state`` through the table; return the START_DP_WAVE messages to broadcast and
+    whether to publish stats (pure logic).
+
+    Raises:
+        TypeError: as :func:`decode`.
+    """
+    event, args = decode(msg)
+    fired = coordinator_fire(state.table, state.vars, event, args)
+    state.vars = fired.after
+    return [StartDPWave(w, x) for w, x in fired.broadcasts], PUBLISH in fired.transition.effects
 
 
 def run_coordinator(
@@ -81,7 +98,7 @@ def run_coordinator(
             acknowledgements; START_DP_WAVE broadcasts are queued before the stats).
         latches, excludes: see :class:`CoordinatorState`.
     """
-    st = CoordinatorState(latches=latches, excludes=excludes)
+    st = CoordinatorState(coordinator_table(latches, excludes))
     stats_out.put(Stats(st.current_wave, st.engines_running))
     k = 0
     while not stop.is_set():
@@ -96,11 +113,11 @@ def run_coordinator(
                 except queue.Empty:
                     break
                 busy = True
-                before = (st.current_wave, st.engines_running)
-                for out in handle(st, msg):
+                broadcasts, publish = handle(st, msg)
+                for out in broadcasts:
                     for wq in wave_out:
                         wq.put(out)
-                if ack or (st.current_wave, st.engines_running) != before:
+                if ack or publish:
                     stats_out.put(Stats(st.current_wave, st.engines_running))
         if not busy:
             time.sleep(poll_s)

@@ -1,136 +1,83 @@
-"""Replay a model counterexample on real processes (``weightsync repro VARIANT``).
+"""Drive the reference DP engine (real processes, gloo) through a model counterexample (``weightsync repro``).
 
-The model's shortest counterexample (``weightsync check --variant V --ranks 2``) is a list of labelled
-steps of its product graph. :func:`compile_counterexample` turns its plain ``labels`` / ``records`` into
-the step language of a *holding router*: a DP cluster whose client holds every message -- engine-bound
-(front-end input, controller input, the coordinator's wave socket), coordinator-bound (the front-end's
-FIRST_REQ, a rank's wave_complete / start_wave) and the coordinator's stats to the front-end -- until the
-schedule releases it, and whose engines take an acting step only with a permit (the step gate), so the
-interleaving of the counterexample is forced on real processes, one model step to one real action:
+The schedule is compiled elsewhere (:mod:`weightsync.schedule`, from the model's labels and the states its
+successor function gives along them; ``weightsync.cli`` glues the two): one step per model step, each
+naming the driver action and what must be observed after it. This module imports no model: a step is
+anything with the attributes of :class:`ScheduleStep`.
 
-=========================================  =====================================================================
-model step                                  router step
-=========================================  =====================================================================
-front-end sends ADD to rank i               ``("add", i)``: ADD held; FIRST_REQ held if the front-end believes
-                                            the engines idle
-rank i receives M                           ``("deliver", i, socket, event)``: release the oldest held message
-                                            on (i, socket), wait until rank i fired ``event``
-rank i steps (and enters a collective)      ``("step", i)``: one permit, wait for the acting STEP
-ranks complete collective K                 ``("done", K)``: wait until every rank fired ``K_done``
-coordinator receives M from P               ``("coord", P)``: release it (P = -1: front-end), wait for the ack
-controller fans out CALL (first rank)       ``("call", CALL)``: wait for the previous call's return, then
-                                            start CALL on every rank (its messages are held per rank)
-front-end applies pause/resume              ``("fe", CALL)``: the front-end call, delivered to every rank
-trainer enters weight_broadcast             ``("send",)``: the trainer's send, in the background
-front-end refreshes stats                   ``("refresh",)``: adopt the coordinator's latest held stats
-=========================================  =====================================================================
+The cluster is a :class:`~weightsync.impl.engine.client.DPEngineClient` with ``hold=True``: every message
+bound for an engine (front-end ADD, controller calls, the coordinator's START_DP_WAVE) and for the
+coordinator (FIRST_REQ, a rank's wave_complete / start_wave) is held in the client until the schedule
+releases it, the coordinator's stats reach the front-end only at a ``refresh``, and each engine takes an
+acting step only with a permit (its step gate). So every rank event happens when the schedule says:
 
-Every wait is bounded (``step_s``). A step that does not happen within it (a reply that never comes, an
-event that does not happen under a fixed protocol) is skipped and the run *diverges*: from then on steps
-are no longer gated (messages stay held and are released in the schedule's order). After the schedule
-every message flows freely and the controller completes its cycle (pause -> start -> update with the
-trainer's send -> finish -> resume, from wherever the schedule left it). The outcome is ``reproduced`` when
-a rank failed in a collective (one-sided or mismatched, caught by the collective timeout), ``completed``
-when the controller's calls returned and every request finished, ``not reproduced`` otherwise.
+==================  ====================================================================================
+step kind           driver action
+==================  ====================================================================================
+``add``             ``add_request(..., rank=i)`` (its ADD held; FIRST_REQ held if the front-end believes
+                    the engines idle)
+``call``            the controller's next call (after the previous one returned), held per rank; the
+                    trainer's send with ``update_weights``
+``fe``              the front-end's pause/resume (front-end-pause), its per-rank calls released at once
+``release``         the oldest held message on (rank, channel), which must be the model's message
+``step``            one step permit for the rank
+``observe``         nothing: a collective completes on its own once every member entered it
+``coord``           the oldest held message to the coordinator (which must be the model's); its stats
+                    must be the model's coordinator
+``refresh``         the front-end adopts the coordinator's stats (must equal the model's belief)
+==================  ====================================================================================
 
-``two-phase-epoch`` runs every buggy variant's schedule. The hand-written schedules (:data:`SCHEDULES`,
-older step language: ``release``, ``await``, ``round``, ``join``, ``stats``, ``call_rank``) remain only as a
-fallback when no model counterexample is given; results say which was used (``schedule_source``).
+**The oracle.** A step is *followed* when, within ``step_s``: each table row it fires shows up as the
+rank's next acting transition with the same event and guard and the same variables after it (every
+field of ``RankVars``); a rank the step moves further (a worker's outcome) reaches the model's variables;
+and every channel's held messages start with the model's (a rank may already have emitted the message of
+a collective that completes on its own). The first step that is not followed is ``diverged_at`` and ends
+the schedule.
+
+- Buggy variant: ``"reproduced"`` only when every step was followed (``diverged_at`` null), the held
+  messages are exactly the model's final channels, and, after letting every message flow and every rank
+  step freely, each rank ends where the model's final state has it (:func:`end_check`): a rank the model
+  has blocked in collective K has K as its last transition's collective and leaves it only by K's timeout
+  (an engine failure, or a weight-transfer timeout taken by the table's failure row); a rank the model
+  has outside any collective fails not and takes no further acting transition; every rank has the model's
+  final variables. The trainer likewise (blocked: its send times out or never returns). Anything else is
+  ``"not reproduced"`` (or ``"diverged"``), with every difference in ``reason``.
+- Fixed variant: the schedule is the buggy one compiled on the fix's model up to the step the fix makes
+  impossible (``impossible_step``), then that step on the buggy model's terms. ``"completed"`` when the
+  steps before it were followed, that step did not happen either (no record, no returned call within
+  ``step_s``), and, after letting everything flow and the controller finish its cycle, every request
+  finished, no rank failed and every rank is outside any collective. ``fix_rows`` (passed in) names the
+  fix's rows that made the step impossible.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Protocol
 
-from weightsync.impl.engine.client import COORD, SOCKETS, DPEngineClient, RequestStream, free_port
+from weightsync.impl.engine.client import COORD, DPEngineClient, RequestStream, free_port
 from weightsync.impl.engine.core import EngineConfig, tiny_config
-from weightsync.impl.engine.messages import TransitionRecord
+from weightsync.impl.engine.messages import (
+    AbortMsg,
+    AddMsg,
+    FirstReq,
+    StartDPWave,
+    StartWave,
+    Stats,
+    TransitionRecord,
+    UtilityCall,
+    WaveComplete,
+)
 from weightsync.impl.models.sampling import SamplingParams
-from weightsync.spec.rank import get_variant
-
-Step = tuple[Any, ...]
+from weightsync.spec.errors import TransferTimeoutError
 
 #: The controller's cycle, in order (the model's controller phases).
 CYCLE = ("pause", "start_weight_update", "update_weights", "finish_weight_update", "resume")
-
-#: Hand-written fallback schedules (the older step language), used only without a model counterexample.
-SCHEDULES: dict[str, list[Step]] = {
-    # blog scenario: engine 0 mid-step waits for engine 1, which runs the update and enters the broadcast
-    "front-end-pause": [
-        ("add", 0),
-        ("release", 0, "front"),
-        ("await", 0, "step"),  # rank 0 is in the forward collective, waiting for rank 1
-        ("call", "pause"),
-        ("release", 1, "control"),
-        ("release", 0, "control"),  # queued behind rank 0's step
-        ("join",),  # front-end pause returns at once
-        ("call_rank", 1, "start_weight_update"),  # internal LB: the first answer returns
-        ("release", 1, "control"),
-        ("join",),
-        ("send",),  # the trainer starts broadcasting
-        ("call_rank", 1, "update_weights"),
-        ("release", 1, "control"),
-        ("await", 1, "update_weights"),  # rank 1 is in the weight broadcast
-        ("call_rank", 0, "start_weight_update"),
-        ("release", 0, "control"),
-        ("join",),
-        ("call_rank", 0, "update_weights"),
-        ("release", 0, "control"),
-        ("join",),
-        ("call", "finish_weight_update"),
-        ("release", 0, "control"),
-        ("release", 1, "control"),
-        ("join",),
-        ("call", "resume"),
-    ],
-    # issue #36594: both pause on the idle fast path, then a queued START_DP_WAVE re-arms engine 1
-    "idle-fast-path": [
-        ("add", 0),
-        ("round",),
-        ("release", 0, "control"),  # pause
-        ("release", 1, "control"),  # pause
-        ("release", 0, "control"),  # start
-        ("release", 1, "control"),  # start
-        ("release", 0, "control"),  # update: rank 0 enters the broadcast
-        ("await", 0, "update_weights"),
-        ("release", 1, "wave"),  # the stale START_DP_WAVE
-        ("await", 1, "START_DP_WAVE"),
-    ],
-    # PR #36608: rank 0 pauses (idle) and ignores waves; rank 1 gets work and waits for it forever
-    "ignore-wave": [
-        ("add", 1),
-        ("round",),
-        ("release", 0, "control"),  # pause on rank 0 only
-        ("await", 0, "pause"),
-        ("release", 1, "front"),  # rank 1's request
-        ("await", 1, "step"),
-        ("release", 0, "wave"),
-        ("await", 0, "START_DP_WAVE"),
-    ],
-    # PR #39366 as shipped: ADD and resume travel on different FIFOs; rank 1 drops the wave while still
-    # verified; after the resume barrier the rank holding the request steps alone
-    "two-phase": [
-        ("call", "pause"),
-        ("release", 0, "control"),
-        ("release", 1, "control"),
-        ("join",),
-        ("stats",),  # the coordinator processed wave_complete; the front-end saw its stats
-        ("add", 0),
-        ("release", 1, "wave"),
-        ("await", 1, "START_DP_WAVE"),
-        ("call", "resume"),
-        ("release", 0, "control"),
-        ("release", 1, "control"),
-        ("join",),
-        ("release", 0, "front"),
-        ("await", 0, "ADD"),
-    ],
-}
-
+#: The variants the reference engine runs, and the verdict ``weightsync repro`` expects of each.
 EXPECTED: dict[str, str] = {
     "front-end-pause": "reproduced",
     "idle-fast-path": "reproduced",
@@ -139,442 +86,643 @@ EXPECTED: dict[str, str] = {
     "two-phase-epoch": "completed",
 }
 BUGGY = tuple(v for v, r in EXPECTED.items() if r == "reproduced")
+Channel = tuple[int, str]
 
 
-def _message_socket(message: str) -> tuple[str, str]:
-    """(socket, rank event) of a message as the model's records print it."""
-    if message.startswith("ADD("):
-        return "front", "ADD"
-    if message.startswith("START_DP_WAVE("):
-        return "wave", "START_DP_WAVE"
-    call = message.split("(", 1)[0].split(" ", 1)[0]
-    return "control", call
+class ScheduleStep(Protocol):
+    """One compiled model step, as :class:`weightsync.schedule.Action` gives it (see there)."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def label(self) -> list[Any]: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def arg(self) -> Any: ...
+    @property
+    def channel(self) -> Channel: ...
+    @property
+    def message(self) -> tuple[Any, ...]: ...
+    @property
+    def fired(self) -> list[tuple[int, str, str, dict[str, Any]]]: ...
+    @property
+    def vars_after(self) -> dict[int, dict[str, Any]]: ...
+    @property
+    def channels(self) -> dict[Channel, list[tuple[Any, ...]]]: ...
+    @property
+    def coord(self) -> tuple[int, bool]: ...
+    @property
+    def front(self) -> tuple[int, bool]: ...
+    @property
+    def trainer(self) -> str: ...
 
 
-def compile_counterexample(cx: Mapping[str, Any]) -> list[Step]:
-    """The router steps of a model counterexample (``labels`` and ``records`` as plain lists/dicts, as
-    :func:`weightsync.model.check.check` returns them). See the module docstring for the mapping.
+class ModelEnd(Protocol):
+    """Where the model's run ends, as :class:`weightsync.schedule.FinalState` gives it (see there)."""
 
-    Raises:
-        ValueError: a label the router does not know, or labels and records of different lengths.
-    """
-    labels = [list(x) for x in cx["labels"]]
-    records = [dict(x) for x in cx["records"]]
-    if len(labels) != len(records):
-        raise ValueError(f"{len(labels)} labels but {len(records)} records")
-    out: list[Step] = []
-    phase = ""
-    for lab, rec in zip(labels, records, strict=True):
-        kind = lab[0]
-        if kind == "send":
-            out.append(("add", int(lab[1])))
-        elif kind == "recv":
-            sock, event = _message_socket(str(rec["message"]))
-            out.append(("deliver", int(lab[1]), sock, event))
-        elif kind == "step":
-            out.append(("step", int(lab[1])))
-        elif kind == "done":
-            out.append(("done", str(lab[1])))
-        elif kind == "coord":
-            out.append(("coord", int(lab[1])))
-        elif kind == "fan":
-            call = str(lab[1])
-            if call != phase or int(lab[2]) < 0:
-                out.append(("call", call))
-            phase = call
-        elif kind == "fe":
-            phase = str(lab[1])
-            out.append(("fe", phase))
-        elif kind == "trainer":
-            out.append(("send",))
-        elif kind == "refresh":
-            out.append(("refresh",))
-        else:
-            raise ValueError(f"unknown model label {lab!r}")
-    return out
+    @property
+    def blocked(self) -> dict[int, str]: ...
+    @property
+    def vars(self) -> dict[int, dict[str, Any]]: ...
+    @property
+    def channels(self) -> dict[Channel, list[tuple[Any, ...]]]: ...
+    @property
+    def trainer(self) -> str: ...
 
 
 @dataclass
 class ReproResult:
-    """Outcome of one schedule on real processes (the JSON of ``weightsync repro``)."""
+    """The JSON of ``weightsync repro VARIANT`` (the reference engine; field names as
+    :class:`weightsync.vllm.repro.VllmReproResult`).
+
+    Attributes:
+        variant: the variant the engines run.
+        engine: ``"reference"``.
+        fix: the fixed variant the engines run, or None for a buggy one.
+        schedule: the variant whose model counterexample was driven.
+        result: ``"reproduced"``, ``"completed"``, ``"not reproduced"`` or ``"diverged"``.
+        followed_steps: steps followed (see the module docstring).
+        diverged_at: the first step not followed (1-based), or None.
+        ranks: where each rank ended: the collective it was blocked in ("" outside any).
+        expected_ranks: the same, as the model's final state has it (buggy variants).
+        trainer: where the trainer ended ("" when not in a collective); expected_trainer: the model's.
+        seconds: wall time of the run.
+        mode: pause mode.
+        property: the property the counterexample violates.
+        reason: why the verdict.
+        steps: one entry per step driven (``step``, ``label``, ``model`` text, ``followed``, ``why``).
+        fix_rows, impossible_step: see :func:`weightsync.schedule.fix_divergence`.
+        requests_finished: request id -> tokens generated (-1: unfinished).
+        timeout_s: the collective timeout.
+        errors: rank (or ``trainer`` / ``controller``) -> its error.
+        events: each rank's last acting transitions.
+    """
 
     variant: str
+    engine: str
+    fix: str | None
     schedule: str
     result: str
-    seconds: float
-    ranks: list[int]
-    collectives: dict[int, str]
-    errors: dict[int, str] = field(default_factory=dict)
-    steps: list[str] = field(default_factory=list)
-    source: str = "hand-written"
-    counterexample: list[str] = field(default_factory=list)
+    followed_steps: int = 0
     diverged_at: int | None = None
+    ranks: dict[str, str] = field(default_factory=dict)
+    expected_ranks: dict[str, str] = field(default_factory=dict)
+    trainer: str = ""
+    expected_trainer: str = ""
+    seconds: float = 0.0
+    mode: str = "keep"
+    property: str = ""
+    reason: str = ""
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    fix_rows: list[dict[str, Any]] = field(default_factory=list)
+    impossible_step: int | None = None
+    requests_finished: dict[str, int] = field(default_factory=dict)
+    timeout_s: float = 0.0
+    errors: dict[str, str] = field(default_factory=dict)
+    events: dict[str, list[str]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able dict."""
-        return {
-            "variant": self.variant,
-            "schedule": self.schedule,
-            "schedule_source": self.source,
-            "result": self.result,
-            "seconds": round(self.seconds, 3),
-            "ranks": self.ranks,
-            "collectives": {str(k): v for k, v in self.collectives.items()},
-            "errors": {str(k): v for k, v in self.errors.items()},
-            "diverged_at": self.diverged_at,
-            "counterexample": self.counterexample,
-            "steps": self.steps,
-        }
+        return asdict(self)
 
 
-def _acting_step(t: TransitionRecord) -> bool:
-    return t.event == "step" and (bool(t.effects) or t.before != t.after)
+def wire(msg: Any, req_index: Mapping[str, int]) -> tuple[Any, ...]:
+    """An engine message in the plain form the schedule compares (:func:`weightsync.schedule.wire`);
+    ``req_index`` maps request ids to the model's request numbers.
+
+    Raises:
+        TypeError: not a message of the protocol.
+    """
+    if isinstance(msg, AddMsg):
+        return ("ADD", req_index.get(msg.request.req_id, -1), msg.wave)
+    if isinstance(msg, AbortMsg):
+        return ("ABORT", req_index.get(msg.req_id, -1))
+    if isinstance(msg, StartDPWave):
+        return ("START_DP_WAVE", msg.wave, msg.exclude)
+    if isinstance(msg, UtilityCall):
+        return (msg.method,)
+    if isinstance(msg, FirstReq):
+        return ("FIRST_REQ", msg.exclude, msg.wave)
+    if isinstance(msg, WaveComplete):
+        return ("wave_complete", msg.wave)
+    if isinstance(msg, StartWave):
+        return ("start_wave", msg.wave, msg.sender)
+    raise TypeError(f"not a protocol message: {msg!r}")
+
+
+def acting(t: TransitionRecord) -> bool:
+    """Whether a transition is one the model has: every one but an idle loop pass (a step that changes
+    nothing and has no effects), which the model omits, and which the engine's step gate lets through
+    (``EngineCore._may_step``)."""
+    return not (t.event == "step" and not t.effects and t.before == t.after)
+
+
+#: the error a collective's (or a transfer's) deadline raises, by name as engines report it
+TIMEOUT = TransferTimeoutError.__name__
+
+
+def end_check(
+    records: Mapping[int, Sequence[TransitionRecord]],
+    after_schedule: Mapping[int, int],
+    failures: Mapping[int, Any],
+    end: ModelEnd,
+    start_vars: Mapping[int, Mapping[str, Any]] | None = None,
+) -> tuple[dict[str, str], list[str]]:
+    """Compare where each rank ended with the model's final state (the oracle of a buggy run).
+
+    A rank the model has blocked in collective K must have K as the collective of its last transition in
+    the schedule and leave it only by K's timeout: an engine failure that is a ``TransferTimeoutError``
+    with no transition before it, or a next transition carrying that timeout as its ``error`` argument
+    (a weight-transfer collective's timeout is a table event); what it does after the timeout is past the
+    model's run. A rank the model has outside any collective must not fail and must take no further acting
+    transition. Every rank's variables at the end of the schedule must be the model's final ones.
+
+    Args:
+        records: each rank's acting transitions since the schedule began, in order.
+        after_schedule: per rank, how many of them the schedule consumed (the rest came after it).
+        failures: rank -> its :class:`~weightsync.impl.engine.messages.EngineFailure`.
+        end: the model's final state.
+        start_vars: each rank's variables when the schedule began (for a rank with no transition).
+
+    Returns:
+        ``(ranks, problems)``: the collective each rank was in at the end of the schedule ("" outside any)
+        and every difference from the model, per rank (empty: the run ended where the model says).
+    """
+    ranks: dict[str, str] = {}
+    bad: list[str] = []
+    for r in sorted(end.blocked):
+        recs = list(records.get(r, ()))
+        k = after_schedule.get(r, len(recs))
+        sched, post = recs[:k], recs[k:]
+        last = sched[-1].after if sched else dict((start_vars or {}).get(r, {}))
+        where = str(last.get("collective", ""))
+        ranks[str(r)] = where
+        want = end.blocked[r]
+        f = failures.get(r)
+        moved = ", ".join(f"{t.event} [{t.guard}]" for t in post[:3])
+        if where != want:
+            bad.append(
+                f"rank {r} ended in {where or 'no collective'}, the model's final state has {want or 'none'}"
+            )
+        if want:
+            timed_out = str(post[0].args.get("error", "")) if post else ""
+            if post:
+                if not timed_out.startswith(TIMEOUT):
+                    bad.append(f"rank {r} moved on after the schedule: {moved}")
+            elif f is None:
+                bad.append(f"rank {r} never timed out of {want} (the model has it blocked there for good)")
+            elif f.error_type != TIMEOUT:
+                bad.append(f"rank {r} failed with {f.error_type}, not a timeout in {want}: {f.error[:200]}")
+        else:
+            if post:
+                bad.append(f"rank {r} moved on after the schedule: {moved}")
+            if f is not None:
+                bad.append(
+                    f"rank {r} failed in {f.phase} ({f.error_type}); the model has it outside any collective"
+                )
+        diff = _diff(last, end.vars.get(r, {}))
+        if diff:
+            bad.append(f"rank {r}'s variables differ from the model's final state: {diff}")
+    return ranks, bad
 
 
 class _Run:
-    """One schedule on a live cluster (the router's interpreter)."""
+    """One schedule on a live cluster: the driver and its observations."""
 
     def __init__(
         self,
         client: DPEngineClient,
-        variant: str,
         mode: str,
+        clear_cache: bool,
+        tokens: int,
         uinfo: dict[str, Any],
         send: Callable[[], None],
         timeout_s: float,
         step_s: float,
         deadline: float,
+        say: Callable[[str], None],
     ) -> None:
-        self.client = client
-        self.front_end_pause = get_variant(variant).pause_in_front_end
+        self.c = client
         self.mode = mode
+        self.clear_cache = clear_cache
+        self.tokens = tokens
         self.uinfo = uinfo
         self.send_fn = send
         self.timeout_s = timeout_s
         self.step_s = step_s
         self.deadline = deadline
-        self.log: list[str] = []
+        self.say = say
+        self.n = client.dp_size
+        self.req_index: dict[str, int] = {}
         self.streams: list[RequestStream] = []
-        self.bg: list[threading.Thread] = []
-        self.bg_err: list[str] = []
         self.call: threading.Thread | None = None  # the controller's current call
         self.phase = ""
-        self.stuck = False  # a controller call never returned: no further calls
-        self.trainer_sent = False
-        self.cycle_started = False
-        self.gated = True
-        self.diverged_at: int | None = None
-        self.index = 0
-        n = client.dp_size
-        self.cursor = [len(client.transitions)] * n
-        for r in range(n):
+        self.errors: dict[str, str] = {}
+        self.trainer: threading.Thread | None = None
+        self.cycle: threading.Thread | None = None
+        with client._lock:
+            self.start = len(client.transitions)
+            self.start_vars = {r: dict(v) for r, v in enumerate(client.rank_vars)}
+        self.scan = [self.start] * self.n  # next transition index to look at, per rank
+        self.consumed: list[list[TransitionRecord]] = [[] for _ in range(self.n)]
+        for r in range(self.n):
             client.set_step_gate(r, 0)
 
-    # -- helpers
-    def background(self, fn: Callable[[], Any]) -> threading.Thread:
+    # -- observations
+    def left(self, t: float) -> float:
+        return max(0.05, min(t, self.deadline - time.monotonic()))
+
+    def _peek(self, r: int) -> TransitionRecord | None:
+        ts = self.c.transitions
+        i = self.scan[r]
+        while i < len(ts):
+            t = ts[i]
+            if t.rank == r and acting(t):
+                self.scan[r] = i
+                return t
+            i += 1
+        self.scan[r] = i
+        return None
+
+    def next_record(self, r: int, timeout: float) -> TransitionRecord | None:
+        """Rank ``r``'s next acting transition (consumed), waiting up to ``timeout`` seconds."""
+        got: list[TransitionRecord] = []
+
+        def pred() -> bool:
+            t = self._peek(r)
+            if t is not None:
+                got.append(t)
+                self.scan[r] += 1
+                return True
+            return r in self.c.failures
+
+        try:
+            self.c.wait_for(pred, self.left(timeout), f"rank {r}'s next transition")
+        except TimeoutError:
+            return None
+        if got:
+            self.consumed[r].append(got[0])
+            return got[0]
+        return None
+
+    def held(self) -> dict[Channel, list[tuple[Any, ...]]]:
+        with self.c._lock:
+            return {k: [wire(m, self.req_index) for m in q] for k, q in self.c.held.items() if q}
+
+    def held_head(self, ch: Channel) -> tuple[Any, ...] | None:
+        with self.c._lock:
+            q = self.c.held.get(ch)
+            return wire(q[0], self.req_index) if q else None
+
+    def failed(self) -> str:
+        return "; ".join(
+            f"rank {r} failed in {f.phase}: {f.error[:160]}" for r, f in sorted(self.c.failures.items())
+        )
+
+    def expect_fired(self, a: ScheduleStep) -> str:
+        """Every row the step fires, as the ranks' next acting transitions (see the module docstring)."""
+        for r, ev, guard, after in a.fired:
+            t = self.next_record(r, self.step_s)
+            if t is None:
+                return f"rank {r} fired no {ev} [{guard}] within {self.step_s:.1f} s" + (
+                    f" ({self.failed()})" if self.c.failures else ""
+                )
+            if (t.event, t.guard) != (ev, guard):
+                return f"rank {r} fired {t.event} [{t.guard}], the model {ev} [{guard}]"
+            why = _diff(t.after, after)
+            if why:
+                return f"rank {r} after {ev} [{guard}]: {why}"
+        for r in sorted({f[0] for f in a.fired}):
+            want = a.vars_after.get(r, {})
+            for _ in range(4):  # an outcome a row's effect causes (a worker's finish)
+                if not _diff(self.consumed[r][-1].after, want):
+                    break
+                t = self.next_record(r, self.step_s)
+                if t is None:
+                    return f"rank {r} after step {a.step}: {_diff(self.consumed[r][-1].after, want)}"
+            else:
+                return f"rank {r} after step {a.step}: {_diff(self.consumed[r][-1].after, want)}"
+        return ""
+
+    def expect_channels(self, model: Mapping[Channel, list[tuple[Any, ...]]], exact: bool) -> str:
+        """Every channel's held messages start with (``exact``: are) the model's, within ``step_s``."""
+        last: list[str] = []
+
+        def ok() -> bool:
+            real = self.held()
+            last.clear()
+            for ch in sorted(set(real) | set(model)):
+                want, got = model.get(ch, []), real.get(ch, [])
+                if got[: len(want)] != want or (exact and len(got) != len(want)):
+                    last.append(f"{_ch(ch)}: held {got}, the model {want}")
+            return not last
+
+        deadline = time.monotonic() + self.left(self.step_s)
+        while not ok():
+            if time.monotonic() >= deadline:
+                return "; ".join(last)
+            time.sleep(0.02)
+        return ""
+
+    # -- driver actions
+    def background(self, fn: Callable[[], Any], errors: str) -> threading.Thread:
         def run() -> None:
             try:
                 fn()
             except Exception as exc:
-                self.bg_err.append(f"{type(exc).__name__}: {exc}")
+                self.errors[errors] = f"{type(exc).__name__}: {exc}"[:300]
 
         t = threading.Thread(target=run, daemon=True)
         t.start()
-        self.bg.append(t)
         return t
 
-    def diverge(self, why: str) -> None:
-        self.log.append(f"{why} (skipped)")
-        if self.diverged_at is None:
-            self.diverged_at = self.index + 1
-            self.open_gates()
-            self.log.append("the run diverges from the schedule: steps are no longer gated")
-
-    def open_gates(self) -> None:
-        if self.gated:
-            self.gated = False
-            for r in range(self.client.dp_size):
-                self.client.set_step_gate(r, -1)
-
-    def wait(self, pred: Callable[[], bool], what: str, timeout: float | None = None) -> bool:
-        """Wait until ``pred()`` (evaluated once per wake-up; it may consume) or a rank failed."""
-        t = self.step_s if timeout is None else timeout
-        t = max(0.05, min(t, self.deadline - time.monotonic()))
-        hit: list[bool] = []
-
-        def check() -> bool:
-            if pred():
-                hit.append(True)
-                return True
-            return bool(self.client.failures)
-
-        try:
-            self.client.wait_for(check, t, what)
-        except TimeoutError:
-            return False
-        return bool(hit)
-
-    def fired(self, r: int, match: Callable[[TransitionRecord], bool]) -> Callable[[], bool]:
-        """A predicate: rank ``r`` fired a matching transition after its cursor (advanced past it)."""
-
-        def pred() -> bool:
-            ts = self.client.transitions
-            for i in range(self.cursor[r], len(ts)):
-                t = ts[i]
-                if t.rank == r and match(t):
-                    self.cursor[r] = i + 1
-                    return True
-            return False
-
-        return pred
+    def previous_returned(self, timeout: float) -> str:
+        prev = self.call
+        if prev is None:
+            return ""
+        prev.join(self.left(timeout))
+        if prev.is_alive():
+            return f"the controller's {self.phase} has not returned (the model's controller has every reply)"
+        if "controller" in self.errors:
+            return f"the controller's {self.phase} failed: {self.errors['controller']}"
+        return ""
 
     def start_call(self, method: str) -> None:
-        """The controller's next call, after the previous one returned (a real controller waits)."""
-        if self.stuck:
-            self.log.append(f"controller call {method} not issued (an earlier call never returned)")
-            return
-        if self.call is not None and self.call.is_alive():
-            prev = self.call
-            if not self.wait(lambda: not prev.is_alive(), f"{self.phase} to return"):
-                self.diverge(f"controller call {self.phase} had not returned")
-                self.wait(lambda: not prev.is_alive(), f"{self.phase} to return", 3 * self.timeout_s)
-            if prev.is_alive():
-                self.stuck = True
-                self.log.append(f"controller call {self.phase} never returned: {method} not issued")
-                return
-        c, t, kw = self.client, 3 * self.timeout_s, {}
+        c, t = self.c, 3 * self.timeout_s
         fn: Callable[[], Any]
         if method == "pause":
-            fn = lambda: c.pause(self.mode, timeout=t)  # noqa: E731
+            fn = lambda: c.pause(self.mode, clear_cache=self.clear_cache, timeout=t)  # noqa: E731
         elif method == "resume":
             fn = lambda: c.resume(timeout=t)  # noqa: E731
+        elif method == "update_weights":
+            fn = lambda: c.fan_out(method, t, update_info=self.uinfo)  # noqa: E731
         else:
-            if method == "update_weights":
-                kw = {"update_info": self.uinfo}
-            fn = lambda: c.fan_out(method, t, **kw)  # noqa: E731
-        self.call = self.background(fn)
+            fn = lambda: c.fan_out(method, t)  # noqa: E731
+        self.call = self.background(fn, "controller")
         self.phase = method
-        shown = f"pause({self.mode})" if method == "pause" else method
-        self.log.append(f"controller calls {shown}" + (" (held per rank)" if self.client.hold else ""))
 
-    def front_end_call(self, method: str) -> None:
-        """front-end-pause: pause/resume is a flag in the front-end and returns at once."""
-        if method == "pause":
-            self.client.pause(self.mode)
-        else:
-            self.client.resume()
+    def start_trainer(self) -> None:
+        if self.trainer is None:
+            self.trainer = self.background(self.send_fn, "trainer")
 
-    def deliver(self, r: int, sock: str, event: str) -> None:
-        key = (r, sock)
-        if not self.wait(lambda: self.client.has_held(*key), f"a held message for rank {r} on {sock}"):
-            self.diverge(f"nothing held for rank {r} on {sock}")
-            return
-        msg = self.client.release(r, sock)
-        txt = f"rank {r} receives {type(msg).__name__}{_brief(msg)} on {sock}"
-        if self.wait(self.fired(r, lambda t: t.event == event), f"rank {r} {event}"):
-            t = self.client.transitions[self.cursor[r] - 1]
-            self.log.append(f"{txt}: {t.guard}, {t.before['state']}->{t.after['state']}")
-        else:
-            self.diverge(f"{txt}, but rank {r} did not handle it")
-
-    # -- one step
-    def do(self, step: Step) -> None:
-        c = self.client
-        op = step[0]
-        if op == "add":
-            r = int(step[1])
+    def do(self, a: ScheduleStep) -> str:
+        """Drive one step; returns why it was not followed ("" when it was)."""
+        c = self.c
+        why = ""
+        if a.kind == "add":
+            rid = f"req-{a.message[1]}"
+            self.req_index[rid] = int(a.message[1])
             self.streams.append(
-                c.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4), rank=r)
+                c.add_request(
+                    [1, 2, 3],
+                    SamplingParams(temperature=0.0, max_new_tokens=self.tokens),
+                    req_id=rid,
+                    rank=a.rank,
+                )
             )
-            self.log.append(f"front-end sends a request to rank {r} (ADD held; FIRST_REQ held if idle)")
-        elif op == "deliver":
-            self.deliver(int(step[1]), str(step[2]), str(step[3]))
-        elif op == "step":
-            r = int(step[1])
-            if self.gated:
-                c.set_step_gate(r, 1)
-            if self.wait(self.fired(r, _acting_step), f"rank {r} to step"):
-                t = c.transitions[self.cursor[r] - 1]
-                self.log.append(f"rank {r} steps{' and enters ' + t.collective if t.collective else ''}")
-            else:
-                if self.gated:
-                    c.set_step_gate(r, 0)
-                self.diverge(f"rank {r} did not step")
-        elif op == "done":
-            kind = str(step[1])
-            ok = all(
-                self.wait(self.fired(r, lambda t: t.event == f"{kind}_done"), f"rank {r} {kind}_done")
-                for r in range(c.dp_size)
-            )
-            if ok:
-                self.log.append(f"ranks complete {kind}")
-            else:
-                self.diverge(f"{kind} did not complete")
-        elif op == "coord":
-            src = int(step[1])
-            who = "front-end" if src < 0 else f"rank {src}"
-            if not self.wait(lambda: c.has_held(src, COORD), f"a message from {who} to the coordinator"):
-                self.diverge(f"nothing held from {who} to the coordinator")
-                return
+        elif a.kind == "call":
+            why = self.previous_returned(self.step_s)
+            if not why:
+                self.start_call(str(a.arg))
+                if a.trainer == "weight_broadcast":
+                    self.start_trainer()
+                for r, *_ in a.fired:  # a call the model delivers at once
+                    why = why or self.release((r, "control"), (str(a.arg),))
+        elif a.kind == "fe":
+            (c.pause(self.mode, clear_cache=self.clear_cache) if a.arg == "pause" else c.resume())
+            self.phase = str(a.arg)
+            for r, *_ in a.fired:
+                why = why or self.release((r, "control"), (str(a.arg),), wait=True)
+        elif a.kind == "release":
+            why = self.release(a.channel, a.message)
+        elif a.kind == "step":
+            c.set_step_gate(a.rank, 1)
+        elif a.kind == "coord":
             acks = c.coord_acks
-            msg = c.release(src, COORD)
-            if self.wait(lambda: c.coord_acks > acks, "the coordinator"):
-                self.log.append(f"coordinator receives {type(msg).__name__}{_brief(msg)} from {who}")
-            else:
-                self.diverge(f"coordinator did not acknowledge {type(msg).__name__}")
-        elif op == "call":
-            self.start_call(str(step[1]))
-        elif op == "fe":
-            method = str(step[1])
-            if self.front_end_pause:  # the flag in the front-end; the ranks only record the call
-                self.front_end_call(method)
-                self.phase = method
-                self.log.append(f"front-end applies {method} (returns at once)")
-            else:
-                self.start_call(method)
-            for r in range(c.dp_size):
-                self.deliver(r, "control", method)
-        elif op == "send":
-            self.background(self.send_fn)
-            self.trainer_sent = True
-            self.log.append("trainer starts trainer_send_weights")
-        elif op == "refresh":
+            why = self.release(a.channel, a.message)
+            if not why:
+                try:
+                    c.wait_for(lambda: c.coord_acks > acks, self.left(self.step_s), "the coordinator")
+                except TimeoutError:
+                    why = f"the coordinator did not handle {a.message}"
+                stats: Stats | None = c._held_stats
+                got = None if stats is None else (stats.current_wave, stats.engines_running)
+                if not why and got != a.coord:
+                    why = f"the coordinator's (current_wave, engines_running) is {got}, the model's {a.coord}"
+        elif a.kind == "refresh":
             c.refresh()
-            self.log.append(f"front-end refreshes stats: wave {c.current_wave}, running {c.engines_running}")
-        else:
-            self.legacy(step)
+            got = (c.current_wave, c.engines_running)
+            if got != a.front:
+                why = f"the front-end believes (current_wave, engines_running) {got}, the model {a.front}"
+        elif a.kind != "observe":
+            raise ValueError(f"step {a.step}: unknown step kind {a.kind!r}")
+        if not why:
+            why = self.expect_fired(a)
+        if a.kind == "step" and why:
+            c.set_step_gate(a.rank, 0)
+        if not why and a.kind == "add":
+            front = (c.current_wave, c.engines_running)
+            if front != a.front:
+                why = f"the front-end believes (current_wave, engines_running) {front}, the model {a.front}"
+        if not why:
+            why = self.expect_channels(a.channels, exact=False)
+        if not why and c.failures:
+            why = self.failed()
+        return why
 
-    def legacy(self, step: Step) -> None:
-        """The hand-written schedules' steps (fallback)."""
-        c = self.client
-        op = step[0]
-        if op == "round":
-            self.open_gates()
-            self.cycle_in_background(list(CYCLE))
-            self.log.append("controller starts pause -> start -> update || send -> finish -> resume")
-        elif op == "join":
-            call = self.call
-            ok = call is None or self.wait(lambda: not call.is_alive(), "controller call", 3 * self.step_s)
-            self.log.append("controller call returned" if ok else "join timed out")
-        elif op == "stats":
+    def release(self, ch: Channel, want: tuple[Any, ...], wait: bool = False) -> str:
+        head = self.held_head(ch)
+        if head is None and wait:
+            end = time.monotonic() + self.left(self.step_s)
+            while head is None and time.monotonic() < end:
+                time.sleep(0.02)
+                head = self.held_head(ch)
+        if head is None:
+            return f"nothing held on {_ch(ch)}, the model's next message there is {want}"
+        if head != want:
+            return f"the next message held on {_ch(ch)} is {head}, the model's {want}"
+        self.c.release(*ch)
+        return ""
 
-            def synced() -> bool:
-                top = max(int(v.get("current_wave", 0)) for v in c.rank_vars)
-                return c.current_wave >= top and not c.engines_running
-
-            ok = self.wait(synced, "coordinator stats")
-            self.log.append(
-                f"front-end sees coordinator stats: wave {c.current_wave}, idle"
-                if ok
-                else "coordinator stats not in sync (skipped)"
+    def impossible(self, a: ScheduleStep) -> str:
+        """The step the fix makes impossible: drive it and find it does not happen. Returns "" when it did
+        not, else what happened instead."""
+        c = self.c
+        if a.kind == "call":
+            return (
+                "the controller's previous call returned" if not self.previous_returned(self.step_s) else ""
             )
-        elif op == "call_rank":
-            r, method = int(step[1]), str(step[2])
-            kw: dict[str, Any] = {"update_info": self.uinfo} if method == "update_weights" else {}
-            fut = c.call_rank(r, method, **kw)
-            self.call = self.background(lambda: fut.result(3 * self.timeout_s))
-            self.log.append(f"controller calls {method} on rank {r}")
-        elif op == "release":
-            r, sock = int(step[1]), str(step[2])
-            if self.wait(lambda: c.has_held(r, sock), "held message"):
-                msg = c.release(r, sock)
-                self.log.append(f"rank {r} receives {type(msg).__name__}{_brief(msg)} on {sock}")
-            else:
-                self.log.append(f"nothing held for rank {r} on {sock} (skipped)")
-        elif op == "await":
-            r, ev = int(step[1]), str(step[2])
-            ok = self.wait(self.fired(r, lambda t: t.event == ev and (ev != "step" or bool(t.effects))), ev)
-            self.log.append(f"rank {r} fired {ev}" if ok else f"rank {r} did not fire {ev} (skipped)")
-        else:
-            raise ValueError(f"unknown schedule step {step!r}")
+        if a.kind in ("release", "coord"):
+            head = self.held_head(a.channel)
+            if head != a.message:
+                return ""
+            c.release(*a.channel)
+        elif a.kind == "step":
+            c.set_step_gate(a.rank, 1)
+        elif a.kind == "refresh":
+            c.refresh()
+            return "" if (c.current_wave, c.engines_running) != a.front else "the front-end refreshed"
+        elif a.kind == "add":
+            return "the front-end sent the request"
+        ranks = sorted({f[0] for f in a.fired})
+        time.sleep(self.left(self.step_s))
+        if a.kind == "step":
+            c.set_step_gate(a.rank, 0)
+        for r in ranks:
+            t = self._peek(r)
+            if t is not None:
+                return f"rank {r} fired {t.event} [{t.guard}]"
+        return ""
 
     # -- after the schedule
-    def finish_cycle(self) -> None:
-        """Let every message flow and complete the controller's cycle from where the schedule left it."""
-        c = self.client
-        self.open_gates()
+    def flow(self) -> None:
+        """Let every message flow and every rank step freely."""
+        c = self.c
+        for r in range(self.n):
+            c.set_step_gate(r, -1)
         c.set_hold(False)
         c.release_all()
-        self.log.append("all held messages released; steps ungated")
+
+    def finish_cycle(self) -> None:
+        """The controller completes its cycle from where the schedule left it (each call after the
+        previous one returned; a real controller stops at a failed call)."""
         rest = list(CYCLE[CYCLE.index(self.phase) + 1 :]) if self.phase in CYCLE else []
-        if self.cycle_started:  # a hand-written 'round' runs the whole cycle already
-            rest = []
-        if self.phase == "update_weights" and not self.trainer_sent:
-            self.background(self.send_fn)
-            self.trainer_sent = True
-            self.log.append("trainer starts trainer_send_weights")
         if rest:
-            self.log.append("controller completes its cycle: " + " -> ".join(rest))
-
-        self.cycle_in_background(rest)
-
-    def cycle_in_background(self, methods: list[str]) -> None:
-        """The controller's calls ``methods`` in order, each after the previous returned (background)."""
-        c = self.client
-        self.cycle_started = self.cycle_started or methods == list(CYCLE)
+            self.say("the controller completes its cycle: " + " -> ".join(rest))
 
         def cycle() -> None:
-            for m in methods:
+            for m in rest:
                 prev = self.call
                 if prev is not None:
-                    prev.join(3 * self.timeout_s)
-                    if prev.is_alive():
+                    prev.join(3 * self.timeout_s + 5)
+                    if prev.is_alive() or "controller" in self.errors:
                         return
-                if self.bg_err or c.failures:  # a real controller stops at a failed call
-                    self.log.append(f"controller stops before {m}: an earlier call failed")
-                    return
-                if self.front_end_pause and m in ("pause", "resume"):
-                    self.front_end_call(m)
-                    continue
                 self.start_call(m)
-                if m == "update_weights" and not self.trainer_sent:
-                    self.trainer_sent = True
-                    self.send_fn()
+                if m == "update_weights":
+                    self.start_trainer()
+            if self.call is not None:
+                self.call.join(3 * self.timeout_s + 5)
 
-        self.background(cycle)
+        self.cycle = self.background(cycle, "controller")
+
+    def records(self) -> dict[int, list[TransitionRecord]]:
+        out: dict[int, list[TransitionRecord]] = {r: [] for r in range(self.n)}
+        with self.c._lock:
+            for t in self.c.transitions[self.start :]:
+                if acting(t):
+                    out[t.rank].append(t)
+        return out
+
+    def events(self) -> dict[str, list[str]]:
+        return {
+            str(r): [
+                f"{t.event} [{t.guard}] -> {t.after.get('state')}/w{t.after.get('current_wave')}"
+                for t in rr[-6:]
+            ]
+            for r, rr in self.records().items()
+        }
+
+
+def _diff(got: Mapping[str, Any], want: Mapping[str, Any]) -> str:
+    bad = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
+    return ", ".join(f"{k}: engine {g!r}, model {w!r}" for k, (g, w) in bad.items())
+
+
+def _ch(ch: Channel) -> str:
+    r, name = ch
+    if name == COORD:
+        return "front-end -> coordinator" if r < 0 else f"rank {r} -> coordinator"
+    return f"rank {r} {name}"
+
+
+@dataclass
+class Plan:
+    """What to drive and what the model says of it (from :mod:`weightsync.schedule`, glued by the CLI).
+
+    Attributes:
+        schedule: the variant whose counterexample ``steps`` is (reported).
+        steps: the compiled steps (``compile_schedule`` / ``fix_schedule`` with ``engine="reference"``).
+        end: the model's final state (a buggy variant; None for a fix, whose run must complete).
+        fix_rows, impossible_step: the fix's divergence (:func:`weightsync.schedule.fix_divergence`); with
+            ``impossible_step`` the last step is that one and must not happen.
+        prop: the property the counterexample violates (reported).
+    """
+
+    schedule: str
+    steps: Sequence[ScheduleStep]
+    end: ModelEnd | None = None
+    fix_rows: Sequence[Mapping[str, Any]] = ()
+    impossible_step: int | None = None
+    prop: str = ""
 
 
 def run_schedule(
     variant: str,
-    schedule: str,
-    steps: list[Step] | None = None,
+    plan: Plan | Callable[[], Plan],
+    *,
+    mode: str = "keep",
+    clear_cache: bool = True,
+    tokens: int = 2,
+    sync_interval: int = 2,
     timeout_s: float = 5.0,
-    step_s: float = 1.5,
-    budget_s: float = 50.0,
-    mode: str = "abort",
-    source: str | None = None,
-    counterexample: list[str] | None = None,
+    step_s: float = 3.0,
+    budget_s: float = 60.0,
+    start_timeout_s: float = 150.0,
+    log: Callable[[str], None] | None = None,
 ) -> ReproResult:
-    """Run ``steps`` (default: the hand-written ``SCHEDULES[schedule]``) under ``variant`` on 2 DP ranks.
+    """Drive 2 DP ranks of ``variant`` through ``plan``'s steps and judge the run (see the module docstring).
 
     Args:
-        variant: protocol variant the engines run.
-        schedule: name of the schedule (reported; the variant whose counterexample it is).
-        steps: router steps (see :func:`compile_counterexample`).
+        variant: the variant the engines run.
+        plan: the :class:`Plan`, or a function computing it (the model's exploration), called in a thread
+            while the engines start.
+        mode, clear_cache: the controller's pause arguments (the model's).
+        tokens: tokens each request generates (the model's ``Bounds.tokens``).
+        sync_interval: the DP sync interval K (the model's).
         timeout_s: collective timeout of every DP collective and transfer, seconds.
-        step_s: how long one step waits for what it expects, seconds.
-        budget_s: overall deadline after startup, seconds.
-        mode: the pause mode of the controller's pause calls.
-        source: ``"model"`` or ``"hand-written"`` (reported; default: hand-written iff ``steps`` is None).
-        counterexample: the model's numbered steps (reported).
+        step_s: how long a step's observations may take, seconds.
+        budget_s: deadline of the schedule and its end, after startup, seconds.
+        start_timeout_s: how long the engines may take to start, seconds.
+        log: progress lines.
+
+    Raises:
+        ValueError: ``variant`` is not one the reference engine runs, or a buggy variant's plan without
+            ``end``, or a step of an unknown kind.
+        TransferTimeoutError: the engines did not start within ``start_timeout_s``, or the transfer group
+            did not form within the collective timeout.
+        PeerFailedError: an engine failed while starting.
+        RuntimeError: the trainer did not join the transfer group.
+        Whatever ``plan()`` raises.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     from weightsync.impl.engine.weights import random_weights, update_info_for
     from weightsync.impl.models.causal_lm import CausalLM
     from weightsync.impl.transfer.broadcast import BroadcastTrainer
 
+    if variant not in EXPECTED:
+        raise ValueError(f"unknown variant {variant!r}; the reference engine runs {', '.join(EXPECTED)}")
+    fixed = EXPECTED[variant] == "completed"
+    say = log or (lambda _m: None)
     t0 = time.monotonic()
-    src = source or ("hand-written" if steps is None else "model")
-    steps = list(SCHEDULES[schedule] if steps is None else steps)
+    res = ReproResult(variant, "reference", variant if fixed else None, "", "not reproduced", mode=mode)
+    res.timeout_s = timeout_s
     mcfg = tiny_config()
     cfg = EngineConfig(
-        dp_size=2, model=mcfg, variant=variant, sync_interval=2, collective_timeout_s=timeout_s
+        dp_size=2, model=mcfg, variant=variant, sync_interval=sync_interval, collective_timeout_s=timeout_s
     )
-    client = DPEngineClient(replace(cfg, dp_port=free_port()), hold=True)
+    client = DPEngineClient(replace(cfg, dp_port=free_port()), hold=True, start_timeout_s=start_timeout_s)
     trainer_box: list[BroadcastTrainer] = []
+    pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-repro-plan")
+    planned = pool.submit(plan) if callable(plan) else None
     try:
         client.start()
-        # set up the transfer group with messages flowing freely
-        client.set_hold(False)
+        client.set_hold(False)  # set up the transfer group with messages flowing freely
         info: dict[str, Any] = {
             "master_address": "127.0.0.1",
             "master_port": free_port(),
@@ -584,170 +732,203 @@ def run_schedule(
             "group_backend": "gloo",  # the engines' weights live on the CPU
         }
         # the trainer (rank 0, hosting the store) outlives the engines' deadline, as a real one would
-        tinfo = dict(info, timeout_s=timeout_s + 10)
-        th = threading.Thread(target=lambda: trainer_box.append(BroadcastTrainer(tinfo)))
+        tinfo = dict(info, timeout_s=timeout_s + 5)
+        th = threading.Thread(target=lambda: trainer_box.append(BroadcastTrainer(tinfo)), daemon=True)
         th.start()
         client.init_weight_transfer_engine(info, timeout=timeout_s + 10)
         th.join(timeout_s + 10)
+        if not trainer_box:
+            raise RuntimeError("the trainer did not join the transfer group")
         trainer = trainer_box[0]
         ws = random_weights(CausalLM(mcfg), 1)
-        uinfo = update_info_for(ws)
+        p = planned.result() if planned is not None else plan
+        assert isinstance(p, Plan)
+        if not fixed and p.end is None:
+            raise ValueError(f"{variant}: a buggy variant's run needs the model's final state (Plan.end)")
+        res.schedule, res.property = p.schedule, p.prop
+        res.fix_rows, res.impossible_step = [dict(r) for r in p.fix_rows], p.impossible_step
+        if p.end is not None:
+            res.expected_ranks = {str(r): k for r, k in sorted(p.end.blocked.items())}
+            res.expected_trainer = p.end.trainer
         with client._lock:  # the schedule starts from quiet engines and a front-end in sync
             client.set_hold(True)
-        if src == "hand-written":  # the older schedules: free steps, coordinator traffic not held
-            client.hold_coord = False
         run = _Run(
             client,
-            variant,
             mode,
-            uinfo,
+            clear_cache,
+            tokens,
+            update_info_for(ws),
             lambda: trainer.send(ws),
             timeout_s,
             step_s,
             time.monotonic() + budget_s,
+            say,
         )
-        if src == "hand-written":
-            run.open_gates()
-        for k, step in enumerate(steps):
-            if client.failures or time.monotonic() > run.deadline:
-                break
-            run.index = k
-            run.do(step)
-        if not client.failures:
-            run.finish_cycle()
-        end = time.monotonic() + min(budget_s, 3 * timeout_s + 10)
-        while time.monotonic() < end:
-            if client.failures:
-                break
-            client.release_all()
-            if not any(t.is_alive() for t in run.bg) and all(s.done.is_set() for s in run.streams):
-                break
-            time.sleep(0.02)
-        if client.failures:
-            time.sleep(0.5)  # let the other ranks' timeouts land too
-        fails = dict(client.failures)
-        collectives: dict[int, str] = {}
-        errors: dict[int, str] = {}
-        for r, f in sorted(fails.items()):
-            collectives[r] = (
-                (f"{f.collective}#{f.coll_seq}" if f.coll_seq >= 0 else f.collective)
-                if f.collective
-                else (f.peers.get(r) or f.phase)
-            )
-            errors[r] = f.error.splitlines()[0][:300]
-            for q, what in f.peers.items():
-                collectives.setdefault(int(q), what)
-        if fails:
-            result = "reproduced"
-            for r in sorted(fails):
-                run.log.append(f"rank {r} failed in {collectives[r]}: {errors[r]}")
-        elif (
-            not any(t.is_alive() for t in run.bg)
-            and not run.bg_err
-            and all(s.done.is_set() for s in run.streams)
-        ):
-            result = "completed"
+        say(f"engines up ({variant}); driving the {p.schedule} schedule ({len(p.steps)} steps)")
+        _drive(run, p.steps, res, p.impossible_step)
+        if fixed:
+            _complete(run, res, p.impossible_step)
         else:
-            result = "not reproduced"
-        if run.bg_err:
-            errors[-1] = run.bg_err[0][:300]
-        ranks = sorted(collectives) if fails else list(range(client.dp_size))
-        return ReproResult(
-            variant,
-            schedule,
-            result,
-            time.monotonic() - t0,
-            ranks,
-            collectives,
-            errors,
-            run.log,
-            src,
-            list(counterexample or []),
-            run.diverged_at,
-        )
+            assert p.end is not None
+            _reproduce(run, res, p.end)
+        res.errors.update({k: v for k, v in run.errors.items() if k not in res.errors})
+        res.events = run.events()
+        return res
     finally:
+        pool.shutdown(wait=True)
         for tr in trainer_box:
             tr.close()
-        client.shutdown(timeout_s=timeout_s + 2)
+        client.shutdown(timeout_s=2.0)  # then terminated: a rank may still sit in a failed collective
+        res.seconds = round(time.monotonic() - t0, 3)
 
 
-def _brief(msg: Any) -> str:
-    if hasattr(msg, "request"):
-        return f"({msg.request.req_id}, wave={msg.wave})"
-    for attr in ("method", "wave"):
-        if hasattr(msg, attr):
-            v = getattr(msg, attr)
-            ex = getattr(msg, "exclude", None)
-            return f"({v})" if ex is None else f"(wave={v}, exclude={ex})"
-    return ""
-
-
-def schedules_for(variant: str) -> list[str]:
-    """The schedules ``weightsync repro VARIANT`` runs: the variant's own counterexample, or every buggy
-    variant's for ``two-phase-epoch``.
-
-    Raises:
-        ValueError: unknown variant.
-    """
-    if variant not in EXPECTED:
-        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(EXPECTED)}")
-    return [variant] if variant in BUGGY else list(BUGGY)
-
-
-def repro(
-    variant: str,
-    counterexamples: Mapping[str, Mapping[str, Any]] | None = None,
-    timeout_s: float = 5.0,
-    only: list[str] | None = None,
-) -> list[ReproResult]:
-    """``weightsync repro VARIANT``: run each schedule of :func:`schedules_for` on real processes.
-
-    Args:
-        variant: the variant the engines run.
-        counterexamples: schedule name -> the model's counterexample record (``labels``, ``records``,
-            ``steps``, ``mode``), compiled with :func:`compile_counterexample`; a schedule without one
-            falls back to its hand-written form (``schedule_source: "hand-written"``).
-        timeout_s: collective timeout, seconds.
-        only: run only these schedules.
-
-    Raises:
-        ValueError: unknown variant or schedule.
-    """
-    names = schedules_for(variant)
-    if only is not None:
-        bad = [n for n in only if n not in names]
-        if bad:
-            raise ValueError(f"schedule(s) {bad} not among {names}")
-        names = [n for n in names if n in only]
-    out: list[ReproResult] = []
-    for name in names:
-        cx = (counterexamples or {}).get(name)
-        if cx is not None:
-            out.append(
-                run_schedule(
-                    variant,
-                    name,
-                    compile_counterexample(cx),
-                    timeout_s=timeout_s,
-                    mode=str(cx.get("mode", "abort")),
-                    source="model",
-                    counterexample=[str(x) for x in cx.get("steps", [])],
-                )
-            )
+def _drive(run: _Run, steps: Sequence[ScheduleStep], res: ReproResult, impossible: int | None) -> None:
+    entry: dict[str, Any]
+    for a in steps:
+        if time.monotonic() > run.deadline:
+            why = "the run's deadline passed"
+        elif a.step == impossible:
+            happened = run.impossible(a)
+            entry = {"step": a.step, "label": a.label, "model": a.text, "followed": False}
+            if happened:
+                entry["why"] = f"the fix's model has no such step, but {happened}"
+                res.reason = entry["why"]
+            else:
+                entry["why"] = "impossible under the fix: it did not happen"
+            res.steps.append(entry)
+            res.diverged_at = a.step
+            run.say(f"step {a.step}: {entry['why']}  [{a.text}]")
+            return
         else:
-            out.append(run_schedule(variant, name, timeout_s=timeout_s, source="hand-written"))
-    return out
+            why = run.do(a)
+        entry = {"step": a.step, "label": a.label, "model": a.text, "followed": not why}
+        if why:
+            entry["why"] = why
+        res.steps.append(entry)
+        run.say(f"step {a.step}: {'ok' if not why else 'DIVERGED: ' + why}  [{a.text}]")
+        if why:
+            res.diverged_at = a.step
+            res.reason = why
+            return
+        res.followed_steps += 1
+
+
+def _reproduce(run: _Run, res: ReproResult, end: ModelEnd) -> None:
+    c = run.c
+    if res.diverged_at is not None:
+        res.result = "diverged"
+        res.ranks = {
+            str(r): str(rr[-1].after.get("collective", "")) if rr else "" for r, rr in run.records().items()
+        }
+        return
+    why = run.expect_channels(end.channels, exact=True)
+    if why:
+        res.reason = f"after the last step the held messages are not the model's final channels: {why}"
+        return
+    recs = run.records()
+    after = {r: len(run.consumed[r]) for r in recs}
+    extra = {
+        r: [f"{t.event} [{t.guard}]" for t in rr[after[r] :]] for r, rr in recs.items() if rr[after[r] :]
+    }
+    if extra:
+        res.reason = f"after the last step the ranks took transitions the model has not: {extra}"
+        return
+    run.say("every step followed; every message flows and every rank steps freely from here")
+    run.flow()
+    blocked = [r for r, k in end.blocked.items() if k]
+    with contextlib.suppress(TimeoutError):  # the model's blocked ranks stay blocked until their timeout
+        c.wait_for(
+            lambda: all(r in c.failures or run._peek(r) is not None for r in blocked),
+            run.left(2 * run.timeout_s + 5),
+            "the blocked ranks' timeouts",
+        )
+    time.sleep(min(1.0, run.step_s))  # a rank the model has outside any collective: give it time to move
+    ranks, bad = end_check(run.records(), after, dict(c.failures), end, run.start_vars)
+    res.ranks = ranks
+    for r, f in sorted(c.failures.items()):
+        res.errors[str(r)] = f"{f.phase}: {f.error.splitlines()[0][:300]}"
+    for r, rr in run.records().items():
+        err = str(rr[after[r]].args.get("error", "")) if len(rr) > after[r] else ""
+        if err and str(r) not in res.errors:
+            res.errors[str(r)] = f"{rr[after[r]].event}: {err.splitlines()[0][:300]}"
+    tr = run.trainer
+    timed_out = run.errors.get("trainer", "").startswith(TIMEOUT)
+    res.trainer = "weight_broadcast" if tr is not None and (tr.is_alive() or timed_out) else ""
+    if res.trainer != end.trainer:
+        bad.append(
+            f"the trainer ended in {res.trainer or 'no collective'}, the model's in {end.trainer or 'none'}"
+        )
+    if bad:
+        res.reason = "; ".join(bad)
+        return
+    res.result = "reproduced"
+    res.reason = "every model step followed; " + "; ".join(
+        f"rank {r} blocked in {k} until the {run.timeout_s:g} s collective timeout"
+        if k
+        else f"rank {r} outside any collective"
+        for r, k in sorted(end.blocked.items())
+    )
+
+
+def _complete(run: _Run, res: ReproResult, impossible: int | None) -> None:
+    c = run.c
+    if res.diverged_at is not None and res.diverged_at != impossible:
+        res.result = "diverged"
+        return
+    if res.reason:  # the impossible step happened
+        return
+    run.say("every message flows and every rank steps freely from here")
+    run.flow()
+    run.finish_cycle()
+
+    def done() -> bool:
+        calls = [t for t in (run.cycle, run.call, run.trainer) if t is not None]
+        return bool(c.failures) or (
+            all(not t.is_alive() for t in calls) and all(s.done.is_set() for s in run.streams)
+        )
+
+    with contextlib.suppress(TimeoutError):
+        c.wait_for(done, run.left(3 * run.timeout_s + 10), "the cycle and every request")
+    time.sleep(0.3)  # the last wave ends
+    res.requests_finished = {
+        s.req_id: len(s.tokens) if s.done.is_set() and s.finish_reason == "length" else -1
+        for s in run.streams
+    }
+    recs = run.records()
+    res.ranks = {str(r): str(rr[-1].after.get("collective", "")) if rr else "" for r, rr in recs.items()}
+    for r, f in sorted(c.failures.items()):
+        res.errors[str(r)] = f"{f.phase}: {f.error.splitlines()[0][:300]}"
+    bad = [k for k in ("controller", "trainer") if k in run.errors]
+    unfinished = [k for k, v in res.requests_finished.items() if v < 0]
+    busy = [r for r, k in res.ranks.items() if k]
+    if c.failures or bad or unfinished or busy:
+        res.reason = (
+            f"after the schedule: failures {sorted(c.failures)}, errors in {bad}, unfinished requests {unfinished}, "
+            f"ranks still in a collective {busy}"
+        )
+        return
+    res.result = "completed"
+    rows = sorted({str(r["fix_row"]) for r in res.fix_rows if r.get("fix_row")})
+    made = f"rows {', '.join(rows)}" if rows else "no row of it fired differently before: it has no such edge"
+    where = (
+        f"step {impossible} is impossible under the fix ({made})"
+        if impossible is not None
+        else "the fix's model follows every step"
+    )
+    res.reason = f"{where}; after letting everything flow, every request finished ({len(run.streams)})"
 
 
 __all__ = [
     "BUGGY",
     "CYCLE",
     "EXPECTED",
-    "SCHEDULES",
-    "SOCKETS",
+    "TIMEOUT",
+    "ModelEnd",
+    "Plan",
     "ReproResult",
-    "compile_counterexample",
-    "repro",
+    "ScheduleStep",
+    "acting",
+    "end_check",
     "run_schedule",
-    "schedules_for",
+    "wire",
 ]

@@ -1,0 +1,143 @@
+"""The model's core: configuration, the initial state, and firing an event through the table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from weightsync.model.system.state import CHANNEL_FIFOS, CHANNELS, IDLE, NOT_SENT, Config, Ctrl, G, Rank
+from weightsync.spec.coordinator import coordinator_table
+from weightsync.spec.front_end import FrontEvent, FrontState, FrontVars, front_end_fire
+from weightsync.spec.rank import GUARDS, UPDATES, RankVars, Table, Variant, apply, get_variant, select
+from weightsync.spec.states import PauseMode, RankEvent, RankState
+from weightsync.spec.table import Transition, apply_transition, select_transition
+from weightsync.spec.worker import (
+    WORKER_GUARDS,
+    WORKER_TABLE,
+    WORKER_UPDATES,
+    WorkerEvent,
+    WorkerState,
+    WorkerVars,
+)
+
+
+class ModelBase:
+    """Configuration, initial state and the table lookups shared by every part of :class:`Model`."""
+
+    def __init__(
+        self,
+        config: Config,
+        table: Table | None = None,
+        guards: Mapping[str, Callable[[RankVars, Mapping[str, Any]], bool]] | None = None,
+        updates: Mapping[str, Callable[[RankVars, Mapping[str, Any]], RankVars]] | None = None,
+    ) -> None:
+        if config.ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {config.ranks}")
+        if config.channels not in CHANNEL_FIFOS:
+            raise ValueError(f"channels must be one of {', '.join(CHANNELS)}, got {config.channels!r}")
+        b = config.bounds
+        if b.sync_interval < 1 or b.tokens < 1 or b.requests < 0 or b.cycles < 0:
+            raise ValueError(f"bad bounds {b}")
+        self.config = config
+        self.variant: Variant = get_variant(config.variant)
+        self.table: Table = table if table is not None else self.variant.table
+        self.guards = guards if guards is not None else GUARDS
+        self.updates = updates if updates is not None else UPDATES
+        self.n = config.ranks
+        self.ordered = config.channels == "ordered"
+        self.nq, self.f_add, self.f_ctrl, self.f_wave = CHANNEL_FIFOS[config.channels]
+        self.mode = PauseMode(config.mode)
+        self.K = b.sync_interval
+        self.T = b.tokens
+        self.R = b.requests
+        self.C = b.cycles
+        self.clear = b.clear_cache
+        self.client_aborts = b.client_aborts
+        self.init_transfer = b.init_transfer
+        self.stray_resume = b.stray_resume
+        self.repeat_resume = b.repeat_resume
+        self.failures = b.failures
+        self.pause_during_update = b.pause_during_update
+        self.resume_during_update = b.resume_during_update
+        self.track_owed = self.variant.untracked_replies
+        self.worker_args = self.variant.worker_flags_decide
+        if b.failures < 0:
+            raise ValueError(f"bad bounds {b}: failures must be >= 0")
+        self._cache: dict[tuple[Any, ...], tuple[Transition | None, RankVars]] = {}
+        self._wcache: dict[tuple[WorkerVars, WorkerEvent], WorkerVars] = {}
+        # the DP coordinator's table (spec/coordinator.py) for this variant, and its firings by input
+        self.coord_table = coordinator_table(
+            self.variant.coordinator_latches, self.variant.first_req_exclusion
+        )
+        self._front_cache: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[int, bool, bool]]] = {}
+        self._coord_cache: dict[tuple[Any, ...], tuple[tuple[int, bool], tuple[tuple[int, int], ...]]] = {}
+        # non-vacuity witnesses, set while exploring
+        self.seen_all_verified = False
+        self.seen_update_with_wave_in_flight = False
+
+    # ------------------------------------------------------------------ state construction
+
+    def initial(self) -> G:
+        """Every rank running and idle, wave 0, no messages, controller idle, no request sent."""
+        wk = WorkerVars(WorkerState.READY, initialized=not self.init_transfer)
+        r = Rank(RankVars(), "", (), (), ((),) * self.nq, (), NOT_SENT, 0, wk)
+        return G(
+            (r,) * self.n,
+            ((),),
+            (0, False),
+            (0, False, 0, False, ()),
+            Ctrl(IDLE, 0, 0, not self.init_transfer, False, False, 0, False, 0),
+            ("", NOT_SENT),
+            (),
+            (),
+        )
+
+    # ------------------------------------------------------------------ the table
+
+    def fire(
+        self, i: int, v: RankVars, event: RankEvent, extra: tuple[tuple[str, Any], ...]
+    ) -> tuple[Transition | None, RankVars]:
+        """Fire ``event`` on rank ``i`` with variables ``v`` through the table: ``(transition, new vars)``;
+        an illegal event gives ``(None, vars in ERROR)`` (the sticky error state)."""
+        key = (v, event, i, extra)
+        r = self._cache.get(key)
+        if r is None:
+            args: dict[str, Any] = {"rank": i, "dp_size": self.n, "sync_interval": self.K}
+            args.update(extra)
+            tr = select(self.table, v, event, args, self.guards)
+            if tr is None:
+                r = (None, v._replace(state=RankState.ERROR))
+            else:
+                r = (tr, apply(v, tr, args, self.updates))
+            self._cache[key] = r
+        return r
+
+    def worker_fire(self, wv: WorkerVars, event: WorkerEvent) -> WorkerVars:
+        """Fire ``event`` on a rank's worker machine (:data:`weightsync.spec.worker.WORKER_TABLE`); an
+        illegal call leaves it in ``error``."""
+        key = (wv, event)
+        r = self._wcache.get(key)
+        if r is None:
+            tr = select_transition(WORKER_TABLE, wv.state, event, wv, {}, WORKER_GUARDS)
+            r = (
+                wv._replace(state=WorkerState.ERROR)
+                if tr is None
+                else apply_transition(wv, tr, {}, WORKER_UPDATES)
+            )
+            self._wcache[key] = r
+        return r
+
+    def _front(
+        self, front: tuple[Any, ...], event: FrontEvent, **args: Any
+    ) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+        """The front-end's table (spec/front_end.py) on ``event``: the row's effects and the new
+        ``front`` tuple (``next_request`` and ``client_aborted`` unchanged)."""
+        key = (front[0], front[1], front[3], event, tuple(sorted(args.items())))
+        r = self._front_cache.get(key)
+        if r is None:
+            before = FrontVars(FrontState.RUNNING if front[1] else FrontState.IDLE, front[0], front[3])
+            tr, after = front_end_fire(before, event, args)
+            r = (tr.effects, (after.current_wave, after.engines_running, after.gated))
+            self._front_cache[key] = r
+        effects, (bw, brun, gated) = r
+        return effects, (bw, brun, front[2], gated, front[4])

@@ -1,0 +1,121 @@
+"""The :class:`Model`: its parts combined, with the successor function."""
+
+from __future__ import annotations
+
+from weightsync.model.system.properties import Properties
+from weightsync.model.system.state import DP_KINDS, RETRY, TRANSFER_KINDS, G, Label, _Work
+from weightsync.model.system.symmetry import Symmetry
+from weightsync.spec.front_end import FrontEvent
+from weightsync.spec.states import RankState
+
+
+class Model(Properties, Symmetry):
+    """The N-rank product of one :class:`Config`, with its successor function and property checks.
+
+    The parts are mixins, one per concern: :class:`~weightsync.model.system.base.ModelBase` (configuration,
+    initial state, table lookups), :class:`~weightsync.model.system.effects.RankEffects` (rank transitions
+    and effects), :class:`~weightsync.model.system.environment.Environment` (coordinator, front-end,
+    controller, trainer), :class:`~weightsync.model.system.properties.Properties` and
+    :class:`~weightsync.model.system.symmetry.Symmetry`; this class adds :meth:`successors`.
+
+    Args:
+        config: variant, N, mode, channels, bounds.
+        table: override the variant's table (mutation testing).
+        guards: guard registry (default :data:`weightsync.spec.rank.GUARDS`).
+        updates: update registry (default :data:`weightsync.spec.rank.UPDATES`).
+    """
+
+    def successors(self, s: G) -> list[tuple[Label, G]]:
+        """Every enabled transition of ``s`` as ``(label, next_state)``, in a deterministic order:
+        rank inputs and steps (rank by rank), collective completions, the coordinator, the front-end,
+        the controller and the trainer. Transitions that change nothing (an idle loop pass) are omitted."""
+        out: list[tuple[Label, G]] = []
+        n = self.n
+        ranks = s.ranks
+        for i in range(n):
+            rk = ranks[i]
+            if rk.blocked or rk.vars.state is RankState.ERROR:
+                continue
+            for f, q in enumerate(rk.inq):
+                if q:
+                    out.append((("recv", i, f), self._recv(s, i, f)))
+                    if (
+                        s.ctrl.failures_used < self.failures
+                        and q[0][0] == "U"
+                        and q[0][1] in ("start_weight_update", "finish_weight_update")
+                        and (
+                            self.worker_args
+                            or rk.vars.state in (RankState.VERIFIED, RankState.FAILED, RankState.UPDATING)
+                        )
+                    ):
+                        out.append((("recv", i, f, "fail"), self._recv(s, i, f, fail=True)))
+            t = self._step(s, i)
+            if t is not None:
+                out.append((("step", i), t))
+        # collectives
+        k0 = ranks[0].blocked
+        if (
+            k0
+            and all(r.blocked == k0 for r in ranks)
+            and (k0 in DP_KINDS or (k0 in TRANSFER_KINDS and s.trainer[0] == k0))
+        ):
+            out.append((("done", k0), self._complete(s, k0)))
+            if k0 in TRANSFER_KINDS and s.ctrl.failures_used < self.failures:
+                out.append((("done", k0, "fail"), self._complete(s, k0, fail=True)))
+        self._timeouts(s, out)
+        # coordinator
+        for f, q in enumerate(s.coord_q):
+            if q:
+                out.append((("coord", -1, f), self._coord_recv(s, -1, f)))
+        if not self.ordered:
+            for i in range(n):
+                if ranks[i].outq:
+                    out.append((("coord", i, 0), self._coord_recv(s, i, 0)))
+        # front-end
+        bw, brun, nxt = s.front[:3]
+        cab = s.front[4]
+        if nxt < self.R and not self._init_holds_front(s):
+            for i in range(n):
+                if "hold_request" not in self._front(s.front, FrontEvent.SEND_REQUEST, target=i)[0]:
+                    out.append((("send", i), self._send_request(s, i)))
+        if (bw, brun) != s.coord:  # the stats refresh (a refresh that changes nothing is a self-loop)
+            _, front = self._front(s.front, FrontEvent.STATS, wave=s.coord[0], running=s.coord[1])
+            out.append((("refresh",), s._replace(front=front)))
+        if len(cab) < self.client_aborts:
+            for r in range(nxt):
+                if r not in cab and r not in s.done and r not in s.aborted:
+                    i = self._holder(s, r)
+                    if i >= 0:
+                        out.append((("abort", i, r), self._send_abort(s, i, r)))
+        # controller and trainer
+        self._controller(s, out)
+        if self.stray_resume or self.repeat_resume:
+            return [(label, self._settle(t)) for label, t in out]
+        return out
+
+    def _settle(self, s: G) -> G:
+        """Reduction (with stray or repeated resumes only): a resume at the head of a rank's controller FIFO
+        that the rank takes as a no-op (see :meth:`_deliver_now`) is received at once. It is independent
+        of every other transition (it changes no rank variable, and no other transition can change which
+        row it takes: the rank leaves its state only through a later controller call, queued behind it),
+        so exploring it first loses no reachable state other than those that differ only in the
+        controller's view of that reply."""
+        w: _Work | None = None
+        for i in range(self.n):
+            while True:
+                rk = (w.ranks if w is not None else s.ranks)[i]
+                f = self.f_ctrl
+                q = rk.inq[f]
+                if rk.blocked or not q or q[0][0] != "U" or q[0][1] != "resume":
+                    break
+                if w is None:
+                    w = _Work(s)
+                w.untracked = q[0][2] == RETRY
+                w.ranks[i] = rk.with_inq((*rk.inq[:f], q[1:], *rk.inq[f + 1 :]))
+                if not self._deliver_now(w, i, "resume", queued=True):
+                    w.ranks[i] = rk
+                    break
+        if w is None:
+            return s
+        w.untracked = False
+        return w.freeze()

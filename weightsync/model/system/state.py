@@ -1,0 +1,283 @@
+"""The model's state: the constants, :class:`Bounds`, :class:`Config`, one rank's slice (:class:`Rank`), the
+controller's (:class:`Ctrl`), the global state (:class:`G`) and its mutable scratch copy (:class:`_Work`)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from weightsync.spec.rank import RankVars
+from weightsync.spec.states import DP_COLLECTIVES, PauseMode, RankEvent
+from weightsync.spec.worker import WorkerVars
+
+# Controller phases.
+IDLE, PAUSE, START, UPDATE, FINISH, RESUME, INIT = range(7)
+PHASE_CALL = {
+    PAUSE: "pause",
+    START: "start_weight_update",
+    UPDATE: "update_weights",
+    FINISH: "finish_weight_update",
+    RESUME: "resume",
+    INIT: "init_weight_transfer_engine",
+}
+CALL_EVENT = {
+    "pause": RankEvent.PAUSE,
+    "resume": RankEvent.RESUME,
+    "start_weight_update": RankEvent.START_UPDATE,
+    "update_weights": RankEvent.UPDATE_WEIGHTS,
+    "finish_weight_update": RankEvent.FINISH_UPDATE,
+    "init_weight_transfer_engine": RankEvent.INIT_TRANSFER,
+}
+# Controller per-rank call status (FAILED_REPLY: the call returned an error: a refusal or a failure).
+NOT_SENT, SENT, REPLIED, SPURIOUS, FAILED_REPLY = 0, 1, 2, 3, 4
+#: The third field of a controller message ("U", call, arg): the version a finish_weight_update carries,
+#: RETRY for a resume re-sent by an orchestrator while its first is outstanding (its reply is not counted).
+RETRY = -1
+#: Rank effects that are worker operations that may fail (when Bounds.failures allows one).
+FAILABLE_EFFECTS = frozenset({"start_weight_update", "finish_weight_update"})
+FAIL_PHASE = {
+    "start_weight_update": "start",
+    "finish_weight_update": "finish",
+    "weight_broadcast": "update",
+    "transfer_init": "init",
+}
+
+# Per-socket rank input FIFOs.
+F_ADD, F_CTRL, F_WAVE = 0, 1, 2
+#: Channel semantics -> (number of rank input FIFOs, FIFO of ADD/ABORT, of utility calls, of START_DP_WAVE).
+CHANNEL_FIFOS: dict[str, tuple[int, int, int, int]] = {
+    "per-socket": (3, F_ADD, F_CTRL, F_WAVE),
+    "one-api-server": (2, 0, 0, 1),
+    "ordered": (1, 0, 0, 0),
+}
+CHANNELS = tuple(CHANNEL_FIFOS)
+
+DONE_EVENT = {
+    "dp_step": RankEvent.DP_STEP_DONE,
+    "dp_sync": RankEvent.DP_SYNC_DONE,
+    "resume_barrier": RankEvent.RESUME_BARRIER_DONE,
+    "weight_broadcast": RankEvent.WEIGHT_BROADCAST_DONE,
+    "transfer_init": RankEvent.TRANSFER_INIT_DONE,
+}
+ENTER_EFFECT = {f"enter_{k}": k for k in DONE_EVENT}
+DP_KINDS = frozenset(str(c.value) for c in DP_COLLECTIVES)
+TRANSFER_KINDS = frozenset({"weight_broadcast", "transfer_init"})
+
+
+class Bounds(NamedTuple):
+    """Bounds of the model.
+
+    Attributes:
+        requests: client requests in total (R).
+        cycles: pause/update/resume cycles the controller may run (C).
+        sync_interval: K, the DP sync all-reduce every K steps (PR #21617: 32; vLLM 0.32: 16,
+            ``config/parallel.py:162``; the vllm-0.32 tables also sync at the first step of every wave).
+        tokens: steps each request needs to finish (>= 2 lets keep mode freeze a request mid-generation).
+        clear_cache: the pause's ``clear_cache`` argument (vLLM default True).
+        client_aborts: client ABORTs the front-end may send (each for one request it sent, to the rank it
+            sent it to; reference s5). 0 in the default proofs.
+        init_transfer: the controller calls ``init_weight_transfer_engine`` once (joined by the trainer),
+            either before the first request (the front-end waits for it) or lazily in the first cycle
+            between pause and start; when False the transfer engine is assumed initialised at start.
+        stray_resume: the controller may issue one ``resume`` that no pause preceded (an orchestrator's
+            ``finally`` path, reference s9 prime-rl), when idle or after a completed resume, with requests
+            arriving at any point around it.
+        repeat_resume: the controller may re-send ``resume`` to every rank once while its first resume is
+            still outstanding (a client-side retry, or a second controller); those replies are not counted.
+        failures: weight-transfer failures that may be injected (0 in the default proofs): a
+            ``transfer_init`` or ``weight_broadcast`` collective that fails on every member, or a
+            ``start_weight_update`` / ``finish_weight_update`` that raises on one rank. A transfer collective
+            that a failed rank will never join times out on each member (no bound). The controller then
+            re-initialises (after a failed init) and runs a new round before it resumes.
+        pause_during_update: the controller may send a second ``pause`` to every rank once while a round is in
+            flight (phase start, update or finish: a second controller, or a defensive re-pause); its
+            replies are not counted.
+        resume_during_update: the controller may send ``resume`` to every rank once while a round is in flight
+            (an orchestrator's timeout or ``finally`` path racing its own update); its replies are not
+            counted, and the round then carries on.
+    """
+
+    requests: int = 1
+    cycles: int = 1
+    sync_interval: int = 2
+    tokens: int = 2
+    clear_cache: bool = True
+    client_aborts: int = 0
+    init_transfer: bool = False
+    stray_resume: bool = False
+    repeat_resume: bool = False
+    failures: int = 0
+    pause_during_update: bool = False
+    resume_during_update: bool = False
+
+
+class Config(NamedTuple):
+    """One model instance: variant, number of DP ranks, pause mode, channel semantics and bounds."""
+
+    variant: str = "two-phase-epoch"
+    ranks: int = 2
+    mode: PauseMode = PauseMode.KEEP
+    channels: str = "per-socket"
+    bounds: Bounds = Bounds()
+
+
+class Rank(NamedTuple):
+    """One rank's slice of the global state.
+
+    Attributes:
+        vars: protocol variables (advanced only by the table).
+        blocked: the collective the rank is blocked in according to the effects it fired ("" if none).
+        waiting: scheduler waiting queue, sorted ``(request, tokens_left)``.
+        running: scheduler running batch, sorted ``(request, tokens_left)``.
+        inq: input FIFOs (per-socket: ADD, controller, wave; ordered: one).
+        outq: FIFO to the coordinator (per-socket only; ordered mode uses the coordinator's single FIFO).
+        status: the controller's current call to this rank: 0 not sent, 1 sent, 2 replied, 3 spurious reply.
+        pz: ghost for the pause properties: 0 no pause in effect, 1 the rank received pause (and no resume
+            since), 2 its pause reply was sent.
+        worker: the rank's worker-side weight-update machine (:mod:`weightsync.spec.worker`), driven by
+            the table's ``start_weight_update`` / ``finish_weight_update`` / ``enter_weight_broadcast`` /
+            ``enter_transfer_init`` effects.
+
+        owed: (variants with ``untracked_replies``) the deferred replies the rank owes to untracked calls it
+            received: bit 1 a pause, bit 2 a resume (see :meth:`Model._reply_status`).
+
+    ``running`` entries are ``(request, tokens_left, kv_version)``: the weight version under which the
+    request's KV was computed (set when it is scheduled from ``waiting``).
+    """
+
+    vars: RankVars
+    blocked: str
+    waiting: tuple[tuple[int, int], ...]
+    running: tuple[tuple[int, int, int], ...]
+    inq: tuple[tuple[tuple[Any, ...], ...], ...]
+    outq: tuple[tuple[Any, ...], ...]
+    status: int
+    pz: int
+    worker: WorkerVars
+    owed: int = 0
+
+    # Field setters for the successor function's hot paths (``_replace`` is several times slower).
+    def with_inq(self, inq: tuple[tuple[tuple[Any, ...], ...], ...]) -> Rank:
+        """This slice with input FIFOs ``inq``."""
+        return _new_rank(
+            Rank, (self[0], self[1], self[2], self[3], inq, self[5], self[6], self[7], self[8], self[9])
+        )
+
+    def with_queues(
+        self, waiting: tuple[tuple[int, int], ...], running: tuple[tuple[int, int, int], ...]
+    ) -> Rank:
+        """This slice with scheduler queues ``waiting`` and ``running``."""
+        return _new_rank(
+            Rank, (self[0], self[1], waiting, running, self[4], self[5], self[6], self[7], self[8], self[9])
+        )
+
+    def with_status(self, status: int, pz: int) -> Rank:
+        """This slice with controller-call status ``status`` and pause ghost ``pz``."""
+        return _new_rank(
+            Rank, (self[0], self[1], self[2], self[3], self[4], self[5], status, pz, self[8], self[9])
+        )
+
+    def with_outq(self, outq: tuple[tuple[Any, ...], ...]) -> Rank:
+        """This slice with the FIFO to the coordinator ``outq``."""
+        return _new_rank(
+            Rank, (self[0], self[1], self[2], self[3], self[4], outq, self[6], self[7], self[8], self[9])
+        )
+
+
+_new_rank = tuple.__new__
+
+
+class Ctrl(NamedTuple):
+    """The RL controller's state (see :class:`G`).
+
+    Attributes:
+        phase: the call it is making (IDLE, PAUSE, INIT, START, UPDATE, FINISH, RESUME).
+        cycles_started: pause/update/resume cycles begun.
+        update_rounds: successful rounds (a finish_weight_update fan-out every rank answered without
+            error); the version a finish carries is ``update_rounds + 1``.
+        transfer_initialised: init_weight_transfer_engine has been called.
+        stray_resume_used: the one resume no pause preceded was sent (``Bounds.stray_resume``).
+        repeat_resume_used: the one retried resume was sent (``Bounds.repeat_resume``).
+        failures_used: weight-transfer failures injected so far (``Bounds.failures``).
+        recovering: a round failed and no round has succeeded since.
+        extra_used: bits X_PAUSE / X_RESUME: the second pause / the resume during an update were sent.
+    """
+
+    phase: int
+    cycles_started: int
+    update_rounds: int
+    transfer_initialised: bool
+    stray_resume_used: bool
+    repeat_resume_used: bool
+    failures_used: int
+    recovering: bool
+    extra_used: int
+
+
+#: ``extra_used`` bits: the second pause and the resume during an update (Bounds flags) were sent.
+X_PAUSE, X_RESUME = 1, 2
+#: ``Rank.owed`` bits.
+OWE_PAUSE, OWE_RESUME = 1, 2
+
+
+class G(NamedTuple):
+    """Global state.
+
+    Attributes:
+        ranks: one :class:`Rank` per DP rank.
+        coord_q: the coordinator's input FIFOs other than the ranks' (per-socket: FIRST_REQ from the
+            front-end; ordered: the single FIFO of everything sent to the coordinator, with senders).
+        coord: ``(current_wave, engines_running)``.
+        front: ``(believed_wave, believed_running, next_request, gated, client_aborted)`` (the requests
+            the client aborted, sorted).
+        ctrl: ``(phase, cycles_started, update_rounds, transfer_initialised, stray_resume_used,
+            repeat_resume_used, failures_used, recovering, extra_used)``; ``update_rounds`` counts successful
+            rounds (a finish_weight_update fan-out every rank answered without error); ``recovering``: a
+            round failed and no round has succeeded since; ``extra_used``: bits X_PAUSE / X_RESUME.
+        trainer: ``(blocked, status)``.
+        done: finished requests (sorted).
+        aborted: aborted requests (sorted).
+    """
+
+    ranks: tuple[Rank, ...]
+    coord_q: tuple[tuple[tuple[Any, ...], ...], ...]
+    coord: tuple[int, bool]
+    front: tuple[int, bool, int, bool, tuple[int, ...]]
+    ctrl: Ctrl
+    trainer: tuple[str, int]
+    done: tuple[int, ...]
+    aborted: tuple[int, ...]
+
+
+#: A compact transition label; see :meth:`Model.describe` for the human form.
+Label = tuple[Any, ...]
+
+
+class _Work:
+    """Mutable scratch copy of a global state used while building one successor."""
+
+    __slots__ = ("aborted", "coord", "coord_q", "ctrl", "done", "front", "ranks", "trainer", "untracked")
+
+    def __init__(self, s: G) -> None:
+        self.ranks = list(s.ranks)
+        self.coord_q = s.coord_q
+        self.coord = s.coord
+        self.front = s.front
+        self.ctrl = s.ctrl
+        self.trainer = s.trainer
+        self.done = list(s.done)
+        self.aborted = list(s.aborted)
+        self.untracked = False
+
+    def freeze(self) -> G:
+        done = self.done
+        aborted = self.aborted
+        return G(
+            tuple(self.ranks),
+            self.coord_q,
+            self.coord,
+            self.front,
+            self.ctrl,
+            self.trainer,
+            tuple(sorted(done)) if len(done) > 1 else tuple(done),
+            tuple(sorted(aborted)) if len(aborted) > 1 else tuple(aborted),
+        )

@@ -1,0 +1,223 @@
+"""Transition descriptions: :class:`Step` records, message text and the message -> table event mapping."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from weightsync.model.system.state import CALL_EVENT, TRANSFER_KINDS, G, Label, Rank
+from weightsync.spec.states import PauseMode, RankEvent, unfinished_for_sync
+
+if TYPE_CHECKING:
+    from weightsync.model.system.model import Model
+
+
+class Step(NamedTuple):
+    """One counterexample step as a structured record.
+
+    Attributes:
+        process: who acts ("rank 1", "controller", "front-end", "coordinator", "trainer", "ranks 0,1").
+        action: what it does ("receives", "steps", "enters", "fans out", "sends", "completes", ...).
+        message: the message, call or collective involved (e.g. ``START_DP_WAVE(wave=1, exclude=0)``).
+        detail: what the table did (guard, state change, effects) or the coordinator's reaction.
+        lane_from: Mermaid lane of the sender for message arrows ("" for notes).
+        lanes: Mermaid lanes the step concerns.
+    """
+
+    process: str
+    action: str
+    message: str
+    detail: str
+    lane_from: str
+    lanes: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        """The human-readable one-liner, e.g. ``rank 1 receives START_DP_WAVE(wave=1, exclude=0) (...)``."""
+        base = f"{self.process} {self.action} {self.message}".rstrip()
+        return f"{base} ({self.detail})" if self.detail else base
+
+
+def fmt_msg(m: tuple[Any, ...], mode: PauseMode) -> str:
+    """A message as text: ``ADD(req=0, wave=1)``, ``START_DP_WAVE(wave=1, exclude=0)``, ``pause(keep)``..."""
+    k = m[0]
+    if k == "ADD":
+        return f"ADD(req={m[1]}, wave={m[2]})"
+    if k == "W":
+        return f"START_DP_WAVE(wave={m[1]}, exclude={m[2]})"
+    if k == "U":
+        return f"pause({mode.value})" if m[1] == "pause" else str(m[1])
+    if k == "FIRST_REQ":
+        return f"FIRST_REQ(exclude={m[1]}, wave={m[2]})"
+    if k == "ABORT":
+        return f"ABORT(req={m[1]})"
+    return f"{k}(wave={m[1]})"
+
+
+def _lane_of_sender(m: tuple[Any, ...]) -> str:
+    return {"ADD": "front-end", "ABORT": "front-end", "W": "coordinator", "U": "controller"}.get(m[0], "")
+
+
+def message_event(
+    model: Model, rk: Rank, m: tuple[Any, ...]
+) -> tuple[RankEvent, tuple[tuple[str, Any], ...]]:
+    """The table event and its arguments when a rank whose slice is ``rk`` receives message ``m``."""
+    if m[0] == "ADD":
+        return RankEvent.ADD, (("wave", m[2]),)
+    if m[0] == "ABORT":
+        return RankEvent.ABORT, ()
+    if m[0] == "W":
+        return RankEvent.START_DP_WAVE, (("exclude", m[2]), ("wave", m[1]))
+    ev = CALL_EVENT[m[1]]
+    return ev, model.call_extra(rk, ev)
+
+
+def describe(model: Model, s: G, label: Label, t: G) -> Step:
+    """The :class:`Step` record of the edge ``s --label--> t`` (a successor of ``model``)."""
+    kind = label[0]
+    mode = model.mode
+
+    def rank_detail(i: int, event: RankEvent, extra: tuple[tuple[str, Any], ...]) -> str:
+        before = s.ranks[i].vars
+        tr, after = model.fire(i, before, event, extra)
+        if tr is None:
+            return f"illegal in {before.state.value}: protocol error, rank {i} -> error"
+        d = f"{tr.guard}: {before.state.value}->{after.state.value}"
+        eff = [e for e in tr.effects if e not in ("execute_step",) and not e.startswith("enter_")]
+        if eff:
+            d += "; " + ", ".join(eff)
+        if before.current_wave != after.current_wave:
+            d += f"; wave {before.current_wave}->{after.current_wave}"
+        if before.engines_running != after.engines_running:
+            d += f"; engines_running={after.engines_running}"
+        return d
+
+    if kind == "recv":
+        i, f = label[1], label[2]
+        m = s.ranks[i].inq[f][0]
+        ev, extra = message_event(model, s.ranks[i], m)
+        d = rank_detail(i, ev, extra)
+        if t.ranks[i].blocked and not s.ranks[i].blocked:
+            d += f"; enters {t.ranks[i].blocked}"
+        return Step(f"rank {i}", "receives", fmt_msg(m, mode), d, _lane_of_sender(m), (f"rank {i}",))
+    if kind == "step":
+        i = label[1]
+        rk = s.ranks[i]
+        has = model._has_work(rk)
+        d = rank_detail(i, RankEvent.STEP, (("has_work", has),))
+        batch = "a real batch" if has else "a dummy batch"
+        after = t.ranks[i]
+        msg = after.blocked if after.blocked else ""
+        return Step(f"rank {i}", f"steps ({batch}) and enters", msg, d, "", (f"rank {i}",))
+    if kind == "done":
+        k = label[1]
+        members = ",".join(str(i) for i in range(model.n))
+        proc = f"ranks {members}" + (" and trainer" if k in TRANSFER_KINDS else "")
+        args = ""
+        ranks = s.ranks
+        if k == "dp_sync":
+            su = sum(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
+            sp = sum(1 for r in ranks if r.vars.pending_pause)
+            args = f"(sum_unfinished={su}, sum_pending_pause={sp})"
+        elif k == "resume_barrier":
+            mu = max(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
+            mw = max(r.vars.current_wave for r in ranks)
+            args = f"(max_unfinished={mu}, max_wave={mw})"
+        states = ", ".join(
+            f"r{i}:{t.ranks[i].vars.state.value}/w{t.ranks[i].vars.current_wave}" for i in range(model.n)
+        )
+        lanes = tuple(f"rank {i}" for i in range(model.n)) + (("trainer",) if k in TRANSFER_KINDS else ())
+        return Step(proc, "complete", k + args, states, "", lanes)
+    if kind == "coord":
+        src, f = label[1], label[2]
+        m = s.coord_q[f][0] if src < 0 else s.ranks[src].outq[0]
+        frm = "front-end" if m[0] == "FIRST_REQ" else f"rank {m[2]}"
+        w0, r0 = s.coord
+        w1, r1 = t.coord
+        bc = [
+            fmt_msg(q[-1], mode)
+            for q, q0 in zip((r.inq[-1] for r in t.ranks), (r.inq[-1] for r in s.ranks), strict=True)
+            if len(q) > len(q0)
+        ]
+        if (w0, r0) == (w1, r1) and not bc:
+            d = f"ignored: current_wave={w0}, running={r0}"
+        else:
+            d = f"current_wave {w0}->{w1}, running {r0}->{r1}"
+            if bc:
+                d += f"; broadcasts {bc[0]}"
+        return Step("coordinator", "receives", fmt_msg(m, mode) + f" from {frm}", d, frm, ("coordinator",))
+    if kind == "send":
+        i = label[1]
+        bw, brun, nxt = s.front[:3]
+        d = f"stamped with believed wave {bw}"
+        if not brun:
+            d += f"; believes engines idle: FIRST_REQ(exclude={i}, wave={bw}) to the coordinator"
+        return Step(
+            "front-end", "sends", f"ADD(req={nxt}, wave={bw}) to rank {i}", d, "front-end", (f"rank {i}",)
+        )
+    if kind == "refresh":
+        return Step(
+            "front-end",
+            "refreshes",
+            "stats",
+            f"believes wave={s.coord[0]}, running={s.coord[1]}",
+            "",
+            ("front-end",),
+        )
+    if kind == "fan":
+        call, i = label[1], label[2]
+        msg = f"pause({mode.value})" if call == "pause" else call
+        if i < 0:
+            return Step(
+                "controller",
+                "fans out",
+                f"{msg} to every rank (atomic)",
+                "",
+                "controller",
+                tuple(f"rank {j}" for j in range(model.n)),
+            )
+        return Step("controller", "fans out", f"{msg} to rank {i}", "", "controller", (f"rank {i}",))
+    if kind == "fe":
+        call = label[1]
+        msg = f"pause({mode.value})" if call == "pause" else call
+        d = "; ".join(
+            f"r{i}:{s.ranks[i].vars.state.value}->{t.ranks[i].vars.state.value}" for i in range(model.n)
+        )
+        return Step(
+            "front-end",
+            "applies",
+            f"{msg} to every rank machine (no message)",
+            d,
+            "",
+            tuple(f"rank {j}" for j in range(model.n)),
+        )
+    if kind == "trainer":
+        if t.trainer[0] == "transfer_init":
+            return Step("trainer", "enters", "transfer_init", "trainer_init", "", ("trainer",))
+        return Step("trainer", "enters", "weight_broadcast", "trainer_send_weights", "", ("trainer",))
+    if kind in ("retry", "extra"):
+        call = label[1]
+        msg = f"pause({mode.value})" if call == "pause" else call
+        why = "a retry while the first is outstanding" if kind == "retry" else "while a round is in flight"
+        return Step(
+            "controller",
+            "fans out",
+            f"{msg} to every rank again (untracked)",
+            why,
+            "controller",
+            tuple(f"rank {j}" for j in range(model.n)),
+        )
+    if kind == "timeout":
+        i, k = label[1], label[2]
+        who = "trainer" if i < 0 else f"rank {i}"
+        return Step(who, "times out of", k, "the collective can never complete", "", (who,))
+    if kind == "abort":
+        i, r = label[1], label[2]
+        return Step(
+            "front-end",
+            "sends",
+            f"ABORT(req={r}) to rank {i}",
+            "the client aborts",
+            "front-end",
+            (f"rank {i}",),
+        )
+    raise ValueError(f"unknown label {label!r}")  # pragma: no cover
