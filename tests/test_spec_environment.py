@@ -183,3 +183,83 @@ def test_front_end_table_follows_vllm_032() -> None:
     assert tr.effects == ("hold_request",) and held == gated  # nothing sent, belief unchanged
     tr, opened = front_end_fire(held, FrontEvent.UNGATE, {})
     assert tr.effects == ("release_held",) and not opened.gated
+
+
+class _FrontEndOnly:
+    """The reference client's front-end half (``DPEngineClient._submit``, ``_front_stats``,
+    ``_front_gate``) over recording queues instead of engine processes."""
+
+    def __init__(self) -> None:
+        from weightsync.impl.engine.client import DPEngineClient
+        from weightsync.spec.front_end import FrontVars
+
+        c = DPEngineClient.__new__(DPEngineClient)
+        c.front = FrontVars()
+        c.hold = False
+        c.hold_coord = False
+        c._held_adds = []
+        self.sent: list[tuple[str, int, Any, int]] = []
+        c._send = lambda r, sock, msg: self.sent.append(("ADD", r, msg.request, msg.wave))  # type: ignore[method-assign]
+        c._fe2coord = type(
+            "Q", (), {"put": lambda _, m: self.sent.append(("FIRST_REQ", m.exclude, None, m.wave))}
+        )()
+        self.c = c
+
+
+def test_model_and_client_front_end_agree_on_random_sequences() -> None:
+    """The same random client traffic, coordinator stats and front-end pause gate go through the model's
+    front-end (``Model._front`` / ``_send_request``) and the reference client's; they must send the same
+    ADDs and FIRST_REQs (wave stamps included) and keep the same belief. Requests the gate holds: the
+    client sends them when the gate opens, the model sends them then (it does not create them earlier)."""
+    from weightsync.impl.engine.messages import Stats
+    from weightsync.spec.front_end import FrontEvent
+
+    m = Model(Config("front-end-pause", N, PauseMode.KEEP, "per-socket", Bounds(requests=10**6)))
+    fe = _FrontEndOnly()
+    rng = random.Random(7)
+    s = m.initial()
+    held: list[int] = []
+    kinds: set[str] = set()
+
+    def model_send(s: Any, i: int) -> tuple[Any, list[tuple[str, int, Any, int]]]:
+        t = m._send_request(s, i)
+        out = [("ADD", i, x[1], x[2]) for x in t.ranks[i].inq[m.f_add][len(s.ranks[i].inq[m.f_add]) :]]
+        out += [("FIRST_REQ", x[1], None, x[2]) for x in t.coord_q[0][len(s.coord_q[0]) :]]
+        return t, out
+
+    for _ in range(400):
+        k = rng.randrange(4)
+        want: list[tuple[str, int, Any, int]] = []
+        if k == 0:  # a client request for a random rank
+            i = rng.randrange(N)
+            req = s.front[2]
+            if "hold_request" in m._front(s.front, FrontEvent.SEND_REQUEST, target=i)[0]:
+                held.append(i)
+                s = s._replace(front=(*s.front[:2], s.front[2] + 1, *s.front[3:]))  # the request exists
+            else:
+                s, want = model_send(s, i)
+            fe.c._submit(i, req)
+        elif k == 1:  # coordinator stats
+            wave, running = rng.randrange(5), rng.random() < 0.5
+            _, front = m._front(s.front, FrontEvent.STATS, wave=wave, running=running)
+            s = s._replace(front=front)
+            fe.c._front_stats(Stats(wave, running))
+        else:  # the front-end pause gate closes or opens
+            ev = FrontEvent.GATE if k == 2 else FrontEvent.UNGATE
+            s = s._replace(front=m._front(s.front, ev)[1])
+            if ev is FrontEvent.UNGATE:
+                first = s.front[2] - len(held)
+                for j, i in enumerate(held):  # the model sends the held requests now, in order
+                    nxt = s.front[2]
+                    s = s._replace(front=(*s.front[:2], first + j, *s.front[3:]))
+                    s, out = model_send(s, i)
+                    s = s._replace(front=(*s.front[:2], nxt, *s.front[3:]))
+                    want += out
+                held = []
+            fe.c._front_gate(ev)
+        got, fe.sent[:] = list(fe.sent), []
+        assert got == want, f"event {k}: client sent {got}, model {want}"
+        belief = (fe.c.front.current_wave, fe.c.front.engines_running, fe.c.front.gated)
+        assert belief == (s.front[0], s.front[1], s.front[3])
+        kinds.add(f"{k}:{len(want)}")
+    assert len(kinds) >= 6, kinds

@@ -75,6 +75,7 @@ from weightsync.spec.errors import (
     WeightSyncError,
     WireMismatchError,
 )
+from weightsync.spec.front_end import FrontEvent, FrontVars, front_end_fire
 from weightsync.spec.rank import get_variant, version_order
 from weightsync.spec.states import PauseMode
 
@@ -241,8 +242,8 @@ class DPEngineClient:
         self._rr = itertools.count()
         self._futures: dict[int, tuple[int, str, Future[Any]]] = {}
         self.streams: dict[str, RequestStream] = {}
-        self.current_wave = 0
-        self.engines_running = False
+        # the front-end's variables, advanced only by its table (spec/front_end.py)
+        self.front = FrontVars()
         self.failures: dict[int, EngineFailure] = {}
         self.rank_vars: list[dict[str, Any]] = [{} for _ in range(n)]
         self._listeners: list[Callable[[RankRecord], None]] = []
@@ -250,7 +251,7 @@ class DPEngineClient:
         self.held: dict[tuple[int, str], deque[Any]] = {(r, s): deque() for r in range(n) for s in SOCKETS}
         if hold:
             self.held.update({(r, COORD): deque() for r in range(-1, n)})
-        self._gate: list[tuple[int, AddMsg]] | None = None  # front-end-pause: held ADDs while paused
+        self._held_adds: list[tuple[int, Any]] = []  # requests the front-end table held (hold_request)
         self._ready: set[int] = set()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -360,8 +361,7 @@ class DPEngineClient:
                     if self.hold and self.hold_coord:
                         self._held_stats = st
                     else:
-                        self.current_wave = st.current_wave
-                        self.engines_running = st.engines_running
+                        self._front_stats(st)
                     self._trans_cv.notify_all()
             for r, q in enumerate(self.queues if self.routed else []):
                 while True:
@@ -518,8 +518,7 @@ class DPEngineClient:
         """Repro mode: adopt the coordinator's latest (held) stats as the front-end's belief."""
         with self._lock:
             if self._held_stats is not None:
-                self.current_wave = self._held_stats.current_wave
-                self.engines_running = self._held_stats.engines_running
+                self._front_stats(self._held_stats)
                 self._held_stats = None
 
     def set_step_gate(self, rank: int, value: int) -> None:
@@ -579,21 +578,52 @@ class DPEngineClient:
             r = next(self._rr) % self.dp_size if rank is None else rank
             stream = RequestStream(rid, r, req.prompt)
             self.streams[rid] = stream
-            add = AddMsg(req, self.current_wave)
-            if self._gate is not None:
-                self._gate.append((r, add))
-                return stream
-            self._send_add(r, add)
+            self._submit(r, req)
         return stream
 
-    def _send_add(self, r: int, add: AddMsg) -> None:
-        self._send(r, "front", add)
-        if not self.engines_running:
-            self.engines_running = True
-            if self.hold and self.hold_coord:
-                self.held[(-1, COORD)].append(FirstReq(r, add.wave))
+    @property
+    def current_wave(self) -> int:
+        """The wave this front-end believes current (stamped on every ADD)."""
+        return self.front.current_wave
+
+    @property
+    def engines_running(self) -> bool:
+        """Whether this front-end believes the engines run (no FIRST_REQ then)."""
+        return self.front.engines_running
+
+    def _front_stats(self, st: Stats) -> None:
+        """The coordinator's stats through the front-end table (caller holds the lock)."""
+        _, self.front = front_end_fire(
+            self.front, FrontEvent.STATS, {"wave": st.current_wave, "running": st.engines_running}
+        )
+
+    def _submit(self, r: int, req: Any) -> None:
+        """One request to rank ``r`` through the front-end table: ADD stamped with the believed wave, a
+        FIRST_REQ while the engines are believed idle, or held while the front-end pause gate is closed
+        (caller holds the lock)."""
+        wave = self.front.current_wave
+        tr, self.front = front_end_fire(self.front, FrontEvent.SEND_REQUEST, {"target": r})
+        for eff in tr.effects:
+            if eff == "hold_request":
+                self._held_adds.append((r, req))
+            elif eff == "send_add":
+                self._send(r, "front", AddMsg(req, wave))
+            elif eff == "send_first_req":
+                if self.hold and self.hold_coord:
+                    self.held[(-1, COORD)].append(FirstReq(r, wave))
+                else:
+                    self._fe2coord.put(FirstReq(r, wave))
             else:
-                self._fe2coord.put(FirstReq(r, add.wave))
+                raise AssertionError(f"front-end effect {eff!r} has no executor")
+
+    def _front_gate(self, event: FrontEvent) -> None:
+        """Close or open the front-end pause gate through the table; opening releases the held requests,
+        in order, through :meth:`_submit` (caller holds the lock)."""
+        tr, self.front = front_end_fire(self.front, event, {})
+        if "release_held" in tr.effects:
+            held, self._held_adds = self._held_adds, []
+            for r, req in held:
+                self._submit(r, req)
 
     def abort(self, req_id: str) -> None:
         """Send ABORT(req_id) to the engine serving it."""
@@ -651,8 +681,7 @@ class DPEngineClient:
         if self.variant.pause_in_front_end:
             # PR #28037: the pause is a flag in the front-end and returns at once; the ranks only record it
             with self._lock:
-                if self._gate is None:
-                    self._gate = []
+                self._front_gate(FrontEvent.GATE)
             for r in range(self.dp_size):
                 self.call_rank(r, "pause", mode=m.value, clear_cache=clear_cache)
             return
@@ -666,9 +695,7 @@ class DPEngineClient:
             for r in range(self.dp_size):
                 self.call_rank(r, "resume")
             with self._lock:
-                gated, self._gate = self._gate or [], None
-                for r, add in gated:
-                    self._send_add(r, AddMsg(add.request, self.current_wave))
+                self._front_gate(FrontEvent.UNGATE)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any], *, timeout: float | None = None) -> None:
         """Every rank joins the weight-transfer group (concurrently with the trainer's init); ``init_info``
