@@ -13,7 +13,7 @@ import pytest
 from engine_util import CFG, Cluster, greedy
 
 from weightsync.impl.engine.client import DPEngineClient, RequestStream
-from weightsync.impl.engine.messages import AddMsg, Request
+from weightsync.impl.engine.messages import Request
 from weightsync.impl.models.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,7 +43,7 @@ def _bypass(client: DPEngineClient, req: Request, rank: int) -> RequestStream:
     stream = RequestStream(req.req_id, rank, tuple(req.prompt))
     with client._lock:
         client.streams[req.req_id] = stream
-        client._send_add(rank, AddMsg(req, client.current_wave))
+        client._submit(rank, req)  # the front-end table: ADD stamped with the believed wave
     return stream
 
 
