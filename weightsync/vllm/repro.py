@@ -52,10 +52,10 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from weightsync.impl.engine.repro import ReproResult
 from weightsync.model.check import build_model, replay_labels
 from weightsync.model.system import Model
 from weightsync.schedule import (
@@ -64,9 +64,9 @@ from weightsync.schedule import (
     FIX_VARIANT,
     HELD_KINDS,
     Action,
-    action,
     compile_schedule,
     fix_divergence,
+    fix_schedule,
     model_counterexample,
 )
 from weightsync.vllm.serving import LoopThread, start_async_llm
@@ -176,33 +176,6 @@ def _kind(message: tuple[Any, ...], msgspec: Any) -> str:
     return "OTHER"
 
 
-@dataclass
-class VllmReproResult:
-    """The JSON of ``weightsync repro VARIANT --engine vllm``."""
-
-    variant: str
-    engine: str
-    fix: str | None
-    result: str
-    followed_steps: int
-    diverged_at: int | None
-    ranks: dict[str, str]
-    seconds: float
-    mode: str = "keep"
-    property: str = ""
-    reason: str = ""
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    fix_rows: list[dict[str, Any]] = field(default_factory=list)
-    impossible_step: int | None = None
-    requests_finished: dict[str, int] = field(default_factory=dict)
-    timeout_s: int = 0
-    errors: dict[str, str] = field(default_factory=dict)
-    events: dict[str, list[str]] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 class _Observer:
     """Matches the probe's engine records against the schedule's expectations, per rank, in order."""
 
@@ -249,7 +222,7 @@ def run_vllm_repro(
     step_s: float = 20.0,
     workdir: str | None = None,
     log: Callable[[str], None] | None = None,
-) -> VllmReproResult:
+) -> ReproResult:
     """Drive a real ``AsyncLLM(data_parallel_size=2)`` of a tiny Mixtral through the model's shortest
     counterexample of ``variant`` in ``mode`` (see the module docstring). ``timeout_s``: the DP group's
     collective timeout (seconds; vLLM's ``distributed_timeout_seconds`` and
@@ -271,18 +244,15 @@ def run_vllm_repro(
     labels = [list(x) for x in cx["labels"]]
     buggy = build_model(variant, 2, mode)
     target = build_model(FIX_VARIANT[fix], 2, mode) if fix else buggy
-    div = fix_divergence(buggy, target, labels) if fix else {"impossible_step": None, "fix_rows": []}
+    texts = list(cx.get("steps", []))
+    if fix:  # the fix's model up to the step it makes impossible, then that step on the buggy model's terms
+        actions, div = fix_schedule(buggy, target, labels, texts)
+    else:
+        actions, div = compile_schedule(buggy, labels, texts), {"impossible_step": None, "fix_rows": []}
     impossible = div["impossible_step"]
-    driven = labels if impossible is None else labels[: impossible - 1]
-    actions = compile_schedule(target, driven, list(cx.get("steps", [])))
-    if impossible is not None:  # the step the fix makes impossible: driven on the buggy model's terms
-        states, _ = replay_labels(buggy, labels[:impossible])
-        actions.append(
-            action(
-                buggy, impossible, labels[impossible - 1], cx["steps"][impossible - 1], states[-2], states[-1]
-            )
-        )
-    res = VllmReproResult(variant, "vllm", fix, "not reproduced", 0, None, {}, 0.0, mode, str(cx["property"]))
+    res = ReproResult(
+        variant, "vllm", fix, variant, "not reproduced", mode=mode, property=str(cx["property"])
+    )
     res.timeout_s = timeout_s
     res.fix_rows = list(div["fix_rows"])
     res.impossible_step = impossible
@@ -358,7 +328,7 @@ def _drive(
     served: _Served,
     actions: list[Action],
     events: Path,
-    res: VllmReproResult,
+    res: ReproResult,
     step_s: float,
     impossible: int | None,
     say: Callable[[str], None],
@@ -503,7 +473,7 @@ def _idle(recs: list[dict[str, Any]]) -> bool:
 def _finish(
     served: _Served,
     events: Path,
-    res: VllmReproResult,
+    res: ReproResult,
     buggy: Model,
     labels: list[Any],
     impossible: int | None,
@@ -614,4 +584,4 @@ def _line(rec: dict[str, Any]) -> str:
     )
 
 
-__all__ = ["COMPARED", "Action", "VllmReproResult", "compile_schedule", "fix_divergence", "run_vllm_repro"]
+__all__ = ["COMPARED", "Action", "ReproResult", "compile_schedule", "fix_divergence", "run_vllm_repro"]

@@ -137,13 +137,14 @@ class ModelEnd(Protocol):
 
 @dataclass
 class ReproResult:
-    """The JSON of ``weightsync repro VARIANT`` (the reference engine; field names as
-    :class:`weightsync.vllm.repro.VllmReproResult`).
+    """The JSON of ``weightsync repro VARIANT``, for both engines (this module's and
+    :mod:`weightsync.vllm.repro`).
 
     Attributes:
         variant: the variant the engines run.
-        engine: ``"reference"``.
-        fix: the fixed variant the engines run, or None for a buggy one.
+        engine: ``"reference"`` or ``"vllm"``.
+        fix: the fix the engines run (reference: the fixed variant; vLLM: the patch, e.g. ``"epoch"``), or
+            None for a buggy one.
         schedule: the variant whose model counterexample was driven.
         result: ``"reproduced"``, ``"completed"``, ``"not reproduced"`` or ``"diverged"``.
         followed_steps: steps followed (see the module docstring).

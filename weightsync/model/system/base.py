@@ -132,7 +132,7 @@ class ModelBase:
     ) -> tuple[tuple[str, ...], tuple[Any, ...]]:
         """The front-end's table (spec/front_end.py) on ``event``: the row's effects and the new
         ``front`` tuple (``next_request`` and ``client_aborted`` unchanged)."""
-        key = (front[0], front[1], front[3], event, tuple(sorted(args.items())))
+        key = (front[0], front[1], front[3], event, *args.values())  # each call site passes one fixed set
         r = self._front_cache.get(key)
         if r is None:
             before = FrontVars(FrontState.RUNNING if front[1] else FrontState.IDLE, front[0], front[3])
