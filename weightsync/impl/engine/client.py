@@ -48,7 +48,7 @@ from typing import Any
 import torch.multiprocessing as tmp
 
 from weightsync.impl.engine.coordinator import run_coordinator
-from weightsync.impl.engine.core import EngineConfig, EngineQueues, run_engine
+from weightsync.impl.engine.core import EngineConfig, EngineCore, EngineQueues, run_engine
 from weightsync.impl.engine.messages import (
     AbortMsg,
     AddMsg,
@@ -65,6 +65,7 @@ from weightsync.impl.engine.messages import (
     UtilityReply,
     request_error,
 )
+from weightsync.impl.engine.tracing import open_trace
 from weightsync.impl.models.sampling import SamplingParams
 from weightsync.spec.errors import (
     IncompleteUpdateError,
@@ -257,6 +258,9 @@ class DPEngineClient:
         self._closed = False
         self._trans_cv = threading.Condition(self._lock)
         self.transitions: list[TransitionRecord] = []
+        # the system trace (weightsync.impl.engine.tracing): the front-end's and the controller's records
+        self._trace_front = open_trace(cfg.system_trace, "front")
+        self._trace_ctrl = open_trace(cfg.system_trace, "ctrl")
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> DPEngineClient:
@@ -280,6 +284,7 @@ class DPEngineClient:
                 self.routed,
                 get_variant(self.cfg.variant).coordinator_latches,
                 get_variant(self.cfg.variant).first_req_exclusion,
+                self.cfg.system_trace,
             ),
             daemon=True,
             name="weightsync-dp-coordinator",
@@ -593,16 +598,38 @@ class DPEngineClient:
 
     def _front_stats(self, st: Stats) -> None:
         """The coordinator's stats through the front-end table (caller holds the lock)."""
+        before = self.front
         _, self.front = front_end_fire(
             self.front, FrontEvent.STATS, {"wave": st.current_wave, "running": st.engines_running}
         )
+        if self._trace_front is not None:
+            self._trace_front.write(
+                "front",
+                event=FrontEvent.STATS.value,
+                wave=st.current_wave,
+                running=st.engines_running,
+                before=before._asdict(),
+                after=self.front._asdict(),
+            )
 
     def _submit(self, r: int, req: Any) -> None:
         """One request to rank ``r`` through the front-end table: ADD stamped with the believed wave, a
         FIRST_REQ while the engines are believed idle, or held while the front-end pause gate is closed
         (caller holds the lock)."""
         wave = self.front.current_wave
+        before = self.front
         tr, self.front = front_end_fire(self.front, FrontEvent.SEND_REQUEST, {"target": r})
+        if self._trace_front is not None:  # before any send
+            self._trace_front.write(
+                "front",
+                event=FrontEvent.SEND_REQUEST.value,
+                target=r,
+                req=req.req_id,
+                wave=wave,
+                effects=list(tr.effects),
+                before=before._asdict(),
+                after=self.front._asdict(),
+            )
         for eff in tr.effects:
             if eff == "hold_request":
                 self._held_adds.append((r, req))
@@ -670,6 +697,11 @@ class DPEngineClient:
     def fan_out(self, method: str, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Send ``method`` to every rank and wait for all replies (see :meth:`gather`)."""
         t = timeout if timeout is not None else 4 * self.cfg.collective_timeout_s
+        if (
+            self._trace_ctrl is not None and method in EngineCore.CALL_EVENTS
+        ):  # a protocol call, before the sends
+            kw = {k: kwargs[k] for k in ("mode", "clear_cache", "weight_version") if k in kwargs}
+            self._trace_ctrl.write("call", method=method, kwargs=kw)
         futs = [self.call_rank(r, method, **kwargs) for r in range(self.dp_size)]
         return self.gather(method, futs, t)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.impl.engine.messages import FirstReq, StartDPWave, StartWave, Stats, WaveComplete
+from weightsync.impl.engine.tracing import message_dict, open_trace
 from weightsync.spec.coordinator import (
     PUBLISH,
     CoordEvent,
@@ -84,6 +85,7 @@ def run_coordinator(
     ack: bool = False,
     latches: bool = True,
     excludes: bool = True,
+    system_trace: str | None = None,
 ) -> None:
     """Process entry point: poll FIRST_REQ (front-end) and wave_complete/start_wave (engines) until ``stop``.
 
@@ -97,8 +99,11 @@ def run_coordinator(
         ack: publish stats after every message handled, changed or not (``weightsync repro`` uses them as
             acknowledgements; START_DP_WAVE broadcasts are queued before the stats).
         latches, excludes: see :class:`CoordinatorState`.
+        system_trace: append a ``coord`` record per message handled to this system trace
+            (:mod:`weightsync.impl.engine.tracing`), before its broadcasts are sent.
     """
     st = CoordinatorState(coordinator_table(latches, excludes))
+    trace = open_trace(system_trace, "coord")
     stats_out.put(Stats(st.current_wave, st.engines_running))
     k = 0
     while not stop.is_set():
@@ -113,7 +118,18 @@ def run_coordinator(
                 except queue.Empty:
                     break
                 busy = True
+                before = st.vars
                 broadcasts, publish = handle(st, msg)
+                if trace is not None:
+                    j = (k + i) % len(sources)
+                    trace.write(
+                        "coord",
+                        source=j - 1,  # -1: the front-end, else the engine rank
+                        msg=message_dict(msg),
+                        before=before._asdict(),
+                        after=st.vars._asdict(),
+                        broadcasts=[[b.wave, b.exclude] for b in broadcasts],
+                    )
                 for out in broadcasts:
                     for wq in wave_out:
                         wq.put(out)

@@ -24,6 +24,7 @@ every pending call with the error, stops stepping and serves only queries and sh
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import queue
@@ -50,6 +51,7 @@ from weightsync.impl.engine.messages import (
     UtilityReply,
     WaveComplete,
 )
+from weightsync.impl.engine.tracing import message_dict, open_trace
 from weightsync.impl.models.config import LMConfig
 from weightsync.spec.errors import LocalProtocolError, PeerFailedError
 from weightsync.spec.rank import EFFECTS, RankMachine, apply, relabel_weight_version
@@ -100,6 +102,11 @@ class EngineConfig:
         host: address for the gloo rendezvous.
         dp_port: TCPStore port of the DP group (0: pick a free one at launch).
         threads: torch intra-op threads per engine process.
+        system_trace: a system-trace file (:mod:`weightsync.impl.engine.tracing`) that every process of the
+            cluster (ranks, coordinator, front-end, controller) appends to from its start; None: none.
+        core: the engine class each rank process runs, ``"package.module:Class"`` (an
+            :class:`EngineCore` subclass; ``weightsync replay --self-test`` runs deliberately broken ones);
+            "" runs :class:`EngineCore`.
     """
 
     dp_size: int = 2
@@ -115,6 +122,8 @@ class EngineConfig:
     host: str = "127.0.0.1"
     dp_port: int = 0
     threads: int = 1
+    system_trace: str | None = None
+    core: str = ""
 
 
 @dataclass
@@ -127,6 +136,10 @@ class EngineQueues:
     out: Any  # engine -> front-end: StepOutputs, UtilityReply, TransitionRecord, EngineFailure
     to_coord: Any  # engine -> coordinator: WaveComplete, StartWave
     step_gate: Any = None  # repro only: a shared int; -1 steps freely, n >= 0 permits n acting steps
+
+
+#: The names of a rank's input sockets, in :meth:`EngineCore.poll`'s order (system trace ``recv.socket``).
+_SOCKETS = ("front", "control", "wave")
 
 
 def _jsonable(v: Any) -> Any:
@@ -245,6 +258,14 @@ class EngineCore:
         self._pending_calls: dict[int, UtilityCall] = {}
         self._poll_start = 0
         self._trace_fd: int | None = None
+        # the system trace (module tracing): one group of records per model step of this rank
+        self._sys = open_trace(cfg.system_trace, f"rank{rank}")
+        self._group = -1
+        self._group_open = False
+        self._group_written = False
+        self._depth = 0
+        self._finished: list[str] = []
+        self._aborted: list[str] = []
         self.effects: dict[str, Callable[[Fired], None]] = {
             "abort_requests": self._abort_requests,
             "queue_request": self._queue_request,
@@ -319,9 +340,20 @@ class EngineCore:
         if self._trace_fd is not None:  # log before send: written before any effect of the transition
             line = json.dumps(trace_line(rec), sort_keys=True) + "\n"
             os.write(self._trace_fd, line.encode())
+        if self._sys is not None:
+            if not self._group_open:
+                self._begin()
+            # an idle loop pass (no effect, no variable changed, no input) is no step of the model
+            if tr.effects or fired.after != fired.before or self._group_written:
+                self._sys.write(**trace_line(rec), group=self._group, depth=self._depth)
+                self._group_written = True
         self.q.out.put(rec)
-        for name in tr.effects:
-            self.effects[name](fired)
+        self._depth += 1
+        try:
+            for name in tr.effects:
+                self.effects[name](fired)
+        finally:
+            self._depth -= 1
         self.weight_version = str(self.machine.vars.weight_version)
         self.sched.weight_version = self.weight_version
         return fired
@@ -346,22 +378,73 @@ class EngineCore:
         self.weight_version = new_version
         self.sched.weight_version = new_version
 
-    def _transfer_op(self, phase: str, op: Callable[[], None]) -> None:
+    # ------------------------------------------------------------------ system trace
+    def _begin(self, received: Any = None, socket: str = "", completion: bool = False) -> None:
+        """Start this rank's next model step in the system trace (a received message, a loop step, or a
+        collective's completion: always traced); ``received`` is the message dequeued from ``socket``."""
+        self._group += 1
+        self._group_open = True
+        self._group_written = completion
+        self._finished, self._aborted = [], []
+        if self._sys is not None and received is not None:
+            self._sys.write("recv", group=self._group, socket=socket, msg=message_dict(received))
+            self._group_written = True
+
+    def _settle(self, blocked: str = "") -> None:
+        """End the current step in the system trace: the scheduler's counts, the requests the step finished
+        or aborted, and the collective the rank now blocks in (``blocked``)."""
+        if self._sys is not None and self._group_open and self._group_written:
+            self._sys.write(
+                "settle",
+                group=self._group,
+                waiting=len(self.sched.waiting),
+                running=len(self.sched.running),
+                finished=self._finished,
+                aborted=self._aborted,
+                blocked=blocked,
+            )
+        self._group_open = False
+
+    def _trace_send(self, msg: Any) -> None:
+        """A message this step puts on the coordinator socket (recorded before the put)."""
+        if self._sys is not None:
+            self._sys.write("send", group=self._group, socket="to_coord", msg=message_dict(msg))
+
+    def trace_fault(self, what: str) -> None:
+        """Mark where an injected fault acted (broken engines of ``weightsync replay --self-test``; the
+        walker never reads these records)."""
+        if self._sys is not None:
+            self._sys.write("fault", group=self._group, what=what)
+
+    def _transfer_op(self, phase: str, op: Callable[[], None], blocks_in: str = "") -> None:
         """Run a worker operation of a weight-transfer round. If it raises (a timeout, a wire mismatch, an
         incomplete finish, ...), TRANSFER_FAILED fires (the table moves the rank to ``failed`` and replies
-        the error) and :class:`_RoundFailed` stops the remaining effects of the calling transition."""
+        the error) and :class:`_RoundFailed` stops the remaining effects of the calling transition.
+        ``blocks_in``: the weight-transfer collective the operation is (the step ends before it and its
+        completion, or failure, is the next step)."""
+        if blocks_in:
+            self._settle(blocks_in)
         try:
             op()
         except Exception as exc:
+            if blocks_in:
+                self._begin(completion=True)
             self._round_error = exc  # the DP board keeps the phase it failed in (repro reports it)
             self.fire(RankEvent.TRANSFER_FAILED, phase=phase, error=f"{type(exc).__name__}: {exc}")
             raise _RoundFailed(exc) from exc
+        if blocks_in:
+            self._begin(completion=True)
 
     # ------------------------------------------------------------------ effects
     def _noop(self, fired: Fired) -> None:
         pass
 
     def _send_deltas(self, deltas: list[TokenDelta]) -> None:
+        for d in deltas:
+            if d.finish_reason == "abort":
+                self._aborted.append(d.req_id)
+            elif d.finish_reason is not None:
+                self._finished.append(d.req_id)
         if deltas:
             self.q.out.put(StepOutputs(self.rank, tuple(deltas)))
 
@@ -379,12 +462,16 @@ class EngineCore:
         assert isinstance(self._ctx_msg, AbortMsg)
         self._send_deltas(self.sched.abort(self._ctx_msg.req_id))
 
+    def _to_coord(self, msg: StartWave | WaveComplete) -> None:
+        self._trace_send(msg)
+        self.q.to_coord.put(msg)
+
     def _emit_start_wave(self, fired: Fired) -> None:
-        self.q.to_coord.put(StartWave(int(fired.after.current_wave), self.rank))
+        self._to_coord(StartWave(int(fired.after.current_wave), self.rank))
 
     def _emit_wave_complete(self, fired: Fired) -> None:
         if self.rank == 0:
-            self.q.to_coord.put(WaveComplete(int(fired.after.current_wave) - 1))
+            self._to_coord(WaveComplete(int(fired.after.current_wave) - 1))
 
     def _execute_step(self, fired: Fired) -> None:
         self._send_deltas(self.sched.step())
@@ -394,7 +481,10 @@ class EngineCore:
     def _join(self, kind: str, a: int, b: int) -> tuple[int, int]:
         seq = self.coll_seq
         self.coll_seq += 1
-        return self.dp.collective(kind, seq, a, b)
+        self._settle(kind)
+        out = self.dp.collective(kind, seq, a, b)
+        self._begin(completion=True)  # the completion is the next step
+        return out
 
     def _enter_dp_step(self, fired: Fired) -> None:
         self._join("dp_step", 0, 0)
@@ -413,14 +503,14 @@ class EngineCore:
     def _enter_weight_broadcast(self, fired: Fired) -> None:
         self.dp.post("weight_broadcast")
         info = dict(self._current_kwargs()["update_info"])
-        self._transfer_op("update", lambda: self.worker.update_weights(info))
+        self._transfer_op("update", lambda: self.worker.update_weights(info), "weight_broadcast")
         self.dp.post("idle")
         self.fire(RankEvent.WEIGHT_BROADCAST_DONE)
 
     def _enter_transfer_init(self, fired: Fired) -> None:
         self.dp.post("transfer_init")
         info = dict(self._current_kwargs()["init_info"])
-        self._transfer_op("init", lambda: self.worker.init_weight_transfer_engine(info))
+        self._transfer_op("init", lambda: self.worker.init_weight_transfer_engine(info), "transfer_init")
         self.dp.post("idle")
         self.fire(RankEvent.TRANSFER_INIT_DONE)
 
@@ -499,7 +589,7 @@ class EngineCore:
         return dict(self._ctx_call.kwargs) if self._ctx_call is not None else {}
 
     # ------------------------------------------------------------------ inputs
-    _CALL_EVENTS: ClassVar[dict[str, RankEvent]] = {
+    CALL_EVENTS: ClassVar[dict[str, RankEvent]] = {
         "pause": RankEvent.PAUSE,
         "resume": RankEvent.RESUME,
         "init_weight_transfer_engine": RankEvent.INIT_TRANSFER,
@@ -538,7 +628,7 @@ class EngineCore:
                     )
                 )
             return
-        event = self._CALL_EVENTS.get(call.method)
+        event = self.CALL_EVENTS.get(call.method)
         if event is None or self.failure is not None:
             why = (
                 f"unknown utility method {call.method!r}"
@@ -616,7 +706,10 @@ class EngineCore:
                     break
                 n += 1
                 if self.failure is None:
+                    if not isinstance(msg, Shutdown):
+                        self._begin(msg, _SOCKETS[(k + i) % len(qs)])
                     self._handle(msg)
+                    self._settle()
                 elif isinstance(msg, UtilityCall):
                     self._handle_call(msg)  # queries and shutdown still answered; protocol calls refused
                 elif isinstance(msg, Shutdown):
@@ -695,6 +788,7 @@ class EngineCore:
                     time.sleep(self.cfg.idle_sleep_s)
                     continue
                 fired = self.fire(RankEvent.STEP, has_work=self.sched.has_work())
+                self._settle()
                 if not fired.transition.effects and not got:
                     time.sleep(self.cfg.idle_sleep_s)
             except Exception as exc:
@@ -705,7 +799,11 @@ class EngineCore:
 def run_engine(cfg: EngineConfig, rank: int, queues: EngineQueues) -> None:
     """Process entry point of one engine rank (``torch.multiprocessing`` spawn target)."""
     try:
-        core = EngineCore(cfg, rank, queues)
+        cls = EngineCore
+        if cfg.core:
+            mod, _, name = cfg.core.partition(":")
+            cls = getattr(importlib.import_module(mod), name)
+        core = cls(cfg, rank, queues)
     except Exception as exc:
         queues.out.put(
             EngineFailure(

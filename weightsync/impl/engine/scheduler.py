@@ -124,10 +124,16 @@ class Scheduler:
         return out
 
     def clear_cache(self) -> None:
-        """Free every request's KV cache (they re-prefill prompt + generated tokens when they run again)."""
-        for live in self.running.values():
+        """Preempt every running request to the front of the waiting queue, in order, and free its KV cache:
+        it re-prefills prompt + generated tokens under the current weights when it is admitted again (vLLM
+        0.32 ``Scheduler.reset_prefix_cache(reset_running_requests=True)``, ``v1/core/sched/scheduler.py:
+        2850-2860``, which a completed ``pause_generation(clear_cache=True)`` reaches through
+        ``EngineCore._finish_pause`` -> ``_reset_caches``, ``v1/engine/core.py:898-919``)."""
+        for live in reversed(list(self.running.values())):
             if live.cache is not None:
                 live.cache.clear()
+            self.waiting.appendleft(live)
+        self.running.clear()
 
     # ------------------------------------------------------------------ predicates
     def has_work(self) -> bool:
