@@ -260,9 +260,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     rp = add("replay", "validate recorded traces against the model")
-    rp.add_argument("traces", nargs="+")
+    rp.add_argument(
+        "traces",
+        nargs="*",
+        help="trace files: a system trace of the reference engine is walked through the model's successor "
+        "function; a per-rank trace (e.g. vLLM's, from `weightsync record`) is replayed on the rank tables",
+    )
     rp.add_argument(
         "--variant", default=None, help="replay against this variant's table (default: the header's)"
+    )
+    rp.add_argument(
+        "--self-test",
+        action="store_true",
+        help="run the reference engine healthy (20 cycles) and with 6 deliberately broken behaviours, record "
+        "a system trace of each and walk it: every broken one must be rejected at its fault",
+    )
+    rp.add_argument(
+        "--case", action="append", default=[], help="(--self-test) run only this case (repeatable)"
+    )
+    rp.add_argument("--seed", type=SEED, default=0, help="(--self-test) seed of the traffic")
+    rp.add_argument(
+        "--workdir", default=None, help="(--self-test) where the traces go (default: a temporary directory)"
     )
 
     rc = add("record", "record a protocol trace from real engines (pause/update/resume cycles with traffic)")
@@ -704,6 +722,32 @@ HANDLERS["repro"] = _repro
 def _replay(args: argparse.Namespace) -> int:
     from weightsync.impl.checked import replay_trace
     from weightsync.model.replay import TraceChecker
+    from weightsync.trace_selftest import is_system_trace, replay_report, self_test_report
+
+    if args.self_test or (args.traces and all(is_system_trace(t) for t in args.traces)):
+        try:
+            if args.self_test:
+                out = self_test_report(tuple(args.case), args.seed, args.workdir)
+            else:
+                out = replay_report(args.traces)
+        except (OSError, ValueError) as exc:
+            err = {"error": str(exc)}
+            emit(err, args.json, lambda err=err: print(err["error"], file=sys.stderr))  # type: ignore[misc]
+            return EXIT_USAGE
+
+        def human_walk() -> None:
+            for e in out["results"]:
+                verdict = "rejected" if e["rejected"] else "accepted"
+                where = f" at line {e['first_bad_line']}: {e['reason']}" if e["rejected"] else ""
+                mark = "ok " if e.get("ok", not e["rejected"]) else "BAD"
+                print(f"{mark} {e['name']}: {verdict} after {e['steps']} model steps{where}")
+
+        emit(out, args.json, human_walk)
+        return EXIT_OK if out["ok"] else EXIT_VIOLATION
+    if not args.traces:
+        err = {"error": "weightsync replay: give trace files, or --self-test"}
+        emit(err, args.json, lambda: print(err["error"], file=sys.stderr))
+        return EXIT_USAGE
 
     results = []
     checkers: list[TraceChecker] = []

@@ -12,6 +12,7 @@ checks that the walker rejected the trace at the model step that fault record be
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -49,12 +50,12 @@ _FAULTS = "weightsync.impl.engine.faults"
 #: 20-cycle run.
 CASES = (
     Case("healthy-20-cycles", cycles=20, expect_rejected=False),
-    Case("scheduler-advances-under-paused-all", f"{_FAULTS}:AdvancesWhilePaused", mode="keep"),
-    Case("drops-start-dp-wave", f"{_FAULTS}:DropsStartDPWave", mode="keep"),
-    Case("clear-cache-does-nothing", f"{_FAULTS}:ClearCacheDoesNothing", mode="keep"),
-    Case("wave-complete-never-sent", f"{_FAULTS}:NoWaveComplete", mode="keep"),
-    Case("abort-aborts-nothing", f"{_FAULTS}:AbortAbortsNothing", mode="abort"),
-    Case("corrupted-weight-bytes", f"{_FAULTS}:CorruptsWeights", mode="keep", verify=True),
+    Case("scheduler-advances-under-paused-all", f"{_FAULTS}:AdvancesWhilePaused", cycles=10),
+    Case("drops-start-dp-wave", f"{_FAULTS}:DropsStartDPWave", cycles=10),
+    Case("clear-cache-does-nothing", f"{_FAULTS}:ClearCacheDoesNothing", cycles=10),
+    Case("wave-complete-never-sent", f"{_FAULTS}:NoWaveComplete", cycles=10),
+    Case("abort-aborts-nothing", f"{_FAULTS}:AbortAbortsNothing", mode="abort", cycles=10),
+    Case("corrupted-weight-bytes", f"{_FAULTS}:CorruptsWeights", cycles=2, verify=True),
 )
 
 
@@ -78,17 +79,18 @@ def record(
     seed: int = 0,
     dp_size: int = 2,
     sync_interval: int = 4,
-    tokens: int = 3,
-    timeout_s: float = 8.0,
+    tokens: int = 12,
+    timeout_s: float = 6.0,
 ) -> Recorded:
     """Run ``case`` on a reference DP cluster (``dp_size`` ranks, variant two-phase-epoch, the tiny Llama,
     broadcast transport over gloo) and write its system trace to ``path``.
 
-    Traffic: before each cycle 0-3 greedy requests of ``tokens`` tokens to random ranks, a random pause
-    of 0-30 ms, then one round (``update_round``: pause(mode, clear_cache=True), start, update with fresh
+    Traffic: before each cycle 0-3 greedy requests of ``tokens`` tokens to random ranks (each engine step
+    sleeps 2 ms, so requests are often in flight at a pause), a random pause of 0-40 ms, then one round (``update_round``: pause(mode, clear_cache=True), start, update with fresh
     random weights, finish with ``weight_version="step-<c>"``, resume). After the cycles it waits for
-    every request. A failure (a broken engine's timeout, a failed round) ends the run; it is reported in
-    :attr:`Recorded.error`, not raised. ``timeout_s``: every collective's and call's deadline, seconds.
+    every request. A broken engine's run ends one cycle after its first ``fault`` record (at most
+    ``case.cycles`` cycles). A failure (a broken engine's timeout, a failed round) ends the run; it is
+    reported in :attr:`Recorded.error`, not raised. ``timeout_s``: every collective's deadline, seconds.
     """
     from weightsync.impl.engine.client import DPEngineClient, free_port
     from weightsync.impl.engine.controller import update_round
@@ -119,6 +121,7 @@ def record(
         variant="two-phase-epoch",
         sync_interval=sync_interval,
         collective_timeout_s=timeout_s,
+        step_sleep_s=0.002,
         system_trace=str(path),
         core=case.core,
     )
@@ -144,7 +147,7 @@ def record(
                 prompt = [rng.randrange(model_cfg.vocab_size) for _ in range(rng.randint(1, 4))]
                 params = SamplingParams(temperature=0.0, max_new_tokens=tokens)
                 streams.append(client.add_request(prompt, params, rank=rng.randrange(dp_size)))
-            time.sleep(rng.uniform(0.0, 0.03))
+            time.sleep(rng.uniform(0.0, 0.04))
             weights = random_weights(lm, seed * 1000 + c + 1)
             update_round(
                 client,
@@ -156,6 +159,8 @@ def record(
                 weight_version=f"step-{c + 1}",
             )
             out.cycles = c + 1
+            if case.core and c + 1 < case.cycles and _faults_in(path):
+                break  # the fault acted: one more cycle shows what follows
         for s in streams:
             s.wait(4 * timeout_s)
     except Exception as exc:  # a broken engine ends its run here; the trace is what it is
@@ -165,12 +170,127 @@ def record(
         out.finished = sum(1 for s in streams if s.done.is_set())
         client.shutdown()
         if trainer is not None:
-            try:
+            with contextlib.suppress(Exception):
                 trainer.shutdown()
-            except Exception:
-                pass
         out.seconds = round(time.monotonic() - t0, 2)
     return out
 
 
-__all__ = ["CASES", "Case", "Recorded", "record"]
+def _faults_in(path: Path) -> bool:
+    with path.open() as f:
+        return any('"kind": "fault"' in line for line in f)
+
+
+def run_case(case: Case, workdir: Path, *, seed: int = 0) -> dict[str, Any]:
+    """Record ``case`` into ``workdir/<name>.jsonl`` and walk the trace.
+
+    Returns the report entry: ``name``, ``rejected``, ``first_bad_line``, ``reason`` (the walker's),
+    ``fault_line`` and ``fault`` (the broken engine's first ``fault`` record: its line and what it did),
+    ``at_fault`` (the rejected step is the one that fault record belongs to), ``ok`` (a broken engine was
+    rejected at its fault; the healthy one accepted), ``steps`` (model steps walked), ``trace`` (the
+    file), ``recorded`` (requests, cycles and the error that ended the run, if any).
+    """
+    from weightsync.model.trace_walk import read_trace, walk_trace
+
+    path = workdir / f"{case.name}.jsonl"
+    rec = record(path, case, seed=seed)
+    with path.open() as f:
+        lines = f.readlines()
+    result = walk_trace(lines)
+    _, _, faults = read_trace(lines)
+    first = faults[0] if faults else None
+    at_fault = first is not None and [first["proc"], first["group"]] in result.bad_groups
+    ok = at_fault if case.expect_rejected else (result.accepted and rec.error is None)
+    return {
+        "name": case.name,
+        "rejected": not result.accepted,
+        "first_bad_line": result.first_bad_line,
+        "reason": result.reason,
+        "fault_line": first["line"] if first else None,
+        "fault": first["what"] if first else None,
+        "at_fault": at_fault,
+        "ok": ok,
+        "steps": result.steps,
+        "trace": str(path),
+        "recorded": {
+            "requests": rec.requests,
+            "finished": rec.finished,
+            "cycles": rec.cycles,
+            "error": rec.error,
+            "seconds": rec.seconds,
+        },
+        "model_state": result.model_state if not result.accepted else [],
+        "legal": result.legal if not result.accepted else [],
+    }
+
+
+def self_test(workdir: Path, *, seed: int = 0, names: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Run every case of :data:`CASES` (or those named) and walk each trace (:func:`run_case`)."""
+    return [run_case(c, workdir, seed=seed) for c in CASES if not names or c.name in names]
+
+
+def is_system_trace(path: str) -> bool:
+    """Whether ``path`` starts with a system-trace header (False for other traces and unreadable files)."""
+    try:
+        with open(path) as f:
+            first = json.loads(f.readline() or "{}")
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and first.get("schema") == SCHEMA
+
+
+def replay_report(paths: list[str]) -> dict[str, Any]:
+    """``weightsync replay`` on system traces: walk each (``ok``: every one accepted).
+
+    Raises:
+        OSError: a file cannot be read. ValueError: one is no system trace (``TraceFormatError``).
+    """
+    from weightsync.model.trace_walk import walk_trace
+
+    results = []
+    for p in paths:
+        with open(p) as f:
+            r = walk_trace(f)
+        results.append({"name": p, "rejected": not r.accepted, **r.to_dict()})
+    return {"ok": all(not e["rejected"] for e in results), "results": results}
+
+
+def self_test_report(names: tuple[str, ...], seed: int, workdir: str | None) -> dict[str, Any]:
+    """``weightsync replay --self-test``: :func:`self_test` into ``workdir`` (a temporary directory if
+    None, removed afterwards); ``ok`` when every case is.
+
+    Raises:
+        ValueError: a name that is no case of :data:`CASES`.
+    """
+    import tempfile
+
+    unknown = sorted(set(names) - {c.name for c in CASES})
+    if unknown:
+        raise ValueError(
+            f"--case {unknown[0]!r}: no such case; the cases are {', '.join(c.name for c in CASES)}"
+        )
+    t0 = time.monotonic()
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="weightsync-selftest-") as d:
+            results = self_test(Path(d), seed=seed, names=names)
+    else:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        results = self_test(Path(workdir), seed=seed, names=names)
+    return {
+        "ok": all(e["ok"] for e in results),
+        "results": results,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+
+
+__all__ = [
+    "CASES",
+    "Case",
+    "Recorded",
+    "is_system_trace",
+    "record",
+    "replay_report",
+    "run_case",
+    "self_test",
+    "self_test_report",
+]

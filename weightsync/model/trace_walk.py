@@ -276,7 +276,10 @@ class _Walker:
             q = self.s.ranks[i].inq[f]
             got = self._engine_msg(msg)
             if not q:
-                raise _Mismatch(st, f"rank {i} received {got} on socket {recv[0]['socket']}, but the model's FIFO is empty")
+                raise _Mismatch(
+                    st,
+                    f"rank {i} received {got} on socket {recv[0]['socket']}, but the model's FIFO is empty",
+                )
             want = self._model_msg(q[0])
             if got != want:
                 raise _Mismatch(st, f"rank {i} received {got}; the head of the model's FIFO is {want}")
@@ -303,7 +306,10 @@ class _Walker:
             label = ("done", kind)
             t = self.successor(label, members)
             for mem in members:
-                self.check_rank(mem, int(mem.proc[4:]), t, self.s)
+                try:
+                    self.check_rank(mem, int(mem.proc[4:]), t, self.s)
+                except _Mismatch as bad:  # the joint step is what failed: name every member
+                    raise _Mismatch(members, bad.reason) from None
             self.take(label, t)
             return
         if not trans:
@@ -334,10 +340,10 @@ class _Walker:
             first = trans[0]
             ev = RankEvent(first["event"])
             args = first.get("args", {})
-            if ev is RankEvent.STEP and args.get("has_work") != self.m._has_work(m_before):
+            if "has_work" in args and args["has_work"] != self.m._has_work(m_before):
                 raise _Mismatch(
                     st,
-                    f"rank {i} stepped with has_work={args.get('has_work')}; the model's scheduler "
+                    f"rank {i} fired {ev.value} with has_work={args.get('has_work')}; the model's scheduler "
                     f"(PauseState {m_before.vars.pause_state.name}, {len(m_before.waiting)} waiting, "
                     f"{len(m_before.running)} running) gives {self.m._has_work(m_before)}",
                 )
@@ -346,7 +352,9 @@ class _Walker:
                     got = args.get(key)
                     want = val.value if hasattr(val, "value") else val
                     if got != want:
-                        raise _Mismatch(st, f"rank {i}'s pause argument {key}={got!r}; the model's is {want!r}")
+                        raise _Mismatch(
+                            st, f"rank {i}'s pause argument {key}={got!r}; the model's is {want!r}"
+                        )
         # protocol variables after the step
         engine_vars = trans[-1]["vars_after"] if trans else None
         model_vars = self._vars(m_rank.vars)
@@ -362,7 +370,10 @@ class _Walker:
             want["weight_version"] = self.versions.get(int(model_vars["weight_version"]), "?")
             diff = _diff(want, engine_vars)
             if diff:
-                evs = " -> ".join(r["event"] for r in trans)
+                evs = " -> ".join(
+                    r["event"] + (f" ({r['args']['error']})" if "error" in r.get("args", {}) else "")
+                    for r in trans
+                )
                 raise _Mismatch(st, f"rank {i} after {evs}: engine and model differ in {diff} (model first)")
         # the scheduler's observable counts, finished and aborted requests, the collective it blocks in
         if not settle:
@@ -372,10 +383,13 @@ class _Walker:
         want_counts = (len(m_rank.waiting), len(m_rank.running))
         if counts != want_counts:
             raise _Mismatch(
-                st, f"rank {i} has {counts[0]} waiting / {counts[1]} running; the model {want_counts[0]} / {want_counts[1]}"
+                st,
+                f"rank {i} has {counts[0]} waiting / {counts[1]} running; the model {want_counts[0]} / {want_counts[1]}",
             )
         if end["blocked"] != m_rank.blocked:
-            raise _Mismatch(st, f"rank {i} blocks in {end['blocked']!r}; the model's rank in {m_rank.blocked!r}")
+            raise _Mismatch(
+                st, f"rank {i} blocks in {end['blocked']!r}; the model's rank in {m_rank.blocked!r}"
+            )
         self.blocked[i] = end["blocked"]
         for key, now, before in (("finished", t.done, s.done), ("aborted", t.aborted, s.aborted)):
             got_ids = sorted(self.requests.get(r, -1) for r in end[key])
@@ -385,14 +399,22 @@ class _Walker:
                 raise _Mismatch(st, f"rank {i} {key} requests {got_ids} in this step; the model {mine}")
         sent = [self._engine_msg(r["msg"]) for r in st.of("send")]
         out_before, out_after = m_before.outq, m_rank.outq
-        model_sent = [self._model_msg(x) for x in out_after[len(out_before) :]] if len(out_after) >= len(out_before) else []
+        model_sent = (
+            [self._model_msg(x) for x in out_after[len(out_before) :]]
+            if len(out_after) >= len(out_before)
+            else []
+        )
         if sent != model_sent:
-            raise _Mismatch(st, f"rank {i} sent {sent} to the coordinator; the model's rank sends {model_sent}")
+            raise _Mismatch(
+                st, f"rank {i} sent {sent} to the coordinator; the model's rank sends {model_sent}"
+            )
 
     def _was_on(self, s: G, r: int, i: int) -> bool:
         rk = s.ranks[i]
-        return any(q[0] == r for q in rk.waiting) or any(q[0] == r for q in rk.running) or any(
-            m[0] in ("ADD", "ABORT") and m[1] == r for q in rk.inq for m in q
+        return (
+            any(q[0] == r for q in rk.waiting)
+            or any(q[0] == r for q in rk.running)
+            or any(m[0] in ("ADD", "ABORT") and m[1] == r for q in rk.inq for m in q)
         )
 
     # -- coordinator
@@ -432,7 +454,10 @@ class _Walker:
             f = self.fifo["add"]
             q = t.ranks[i].inq[f]
             if "send_add" in rec["effects"] and (not q or q[-1] != ("ADD", nxt, rec["wave"])):
-                raise _Mismatch(st, f"front-end stamped request {nxt} with wave {rec['wave']}; the model sends {q[-1] if q else None}")
+                raise _Mismatch(
+                    st,
+                    f"front-end stamped request {nxt} with wave {rec['wave']}; the model sends {q[-1] if q else None}",
+                )
             if ("send_first_req" in rec["effects"]) != (len(t.coord_q[0]) > len(self.s.coord_q[0])):
                 raise _Mismatch(st, "front-end and model disagree on sending FIRST_REQ")
             self.take(label, t)
@@ -465,7 +490,9 @@ class _Walker:
             for lab in redo:
                 nxt = next((u for lb, u in self.m.successors(cur) if lb == lab), None)
                 if nxt is None:
-                    raise _Mismatch(st, f"stats {stats} moved back {len(redo) - 1} steps: {lab!r} no longer an edge")
+                    raise _Mismatch(
+                        st, f"stats {stats} moved back {len(redo) - 1} steps: {lab!r} no longer an edge"
+                    )
                 new_path.append((lab, nxt))
                 cur = nxt
             self.path = new_path
@@ -483,19 +510,27 @@ class _Walker:
     def call_step(self, st: EngineStep) -> None:
         rec = st.records[0]
         method = rec["method"]
-        label: Label = ("fe", method) if self.m.variant.pause_in_front_end and method in ("pause", "resume") else ("fan", method, -1)
+        label: Label = (
+            ("fe", method)
+            if self.m.variant.pause_in_front_end and method in ("pause", "resume")
+            else ("fan", method, -1)
+        )
         t = self.successor(label, st)
         if method == "finish_weight_update":
             self.versions[t.ctrl.update_rounds + 1] = rec["kwargs"].get("weight_version")
-        if method == "pause":
-            if PauseMode(rec["kwargs"].get("mode", "abort")) is not self.m.mode:
-                raise _Mismatch(st, f"controller paused with mode {rec['kwargs'].get('mode')}; the walk's model pauses with {self.m.mode.value}")
+        if method == "pause" and PauseMode(rec["kwargs"].get("mode", "abort")) is not self.m.mode:
+            raise _Mismatch(
+                st,
+                f"controller paused with mode {rec['kwargs'].get('mode')}; the walk's model pauses with {self.m.mode.value}",
+            )
         self.take(label, t)
 
 
 def _diff(model: Mapping[str, Any], engine: Mapping[str, Any]) -> str:
     keys = sorted(set(model) | set(engine))
-    return ", ".join(f"{k}: {model.get(k)!r} vs {engine.get(k)!r}" for k in keys if model.get(k) != engine.get(k))
+    return ", ".join(
+        f"{k}: {model.get(k)!r} vs {engine.get(k)!r}" for k in keys if model.get(k) != engine.get(k)
+    )
 
 
 def walk_trace(lines: Iterable[str]) -> WalkResult:
@@ -535,7 +570,9 @@ def _state_lines(s: G) -> list[str]:
         )
     out.append(f"coordinator: (current_wave, engines_running)={s.coord} inputs={list(s.coord_q)}")
     out.append(f"front-end: believed (wave, running)={s.front[:2]} next_request={s.front[2]}")
-    out.append(f"controller: phase={s.ctrl.phase} cycles_started={s.ctrl.cycles_started} rounds={s.ctrl.update_rounds}")
+    out.append(
+        f"controller: phase={s.ctrl.phase} cycles_started={s.ctrl.cycles_started} rounds={s.ctrl.update_rounds}"
+    )
     return out
 
 
