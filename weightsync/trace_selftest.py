@@ -197,8 +197,11 @@ def run_case(case: Case, workdir: Path, *, seed: int = 0) -> dict[str, Any]:
     with path.open() as f:
         lines = f.readlines()
     result = walk_trace(lines)
-    _, _, faults = read_trace(lines)
-    first = faults[0] if faults else None
+    _, steps, faults = read_trace(lines)
+    # the first fault in walk order: the fault whose step starts first (a fault record may be written
+    # before its step's first record, and one rank's faulty step may start before another's)
+    starts = {(st.proc, st.group): st.line for st in steps}
+    first = min(faults, key=lambda f: starts.get((f["proc"], f["group"]), f["line"]), default=None)
     at_fault = first is not None and [first["proc"], first["group"]] in result.bad_groups
     ok = at_fault if case.expect_rejected else (result.accepted and rec.error is None)
     return {
