@@ -627,7 +627,7 @@ class CausalLM(nn.Module):
     def probe_logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """``forward_full`` on each prompt separately (shape ``[1, T_i]``): a list of ``[T_i, V]`` logits.
 
-        The trainer side (:func:`weightsync.impl.trainer.trainer_probe_logits`) uses the same shapes, so the
+        The trainer side (:func:`weightsync.demo.trainer.trainer_probe_logits`) uses the same shapes, so the
         two are comparable with ``torch.equal``.
         """
         dev = self.lm_head.weight.device

@@ -1,0 +1,62 @@
+"""``weightsync replay TRACE.jsonl...``: validates recorded traces against the model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from weightsync.commands.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    EXIT_VIOLATION,
+    emit,
+)
+
+
+def replay(args: argparse.Namespace) -> int:
+    from weightsync.impl.checked import replay_trace
+    from weightsync.model.replay import TraceChecker
+
+    results = []
+    checkers: list[TraceChecker] = []
+    for path in args.traces:
+        try:  # table edges (impl) + the model's composition check (collective outcomes, blocked ranks)
+            checkers.append(TraceChecker())
+            results.append(replay_trace(path, checkers[-1], variant=args.variant))
+        except (OSError, ValueError) as exc:
+            err = {"error": str(exc)}
+            emit(err, args.json, lambda err=err: print(err["error"], file=sys.stderr))  # type: ignore[misc]
+            return EXIT_USAGE
+    ok = all(r.ok for r in results)
+    out = {
+        "ok": ok,
+        "traces": [
+            {
+                "path": r.path,
+                "ok": r.ok,
+                "steps": r.steps,
+                "ranks": r.ranks,
+                "variant": r.variant,
+                "collectives": r.collectives,
+                "outcomes_checked": ck.outcomes_checked,
+                "has_work_checked": ck.has_work_checked,
+                "notes": ck.notes,
+                "divergence": None if r.divergence is None else r.divergence.__dict__,
+            }
+            for r, ck in zip(results, checkers, strict=True)
+        ],
+    }
+
+    def human() -> None:
+        for r in results:
+            if r.ok:
+                print(f"{r.path}: ok, {r.steps} steps on {r.ranks} ranks ({r.variant})")
+            else:
+                assert r.divergence is not None
+                print(f"{r.path}: DIVERGES at {r.divergence.describe()}")
+
+    emit(out, args.json, human)
+    return EXIT_OK if ok else EXIT_VIOLATION
+
+
+__all__ = ["replay"]
