@@ -103,7 +103,7 @@ def prove(args: argparse.Namespace) -> int:
     if args.check:
         import json as _json
 
-        from weightsync.model.mutation import MUTATION_FILE, mutation_stale
+        from weightsync.model.mutation_report import MUTATION_FILE, mutation_stale
 
         problems = check_fresh(root, allow_stale_mutation=args.allow_stale_mutation)
         warnings = []
@@ -134,13 +134,15 @@ def mutate(args: argparse.Namespace) -> int:
 
     from weightsync.model.mutation import (
         CHECKPOINT_FILE,
-        MUTATION_FILE,
-        annotate,
         checkpoint_writer,
         mutants,
         mutation_digest,
-        mutation_report,
         read_checkpoint,
+    )
+    from weightsync.model.mutation_report import (
+        MUTATION_FILE,
+        annotate,
+        mutation_report,
         report_markdown,
         write_report,
     )
