@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from weightsync.commands.common import (
     EXIT_OK,
@@ -31,7 +32,7 @@ def variants(args: argparse.Namespace) -> int:
 
 
 def check(args: argparse.Namespace) -> int:
-    from weightsync.model.check import check, print_human
+    from weightsync.model.check import check
     from weightsync.model.system import Bounds
     from weightsync.spec.rank import VARIANTS
 
@@ -183,6 +184,37 @@ def mutate(args: argparse.Namespace) -> int:
         write_report(Path.cwd(), rep)
     emit(rep, args.json, lambda: print(report_markdown(rep)))
     return EXIT_VIOLATION if rep["unexplained"] else EXIT_OK
+
+
+def print_human(result: dict[str, Any]) -> None:
+    """Print a :func:`weightsync.model.check.check` result for people (rich table of properties, numbered counterexample)."""
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    from weightsync.model.check import PROPERTIES
+
+    con = Console()
+    colour = {"verified": "green", "counterexample": "red"}.get(result["verdict"], "yellow")
+    con.print(
+        f"[bold]{result['variant']}[/bold]  N={result['ranks']}  mode={result['mode']}  "
+        f"channels={result['channels']}  bounds={result['bounds']}  symmetry={result['symmetry']}"
+    )
+    con.print(
+        f"[{colour}]{result['verdict']}[/{colour}]: {result['states']:,} states, "
+        f"{result['transitions']:,} transitions, depth {result['depth']}, {result['seconds']:.2f} s, "
+        f"peak RSS {result['peak_rss_mb']:.0f} MB"
+    )
+    t = RichTable("property", "result", "statement (source)")
+    for name, val in result["properties"].items():
+        c = {"holds": "green", "violated": "red"}.get(val, "yellow")
+        st, src = PROPERTIES[name]
+        t.add_row(name, f"[{c}]{val}[/{c}]", f"{st} ({src})")
+    con.print(t)
+    cx = result.get("counterexample")
+    if cx:
+        con.print(f"[bold red]counterexample[/bold red] for {cx['property']} (mode {cx['mode']}):")
+        for line in cx["steps"]:
+            con.print("  " + line, markup=False, highlight=False)
 
 
 __all__ = ["check", "export", "mutate", "prove", "variants"]
