@@ -61,9 +61,7 @@ from typing import Any
 
 from weightsync.impl.engine.client import DPEngineClient, free_port
 from weightsync.impl.engine.core import EngineConfig, tiny_config
-from weightsync.impl.engine.messages import (
-    TransitionRecord,
-)
+from weightsync.impl.engine.messages import TransitionRecord
 from weightsync.impl.engine.repro_driver import (
     TIMEOUT,
     ModelEnd,
