@@ -8,14 +8,7 @@ import json
 import os
 import sys
 
-from weightsync.commands.common import (
-    EXIT_OK,
-    EXIT_USAGE,
-    EXIT_VIOLATION,
-    emit,
-    progress,
-    vllm_module,
-)
+from weightsync.commands.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit, progress, vllm_module
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -7,12 +7,7 @@ import json
 import sys
 from typing import Any
 
-from weightsync.commands.common import (
-    EXIT_OK,
-    EXIT_USAGE,
-    EXIT_VIOLATION,
-    emit,
-)
+from weightsync.commands.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit
 
 
 def variants(args: argparse.Namespace) -> int:

@@ -5,12 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from weightsync.commands.common import (
-    EXIT_OK,
-    EXIT_USAGE,
-    EXIT_VIOLATION,
-    emit,
-)
+from weightsync.commands.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit
 
 
 def replay(args: argparse.Namespace) -> int:

@@ -8,14 +8,7 @@ import math
 import sys
 import time
 
-from weightsync.commands.common import (
-    EXIT_OK,
-    EXIT_USAGE,
-    EXIT_VIOLATION,
-    emit,
-    progress,
-    vllm_module,
-)
+from weightsync.commands.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit, progress, vllm_module
 
 
 def _repro_vllm(args: argparse.Namespace) -> int:

@@ -190,6 +190,31 @@ def build_model(
     return Model(Config(variant, ranks, PauseMode(mode), channels, bounds or Bounds()), **model_kwargs)
 
 
+def explore_model(
+    model: Model,
+    *,
+    symmetry: bool = False,
+    keep_edges: bool = False,
+    keep_labels: bool = False,
+    max_states: int = 50_000_000,
+    stop_at_first: bool = False,
+) -> Exploration[G]:
+    """:func:`~weightsync.model.explorer.explore` of ``model`` from its initial state with its safety checks
+    (invariant, edge and terminal checks), up to rank permutations when ``symmetry``."""
+    return explore(
+        [model.initial()],
+        model.successors,
+        invariant=model.invariant,
+        edge_check=model.edge_check,
+        terminal_check=model.terminal_check,
+        canon=model.canon if symmetry else None,
+        keep_edges=keep_edges,
+        keep_labels=keep_labels,
+        max_states=max_states,
+        stop_at_first=stop_at_first,
+    )
+
+
 def check_mode(
     model: Model,
     *,
@@ -210,13 +235,9 @@ def check_mode(
     t0 = time.perf_counter()
     keep_labels = keep_labels or stalls
     do_progress = progress
-    ex = explore(
-        [model.initial()],
-        model.successors,
-        invariant=model.invariant,
-        edge_check=model.edge_check,
-        terminal_check=model.terminal_check,
-        canon=model.canon if symmetry else None,
+    ex = explore_model(
+        model,
+        symmetry=symmetry,
         keep_edges=do_progress or keep_labels,
         keep_labels=keep_labels,
         max_states=max_states,

@@ -10,8 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from weightsync.model.check import build_model, check
-from weightsync.model.explorer import explore
+from weightsync.model.check import build_model, check, explore_model
 from weightsync.model.fsm_export import rank_fsm_dot, rank_fsm_mermaid
 from weightsync.model.system import Bounds, G, Step, describe
 from weightsync.spec.rank import get_variant
@@ -64,15 +63,7 @@ def state_graph(
     from weightsync.model.explorer import to_networkx
 
     model = build_model(variant, ranks, mode, channels, bounds)
-    ex = explore(
-        [model.initial()],
-        model.successors,
-        invariant=model.invariant,
-        edge_check=model.edge_check,
-        terminal_check=model.terminal_check,
-        keep_edges=True,
-        keep_labels=True,
-    )
+    ex = explore_model(model, keep_edges=True, keep_labels=True)
 
     def attrs(s: G) -> dict[str, Any]:
         d: dict[str, Any] = {
