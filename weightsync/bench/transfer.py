@@ -52,7 +52,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -62,6 +61,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from weightsync.impl.engine.client import free_port
 from weightsync.impl.transfer.base import DTYPES, ParallelInfo, TensorMeta, dtype_name
 from weightsync.impl.transfer.broadcast import BroadcastTrainer, BroadcastWeightTransferEngine
 from weightsync.impl.transfer.ipc import IPCTrainer, SharedBuffer
@@ -379,14 +379,6 @@ def _loadavg() -> str:
         return "unknown"
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = int(s.getsockname()[1])
-    s.close()
-    return port
-
-
 def run_transfer_bench(
     quick: bool = False,
     timeout_s: float = 900.0,
@@ -406,7 +398,7 @@ def run_transfer_bench(
     """
     world = 3
     bucket = bucket_bytes if bucket_bytes is not None else (DEFAULT_BUCKET_BYTES if not quick else 4 << 20)
-    ports = (_free_port(), _free_port(), _free_port())
+    ports = (free_port(), free_port(), free_port())
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
