@@ -1,8 +1,9 @@
-"""The ``weightsync`` command line (design.md section 5).
+"""The ``weightsync`` command line (the commands and exit codes the README documents).
 
 Thin by design: it parses arguments and dispatches to the handlers of :mod:`weightsync.commands`, which
-call into :mod:`weightsync.model`, :mod:`weightsync.impl` and the applications, and print. Every command takes ``--json`` (one JSON object on stdout). Exit codes: 0 success / verified,
-1 a property was violated or a check failed, 2 usage or input error.
+call into :mod:`weightsync.model`, :mod:`weightsync.impl` and the applications, and print. Every command
+takes ``--json`` (one JSON object on stdout). Exit codes: 0 success / verified, 1 a property was violated
+or a check failed, 2 usage or input error.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser (one subcommand per design.md section 5 command)."""
+    """The full argument parser (one subcommand per command)."""
     p = _Parser(prog="weightsync", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

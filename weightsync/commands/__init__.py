@@ -1,4 +1,4 @@
-"""The handlers of the ``weightsync`` commands (design.md section 5), one module per subsystem.
+"""The handlers of the ``weightsync`` commands, one module per subsystem.
 
 :mod:`weightsync.cli` parses the arguments and dispatches here; each handler takes the parsed arguments,
 calls into :mod:`weightsync.model`, :mod:`weightsync.impl`, :mod:`weightsync.demo`, :mod:`weightsync.bench`

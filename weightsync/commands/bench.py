@@ -65,6 +65,7 @@ def _bench_vllm(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    """``weightsync bench WHAT``: the benchmark's JSON object (or its human rendering); exit 1 when it fails."""
     if args.what == "vllm":
         return _bench_vllm(args)
     fn = BENCHES.get(args.what)

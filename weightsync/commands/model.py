@@ -11,6 +11,7 @@ from weightsync.commands.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit
 
 
 def variants(args: argparse.Namespace) -> int:
+    """``weightsync variants``: the protocol variants with a one-line description."""
     from weightsync.spec.rank import VARIANTS
 
     rows = [
@@ -27,6 +28,7 @@ def variants(args: argparse.Namespace) -> int:
 
 
 def check(args: argparse.Namespace) -> int:
+    """``weightsync check``: :func:`weightsync.model.check.check`; exit 1 on a counterexample."""
     from weightsync.model.check import check
     from weightsync.model.system import Bounds
     from weightsync.spec.rank import VARIANTS
@@ -67,6 +69,7 @@ def check(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
+    """``weightsync export``: :func:`weightsync.model.export.export`; exit 2 when it cannot be produced."""
     from pathlib import Path
 
     from weightsync.model.export import ExportError, export
@@ -91,6 +94,7 @@ def export(args: argparse.Namespace) -> int:
 
 
 def prove(args: argparse.Namespace) -> int:
+    """``weightsync prove [--check]``: regenerate ``proofs/`` and ``spec/``, or check that they are fresh."""
     from pathlib import Path
 
     from weightsync.model.proofs import check_fresh, prove
@@ -124,6 +128,7 @@ def prove(args: argparse.Namespace) -> int:
 
 
 def mutate(args: argparse.Namespace) -> int:
+    """``weightsync mutate``: the mutation check (:mod:`weightsync.model.mutation_report`)."""
     from pathlib import Path
 
     from rich.progress import Progress

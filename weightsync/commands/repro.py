@@ -38,8 +38,8 @@ def _repro_vllm(args: argparse.Namespace) -> int:
 
 
 def repro(args: argparse.Namespace) -> int:
-    """``repro VARIANT``: the model's counterexample compiled by :mod:`weightsync.schedule` (glue, design s2:
-    model and impl meet only here) and driven on the reference engine by
+    """``repro VARIANT``: the model's counterexample compiled by :mod:`weightsync.schedule` (glue: the model
+    and the implementation meet only in the commands) and driven on the reference engine by
     :func:`weightsync.impl.engine.repro.run_schedule`."""
     from weightsync.impl.engine.repro import BUGGY, EXPECTED, Plan, run_schedule
 

@@ -1,4 +1,4 @@
-"""``weightsync demo``, the main job: an application on top of :mod:`weightsync.impl` (design.md section 2).
+"""``weightsync demo``, the main job: an application on top of :mod:`weightsync.impl`.
 
 An asynchronous GRPO loop: a Hugging Face trainer syncs its weights into the reference DP engines after
 every step, with the next rollouts in flight, and checks every sync.
