@@ -289,7 +289,7 @@ def run_vllm_bench(
     timeout_s: float = 120.0,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark (module docstring) and return its figures.
+    """Run the benchmark (:mod:`weightsync.bench.vllm`) and return its figures.
 
     Args:
         quick: the 6.5 MiB model, 1 MiB buckets and 2 repetitions (for tests).
