@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from weightsync.cli import main
+from weightsync.demo.config import KILL_ENV
 from weightsync.impl.checked import replay_trace
-from weightsync.impl.demo import KILL_ENV
 
 
 def _demo(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:

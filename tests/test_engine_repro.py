@@ -35,7 +35,8 @@ from weightsync.impl.engine.messages import (
     UtilityCall,
     WaveComplete,
 )
-from weightsync.impl.engine.repro import BUGGY, TIMEOUT, _Run, end_check, wire
+from weightsync.impl.engine.repro import BUGGY, end_check
+from weightsync.impl.engine.repro_driver import TIMEOUT, ScheduleDriver, wire
 from weightsync.impl.models.sampling import SamplingParams
 from weightsync.model.check import build_model
 from weightsync.schedule import Action, FinalState, compile_schedule, final_state, model_counterexample
@@ -171,9 +172,11 @@ class _Recorded:
             raise TimeoutError(what)
 
 
-def _oracle(records: list[TransitionRecord]) -> _Run:
+def _oracle(records: list[TransitionRecord]) -> ScheduleDriver:
     client = _Recorded()
-    run = _Run(client, "keep", True, 2, {}, lambda: None, 5.0, 0.1, time.monotonic() + 10, lambda _m: None)  # type: ignore[arg-type]
+    run = ScheduleDriver(
+        client, "keep", True, 2, {}, lambda: None, 5.0, 0.1, time.monotonic() + 10, lambda _m: None
+    )  # type: ignore[arg-type]
     client.transitions.extend(records)
     return run
 

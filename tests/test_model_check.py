@@ -12,11 +12,10 @@ from weightsync.model.check import (
     PROPERTIES,
     check,
     check_mode,
-    counterexample_mermaid,
     replay_labels,
-    state_graph,
 )
 from weightsync.model.explorer import explore
+from weightsync.model.export import counterexample_mermaid, state_graph
 from weightsync.model.system import Bounds, Config, Model
 from weightsync.spec.states import PauseMode
 

@@ -116,7 +116,7 @@ def test_mutation_refuses_a_table_that_fails_unmutated() -> None:
 def test_checked_in_mutation_report_is_fresh_and_explained() -> None:
     from pathlib import Path
 
-    from weightsync.model.mutation import mutation_problems
+    from weightsync.model.mutation_report import mutation_problems
 
     assert mutation_problems(Path(__file__).resolve().parents[1]) == []
 
@@ -125,7 +125,7 @@ def test_a_stale_mutation_report_is_only_allowed_explicitly(tmp_path: Path) -> N
     """A report computed against another table fails ``prove --check`` unless explicitly allowed."""
     import json
 
-    from weightsync.model.mutation import MUTATION_FILE, mutation_problems
+    from weightsync.model.mutation_report import MUTATION_FILE, mutation_problems
 
     (tmp_path / "proofs").mkdir()
     (tmp_path / "proofs" / MUTATION_FILE).write_text(
@@ -142,7 +142,7 @@ def test_mutation_full_matches_the_checked_in_report() -> None:
     import json
     from pathlib import Path
 
-    from weightsync.model.mutation import mutation_report
+    from weightsync.model.mutation_report import mutation_report
 
     r = mutation_report("two-phase-epoch", workers=2)
     print(f"{r['killed']}/{r['mutants']} killed in {r['seconds']} s; survivors:", *r["survivors"], sep="\n  ")

@@ -8,10 +8,8 @@ import pathlib
 import pytest
 import torch
 
-from weightsync.impl.models import CausalLM, LMConfig
-from weightsync.impl.models.real_weights import load_minilm_weights, minilm_safetensors_path
-from weightsync.impl.rl_task import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, DigitPatternTask, Sample
-from weightsync.impl.trainer import (
+from weightsync.demo.rl_task import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, DigitPatternTask, Sample
+from weightsync.demo.trainer import (
     Trainer,
     TrainerConfig,
     build_default_model,
@@ -23,6 +21,8 @@ from weightsync.impl.trainer import (
     save_config,
     trainer_probe_logits,
 )
+from weightsync.impl.models import CausalLM, LMConfig
+from weightsync.impl.models.real_weights import load_minilm_weights, minilm_safetensors_path
 
 torch.set_num_threads(1)
 
@@ -176,9 +176,9 @@ def test_minilm_real_weights_loader() -> None:
 def test_engine_generation_matches_hf_rollouts() -> None:
     """The engine's KV-cached continuous batching samples the same tokens as the trainer-side HF loop with the
     same per-request seeds, and its log-probs agree to float32 rounding."""
+    from weightsync.demo.rl_task import EOS_ID as EOS
     from weightsync.impl.models.generate import generate
     from weightsync.impl.models.sampling import SamplingParams
-    from weightsync.impl.rl_task import EOS_ID as EOS
 
     hf = build_default_model(seed=4)
     task = DigitPatternTask(seed=4)

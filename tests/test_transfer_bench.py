@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.impl.transfer.bench import run_transfer_bench, synthetic_spec
+from weightsync.bench.transfer import run_transfer_bench, synthetic_spec
 
 
 def test_synthetic_model_size() -> None:
@@ -38,7 +38,7 @@ def test_cli_exit_code_judges_targets_only_at_full_size(
     """A missed target makes ``weightsync bench transfer`` exit 1; ``--quick`` reports without judging."""
     import json
 
-    import weightsync.impl.transfer.bench as bench
+    import weightsync.bench.transfer as bench
     from weightsync.cli import main
 
     def fake(quick: bool = False) -> dict[str, object]:

@@ -27,8 +27,9 @@ from transfer_procs import (
 )
 
 from weightsync.impl.transfer.base import ParallelInfo
-from weightsync.impl.transfer.ipc import IPCTrainer, _import
+from weightsync.impl.transfer.ipc import IPCTrainer
 from weightsync.impl.transfer.ipc import IPCWeightTransferEngine as Engine
+from weightsync.impl.transfer.ipc_handles import import_handles
 from weightsync.impl.transfer.worker import WeightTransferWorker
 
 pytestmark = pytest.mark.timeout(120)
@@ -208,15 +209,17 @@ def test_ipc_handle_validation() -> None:
     """Handles are plain JSON and validated: no handle for this device, paths outside /dev/shm, bad kinds."""
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match=r"no IPC handle for local device 'cpu'; handles are for: GPU-123"):
-        _import({"GPU-123": {"kind": "cuda"}}, cpu)
+        import_handles({"GPU-123": {"kind": "cuda"}}, cpu)
     with pytest.raises(ValueError, match="is not a /dev/shm/weightsync-\\* file"):
-        _import({"cpu": {"kind": "shm", "path": "/etc/passwd", "size": 10}}, cpu)
+        import_handles({"cpu": {"kind": "shm", "path": "/etc/passwd", "size": 10}}, cpu)
     with pytest.raises(ValueError, match="is not a /dev/shm/weightsync-\\* file"):
-        _import({"cpu": {"kind": "shm", "path": "/dev/shm/weightsync-../../etc/passwd", "size": 10}}, cpu)
+        import_handles(
+            {"cpu": {"kind": "shm", "path": "/dev/shm/weightsync-../../etc/passwd", "size": 10}}, cpu
+        )
     with pytest.raises(ValueError, match="size -1 must be a positive int"):
-        _import({"cpu": {"kind": "shm", "path": "/dev/shm/weightsync-x", "size": -1}}, cpu)
+        import_handles({"cpu": {"kind": "shm", "path": "/dev/shm/weightsync-x", "size": -1}}, cpu)
     with pytest.raises(ValueError, match="unknown IPC handle kind 'pickle'"):
-        _import({"cpu": {"kind": "pickle"}}, cpu)
+        import_handles({"cpu": {"kind": "pickle"}}, cpu)
 
 
 # ----------------------------------------------------------------------------------------------- GPU

@@ -15,8 +15,9 @@ from vllm_util import require_vllm
 
 require_vllm()
 
+from weightsync.bench.vllm import METHODS  # noqa: E402
 from weightsync.cli import main  # noqa: E402
-from weightsync.vllm.bench import METHODS, run_vllm_bench  # noqa: E402
+from weightsync.vllm.bench import run_vllm_bench  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 

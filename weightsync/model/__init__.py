@@ -9,7 +9,7 @@ Public API (for ``export``, ``prove``, ``replay``):
 - :meth:`Model.successors` (labelled edges), :func:`~weightsync.model.system.steps.describe` (edge ->
   :class:`Step`), :func:`~weightsync.model.check.step_edge` / :func:`~weightsync.model.check.replay_labels`
   (trace validation);
-- :func:`~weightsync.model.check.counterexample_mermaid`, :func:`~weightsync.model.check.state_graph`
+- :func:`~weightsync.model.export.counterexample_mermaid`, :func:`~weightsync.model.export.state_graph`
   (networkx DiGraph, GraphML-safe);
 - :data:`~weightsync.model.check.PROPERTIES` (name -> statement, source).
 """
@@ -19,13 +19,12 @@ from weightsync.model.check import (
     build_model,
     check,
     check_mode,
-    counterexample_mermaid,
     counterexample_record,
     replay_labels,
-    state_graph,
     step_edge,
 )
 from weightsync.model.explorer import Exploration, explore
+from weightsync.model.export import counterexample_mermaid, state_graph
 from weightsync.model.system import Bounds, Config, Model, Step, describe
 
 __all__ = [

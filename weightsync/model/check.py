@@ -32,7 +32,7 @@ from weightsync.model.explorer import (
     explore,
     reverse_reachable_csr,
 )
-from weightsync.model.system import Bounds, Config, G, Label, Model, Step, describe
+from weightsync.model.system import Bounds, Config, G, Label, Model, describe
 from weightsync.spec.states import PauseMode
 
 HOLDS, VIOLATED, NOT_CHECKED = "holds", "violated", "not checked"
@@ -190,6 +190,31 @@ def build_model(
     return Model(Config(variant, ranks, PauseMode(mode), channels, bounds or Bounds()), **model_kwargs)
 
 
+def explore_model(
+    model: Model,
+    *,
+    symmetry: bool = False,
+    keep_edges: bool = False,
+    keep_labels: bool = False,
+    max_states: int = 50_000_000,
+    stop_at_first: bool = False,
+) -> Exploration[G]:
+    """:func:`~weightsync.model.explorer.explore` of ``model`` from its initial state with its safety checks
+    (invariant, edge and terminal checks), up to rank permutations when ``symmetry``."""
+    return explore(
+        [model.initial()],
+        model.successors,
+        invariant=model.invariant,
+        edge_check=model.edge_check,
+        terminal_check=model.terminal_check,
+        canon=model.canon if symmetry else None,
+        keep_edges=keep_edges,
+        keep_labels=keep_labels,
+        max_states=max_states,
+        stop_at_first=stop_at_first,
+    )
+
+
 def check_mode(
     model: Model,
     *,
@@ -210,13 +235,9 @@ def check_mode(
     t0 = time.perf_counter()
     keep_labels = keep_labels or stalls
     do_progress = progress
-    ex = explore(
-        [model.initial()],
-        model.successors,
-        invariant=model.invariant,
-        edge_check=model.edge_check,
-        terminal_check=model.terminal_check,
-        canon=model.canon if symmetry else None,
+    ex = explore_model(
+        model,
+        symmetry=symmetry,
         keep_edges=do_progress or keep_labels,
         keep_labels=keep_labels,
         max_states=max_states,
@@ -536,94 +557,6 @@ def check(
     return out
 
 
-def counterexample_mermaid(cx: dict[str, Any], ranks: int, title: str = "") -> str:
-    """A counterexample record (from :func:`check` / :func:`counterexample_record`) as a Mermaid
-    ``sequenceDiagram`` with one lane per process: controller, front-end, coordinator, trainer, rank 0..N-1."""
-    lanes = ["controller", "front-end", "coordinator", "trainer", *(f"rank {i}" for i in range(ranks))]
-    ids = {name: name.replace(" ", "").replace("-", "") for name in lanes}
-
-    def clean(x: str) -> str:
-        return x.replace(";", ",").replace("#", "no. ").replace("\n", " ")
-
-    lines = ["sequenceDiagram"]
-    if title:
-        lines.insert(0, f"%% {clean(title)}")
-    for name in lanes:
-        lines.append(f"    participant {ids[name]} as {name}")
-    for k, rec in enumerate(cx.get("records", []), start=1):
-        st = Step(**rec)
-        lanes_ = [ln for ln in st.lanes if ln in ids]
-        text = clean(f"{k}. {st.text}")
-        if st.action in ("fans out", "sends") and st.lane_from in ids and lanes_:
-            lines.append(f"    {ids[st.lane_from]}-){ids[lanes_[0]]}: {text}")
-        elif st.process == "coordinator":
-            lines.append(f"    Note over {ids['coordinator']}: {text}")
-        elif len(lanes_) > 1:
-            lines.append(f"    Note over {ids[lanes_[0]]},{ids[lanes_[-1]]}: {text}")
-        elif lanes_:
-            lines.append(f"    Note over {ids[lanes_[0]]}: {text}")
-    if cx.get("steps"):
-        lines.append(f"    Note over {ids['controller']},{ids[lanes[-1]]}: {clean(cx['steps'][-1])}")
-    return "\n".join(lines) + "\n"
-
-
-def state_graph(
-    variant: str = "two-phase-epoch",
-    ranks: int = 2,
-    mode: PauseMode | str = PauseMode.KEEP,
-    channels: str = "per-socket",
-    bounds: Bounds | None = None,
-) -> Any:
-    """The explored state graph as a ``networkx.DiGraph`` (meant for N=2): nodes are state indices with
-    scalar attributes only (``repr``, ``level``, ``initial``, per-rank ``state_i`` / ``wave_i``, ``phase``,
-    ``end``), edges carry the human ``label``. GraphML-safe."""
-    import networkx as nx
-
-    from weightsync.model.explorer import to_networkx
-
-    model = build_model(variant, ranks, mode, channels, bounds)
-    ex = explore(
-        [model.initial()],
-        model.successors,
-        invariant=model.invariant,
-        edge_check=model.edge_check,
-        terminal_check=model.terminal_check,
-        keep_edges=True,
-        keep_labels=True,
-    )
-
-    def attrs(s: G) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "phase": int(s.ctrl.phase),
-            "end": model.is_end(s),
-            "violation": bool(model.invariant(s)),
-        }
-        for i, r in enumerate(s.ranks):
-            d[f"state_{i}"] = r.vars.state.value
-            d[f"wave_{i}"] = int(r.vars.current_wave)
-            d[f"blocked_{i}"] = r.blocked
-        return d
-
-    g = to_networkx(ex, attrs)
-    assert ex.src is not None and ex.dst is not None and ex.labels is not None
-    for k, (a, b) in enumerate(zip(ex.src, ex.dst, strict=True)):
-        g.edges[int(a), int(b)]["label"] = describe(model, ex.states[a], ex.labels[k], ex.states[b]).text
-    g.graph.update(
-        {
-            "variant": variant,
-            "ranks": ranks,
-            "mode": PauseMode(mode).value,
-            "channels": channels,
-            "bounds": repr(model.config.bounds),
-            "symmetry": False,
-            "states": len(ex.states),
-            "transitions": ex.transitions,
-        }
-    )
-    assert isinstance(g, nx.DiGraph)
-    return g
-
-
 def step_edge(model: Model, s: G, label: Label) -> G | None:
     """Validate one recorded step: the successor of ``s`` along ``label`` if that is an edge of the model,
     else None (trace validation / replay)."""
@@ -646,32 +579,3 @@ def replay_labels(model: Model, labels: list[Any]) -> tuple[list[G], int | None]
         cur = nxt
         seen.append(cur)
     return seen, None
-
-
-def print_human(result: dict[str, Any]) -> None:
-    """Print a :func:`check` result for people (rich table of properties, numbered counterexample)."""
-    from rich.console import Console
-    from rich.table import Table as RichTable
-
-    con = Console()
-    colour = {"verified": "green", "counterexample": "red"}.get(result["verdict"], "yellow")
-    con.print(
-        f"[bold]{result['variant']}[/bold]  N={result['ranks']}  mode={result['mode']}  "
-        f"channels={result['channels']}  bounds={result['bounds']}  symmetry={result['symmetry']}"
-    )
-    con.print(
-        f"[{colour}]{result['verdict']}[/{colour}]: {result['states']:,} states, "
-        f"{result['transitions']:,} transitions, depth {result['depth']}, {result['seconds']:.2f} s, "
-        f"peak RSS {result['peak_rss_mb']:.0f} MB"
-    )
-    t = RichTable("property", "result", "statement (source)")
-    for name, val in result["properties"].items():
-        c = {"holds": "green", "violated": "red"}.get(val, "yellow")
-        st, src = PROPERTIES[name]
-        t.add_row(name, f"[{c}]{val}[/{c}]", f"{st} ({src})")
-    con.print(t)
-    cx = result.get("counterexample")
-    if cx:
-        con.print(f"[bold red]counterexample[/bold red] for {cx['property']} (mode {cx['mode']}):")
-        for line in cx["steps"]:
-            con.print("  " + line, markup=False, highlight=False)

@@ -10,10 +10,92 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from weightsync.model.check import check, counterexample_mermaid, state_graph
+from weightsync.model.check import build_model, check, explore_model
 from weightsync.model.fsm_export import rank_fsm_dot, rank_fsm_mermaid
-from weightsync.model.system import Bounds
+from weightsync.model.system import Bounds, G, Step, describe
 from weightsync.spec.rank import get_variant
+from weightsync.spec.states import PauseMode
+
+
+def counterexample_mermaid(cx: dict[str, Any], ranks: int, title: str = "") -> str:
+    """A counterexample record (from :func:`~weightsync.model.check.check` / :func:`~weightsync.model.check.counterexample_record`) as a Mermaid
+    ``sequenceDiagram`` with one lane per process: controller, front-end, coordinator, trainer, rank 0..N-1."""
+    lanes = ["controller", "front-end", "coordinator", "trainer", *(f"rank {i}" for i in range(ranks))]
+    ids = {name: name.replace(" ", "").replace("-", "") for name in lanes}
+
+    def clean(x: str) -> str:
+        return x.replace(";", ",").replace("#", "no. ").replace("\n", " ")
+
+    lines = ["sequenceDiagram"]
+    if title:
+        lines.insert(0, f"%% {clean(title)}")
+    for name in lanes:
+        lines.append(f"    participant {ids[name]} as {name}")
+    for k, rec in enumerate(cx.get("records", []), start=1):
+        st = Step(**rec)
+        lanes_ = [ln for ln in st.lanes if ln in ids]
+        text = clean(f"{k}. {st.text}")
+        if st.action in ("fans out", "sends") and st.lane_from in ids and lanes_:
+            lines.append(f"    {ids[st.lane_from]}-){ids[lanes_[0]]}: {text}")
+        elif st.process == "coordinator":
+            lines.append(f"    Note over {ids['coordinator']}: {text}")
+        elif len(lanes_) > 1:
+            lines.append(f"    Note over {ids[lanes_[0]]},{ids[lanes_[-1]]}: {text}")
+        elif lanes_:
+            lines.append(f"    Note over {ids[lanes_[0]]}: {text}")
+    if cx.get("steps"):
+        lines.append(f"    Note over {ids['controller']},{ids[lanes[-1]]}: {clean(cx['steps'][-1])}")
+    return "\n".join(lines) + "\n"
+
+
+def state_graph(
+    variant: str = "two-phase-epoch",
+    ranks: int = 2,
+    mode: PauseMode | str = PauseMode.KEEP,
+    channels: str = "per-socket",
+    bounds: Bounds | None = None,
+) -> Any:
+    """The explored state graph as a ``networkx.DiGraph`` (meant for N=2): nodes are state indices with
+    scalar attributes only (``repr``, ``level``, ``initial``, per-rank ``state_i`` / ``wave_i``, ``phase``,
+    ``end``), edges carry the human ``label``. GraphML-safe."""
+    import networkx as nx
+
+    from weightsync.model.explorer import to_networkx
+
+    model = build_model(variant, ranks, mode, channels, bounds)
+    ex = explore_model(model, keep_edges=True, keep_labels=True)
+
+    def attrs(s: G) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "phase": int(s.ctrl.phase),
+            "end": model.is_end(s),
+            "violation": bool(model.invariant(s)),
+        }
+        for i, r in enumerate(s.ranks):
+            d[f"state_{i}"] = r.vars.state.value
+            d[f"wave_{i}"] = int(r.vars.current_wave)
+            d[f"blocked_{i}"] = r.blocked
+        return d
+
+    g = to_networkx(ex, attrs)
+    assert ex.src is not None and ex.dst is not None and ex.labels is not None
+    for k, (a, b) in enumerate(zip(ex.src, ex.dst, strict=True)):
+        g.edges[int(a), int(b)]["label"] = describe(model, ex.states[a], ex.labels[k], ex.states[b]).text
+    g.graph.update(
+        {
+            "variant": variant,
+            "ranks": ranks,
+            "mode": PauseMode(mode).value,
+            "channels": channels,
+            "bounds": repr(model.config.bounds),
+            "symmetry": False,
+            "states": len(ex.states),
+            "transitions": ex.transitions,
+        }
+    )
+    assert isinstance(g, nx.DiGraph)
+    return g
+
 
 #: Formats each export supports.
 FORMATS: dict[str, tuple[str, ...]] = {

@@ -19,7 +19,7 @@ from typing import Any
 
 from weightsync.model.check import check
 from weightsync.model.fsm_export import stale_spec_files, write_spec_dir
-from weightsync.model.mutation import mutation_problems
+from weightsync.model.mutation_report import mutation_problems
 from weightsync.model.system import Bounds
 from weightsync.spec.rank import VARIANTS, spec_digest
 
@@ -168,7 +168,7 @@ def _changed(b: Bounds, base: Bounds) -> str:
 
 def check_fresh(root: Path, allow_stale_mutation: bool = False) -> list[str]:
     """Problems that make ``proofs/`` or ``spec/`` stale against the table (empty list: fresh).
-    ``allow_stale_mutation``: see :func:`weightsync.model.mutation.mutation_problems`."""
+    ``allow_stale_mutation``: see :func:`weightsync.model.mutation_report.mutation_problems`."""
     problems = [f"spec/{rel} is stale (run `weightsync prove`)" for rel in stale_spec_files(root / "spec")]
     digest = spec_digest()
     pdir = root / "proofs"

@@ -1,65 +1,9 @@
-"""``weightsync bench vllm``: one sync round into a real vLLM 0.32 engine, against two baselines.
+"""``weightsync bench vllm``, the trainer side: one sync round into a real ``AsyncLLM`` against two baselines.
 
-Setup: a synthetic dense ``LlamaForCausalLM`` checkpoint built locally (:data:`FULL_MODEL`: 255.3 MiB of
-float32 in 156 tensors; ``quick``: :data:`QUICK_MODEL`, 6.5 MiB in 21 tensors), served by one real
-``AsyncLLM`` (``data_parallel_size=1``, ``enforce_eager=True``, ``dtype="float32"``,
-``weight_transfer_config={"backend": "weightsync"}``) on its own event-loop thread in this process; this
-process is also the trainer, holding the ``transformers`` model. Every figure is measured on the trainer
-with ``time.perf_counter`` around the round alone, inside a ``pause_generation(mode="keep")`` /
-``resume_generation()`` bracket (the bracket itself is not timed), in GB/s = model bytes / seconds / 1e9.
-
-Methods (all over gloo on 127.0.0.1, one trainer rank and one engine worker):
-
-- ``raw`` (the ceiling): one ``broadcast`` of the model's bytes as one flat uint8 tensor into a buffer the
-  worker allocated once; nothing is loaded. One RPC tells the worker to receive.
-- ``per_tensor`` (what ad-hoc integrations do, OpenRLHF's ``_broadcast_to_vllm``): per tensor one
-  ``collective_rpc`` carrying ``(name, dtype, shape)`` to the worker, which allocates the tensor, receives
-  its broadcast and ``model.load_weights([(name, tensor)])`` it, and the trainer waits for that reply
-  before the next tensor. On vLLM 0.32 a live ``load_weights`` alone cannot update this model (on CPU
-  the linear layers drop their ``weight`` after packing it for oneDNN: ``layers/linear.py:206-216``,
-  ``layers/utils.py:470-610`` with ``remove_weight=True``), so the round is bracketed by vLLM's layerwise
-  reload exactly as vLLM's own NCCL engine brackets it (``initialize_layerwise_reload`` /
-  ``finalize_layerwise_reload``: ``distributed/weight_transfer/nccl_engine.py:159-173``), one RPC each.
-- ``per_tensor_bare``: vLLM's own unpacked NCCL receive loop (``nccl_engine.py:217-229``) over gloo: one
-  RPC for the whole round, then per tensor allocate, broadcast, ``load_weights``. A lower bound on any
-  per-tensor integration, reported so that nobody is misled by the RPC-per-tensor figure.
-- ``weightsync``: the real path: ``WeightTransferTrainerFactory.trainer_init`` with
-  :class:`~weightsync.vllm.trainer.WeightsyncTrainerInitInfo` (packed, ``bucket_bytes`` buckets,
-  ``num_buffers`` slots) and ``trainer.send_weights(weight_version=...)`` from a vLLM ``ModuleSource``:
-  ``start_weight_update`` / one ``update_weights`` / ``finish_weight_update`` through vLLM's RPCs, the
-  engine's layerwise reload and weightsync's completeness check included.
-
-Code in the worker runs through ``AsyncLLM.collective_rpc(callable)`` (``v1/engine/async_llm.py:1205``
--> ``core_client.py:1384`` -> ``v1/engine/core.py:1073`` -> ``v1/executor/uniproc_executor.py:90`` ->
-``v1/serial_utils.py:485`` ``run_method``, which calls it with the worker as first argument). A callable
-crosses the front-end/EngineCore socket only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
-(``v1/serial_utils.py:213-230``, pickled by reference: the worker imports this module), so the bench sets
-it for the engine it starts and restores it afterwards. The worker's model is
-``worker.model_runner.model``, the same object the ``weightsync`` engine loads into.
-
-Interleaving and statistics: one untimed warm-up round per method, then ``repeats`` repetitions of every
-method, interleaved (the order rotated by one each repetition) so load swings on a shared machine hit
-every method alike; each method's median and minimum are reported, and the headline GB/s and ratios use
-the medians. ``loadavg`` is ``os.getloadavg()`` at the end (``loadavg_start`` before the engine starts).
-
-Reload time: the seconds the worker spends inside vLLM's layerwise reload (``initialize_layerwise_reload``,
-every ``_layerwise_process`` a completed layer triggers from its weight loader, and
-``finalize_layerwise_reload``: ``model_executor/model_loader/reload/layerwise.py:83,226,287,344``), timed
-by wrappers the bench installs in the worker for its duration (nested calls counted once). Reported per
-round and method; ``reload_seconds`` is the median over the ``weightsync`` rounds. Those calls overlap
-the transfer of later buckets, so the figure is a share of the round, not an addend.
-
-Verification (every round, warm-up included, outside the timed window): before each round the trainer
-negates every weight in place (so each round's bytes differ from the previous round's in every element)
-and records the CRC-32 of each tensor (``raw``: of the flat buffer). After the round the worker reports
-the CRC-32 of every tensor handed to ``model.load_weights`` in that round (captured by reference through
-a wrapper around the model's ``load_weights``; ``raw``: of its receive buffer) and of every parameter the
-engine's model still holds as a plain tensor (embeddings, norms, ``lm_head``; the oneDNN-packed linear
-weights cannot be read back), which must equal what was sent. A round is verified when every byte of the
-model arrived bit-exact (``bytes_verified == model_bytes``), nothing else was loaded and every readable
-engine parameter matches.
-
-Targets (judged at full size only): ``vs_raw >= 0.7`` and ``vs_per_tensor >= 1.5``.
+The benchmark (its methods, statistics, verification and targets) is described in :mod:`weightsync.bench.vllm`,
+which also computes the figures and renders them; the functions run in vLLM's worker are
+:mod:`weightsync.vllm.bench_worker`. This module starts the engine, runs the interleaved rounds and verifies
+each.
 """
 
 from __future__ import annotations
@@ -70,266 +14,48 @@ import contextlib
 import functools
 import math
 import os
-import statistics
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import vllm
 
+from weightsync.bench.transfer import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS
+from weightsync.bench.vllm import (
+    FULL_MODEL,
+    METHODS,
+    QUICK_BUCKET_BYTES,
+    QUICK_MODEL,
+    RAW_KEY,
+    REPEATS,
+    RoundResult,
+    figures,
+)
 from weightsync.impl.engine.client import free_port
-from weightsync.impl.transfer.base import DTYPES, InitInfo, dtype_name
-from weightsync.impl.transfer.bench import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS
+from weightsync.impl.transfer.base import InitInfo, dtype_name
 from weightsync.impl.transfer.broadcast import BroadcastGroup, join_group
 from weightsync.impl.transfer.packing import as_bytes, crc32
+from weightsync.vllm.bench_worker import (
+    PHASE,
+    worker_raw,
+    worker_recv_all,
+    worker_recv_one,
+    worker_reload_finish,
+    worker_reload_start,
+    worker_report,
+    worker_setup,
+    worker_teardown,
+)
 from weightsync.vllm.clients import AsyncLLMWeightSyncClient
 from weightsync.vllm.models import build_tiny_llama
 from weightsync.vllm.serving import LoopThread, connect_trainer, start_async_llm
 from weightsync.vllm.trainer import WeightsyncBroadcastTrainer
 
 T = TypeVar("T")
-
-#: ``build_tiny_llama`` overrides of the full model: 66,930,176 float32 parameters (267,720,704 bytes,
-#: 255.3 MiB) in 156 tensors (17 layers of 9, embeddings, final norm, ``lm_head``); head dimension 64.
-FULL_MODEL: dict[str, int] = {
-    "hidden_size": 512,
-    "intermediate_size": 1408,
-    "num_hidden_layers": 17,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "vocab_size": 16384,
-}
-#: ``--quick``: 1,705,216 parameters (6,820,864 bytes, 6.5 MiB) in 21 tensors.
-QUICK_MODEL: dict[str, int] = {
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 1024,
-}
-#: timed repetitions of every method (full size, ``quick``)
-REPEATS = (5, 2)
-#: bucket size of ``quick`` (several buckets for its 6.5 MiB); the full size uses the transfer bench's
-QUICK_BUCKET_BYTES = 1 << 20
-METHODS = ("raw", "per_tensor", "per_tensor_bare", "weightsync")
-#: the CRC key of the raw method's one flat buffer
-RAW_KEY = "<raw>"
-TARGET_VS_RAW = 0.7
-TARGET_VS_PER_TENSOR = 1.5
 INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
-PHASE = "bench vllm/broadcast"
-
-
-# ------------------------------------------------------------------------------------------ worker side
-# Run in the engine's worker process through ``collective_rpc(callable)``; ``worker`` is vLLM's
-# ``WorkerWrapperBase`` (attributes forwarded to the ``CPUWorker``).
-
-
-@dataclass
-class _WorkerState:
-    """The bench's state in the worker process (between its RPCs)."""
-
-    group: BroadcastGroup | None = None
-    raw: torch.Tensor | None = None
-    captured: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    reload_s: float = 0.0
-    load_s: float = 0.0
-    depth: int = 0
-    patches: list[tuple[Any, str, Any]] = field(default_factory=list)
-    model: torch.nn.Module | None = None
-
-
-_W = _WorkerState()
-
-
-def _worker_model(worker: Any) -> torch.nn.Module:
-    model: torch.nn.Module = worker.model_runner.model
-    return model
-
-
-def _clocked(fn: Callable[..., T]) -> Callable[..., T]:
-    """``fn`` with its wall time added to the reload clock (outermost call only)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> T:
-        if _W.depth:
-            return fn(*args, **kwargs)
-        _W.depth += 1
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _W.reload_s += time.perf_counter() - t0
-            _W.depth -= 1
-
-    return wrapper
-
-
-def worker_setup(worker: Any, rinfo: dict[str, Any], raw_bytes: int) -> int:
-    """Join the baseline group as rank 1, allocate (and touch) the raw receive buffer, and install the
-    reload clock and the ``load_weights`` capture. Returns the worker's process id.
-
-    Raises:
-        TransferTimeoutError / ValueError: from :func:`~weightsync.impl.transfer.broadcast.join_group`.
-    """
-    from vllm.model_executor.model_loader import reload as reload_pkg
-    from vllm.model_executor.model_loader.reload import layerwise
-
-    worker_teardown(worker)
-    model: Any = _worker_model(worker)
-    _W.group = join_group(InitInfo.parse(rinfo), 1)
-    _W.raw = torch.zeros(raw_bytes, dtype=torch.uint8)
-    for mod, name in (
-        (layerwise, "_layerwise_process"),
-        (layerwise, "finalize_layerwise_processing"),
-        (layerwise, "initialize_layerwise_reload"),
-        (reload_pkg, "initialize_layerwise_reload"),
-        (reload_pkg, "finalize_layerwise_reload"),
-    ):
-        orig = getattr(mod, name)
-        _W.patches.append((mod, name, orig))
-        setattr(mod, name, _clocked(orig))
-    load = model.load_weights
-
-    def load_weights(weights: Any) -> Any:
-        batch = list(weights)
-        _W.captured.extend(batch)  # references only: hashed after the round, outside the timed window
-        t0 = time.perf_counter()
-        try:
-            return load(batch)
-        finally:
-            _W.load_s += time.perf_counter() - t0
-
-    model.__dict__["load_weights"] = load_weights
-    _W.model = model
-    return os.getpid()
-
-
-def worker_teardown(worker: Any) -> None:
-    """Undo :func:`worker_setup` (idempotent): restore vLLM's functions and the model's ``load_weights``,
-    close the baseline group, drop the buffers."""
-    for mod, name, orig in reversed(_W.patches):
-        setattr(mod, name, orig)
-    _W.patches.clear()
-    if _W.model is not None:
-        _W.model.__dict__.pop("load_weights", None)
-        _W.model = None
-    if _W.group is not None:
-        _W.group.close()
-        _W.group = None
-    _W.raw = None
-    _W.captured.clear()
-
-
-def _group() -> BroadcastGroup:
-    if _W.group is None:
-        raise RuntimeError("bench vllm: the worker is not set up (worker_setup)")
-    return _W.group
-
-
-def worker_raw(worker: Any) -> None:
-    """Receive the raw broadcast into the preallocated buffer."""
-    g = _group()
-    assert _W.raw is not None
-    g.wait(g.broadcast(_W.raw), PHASE)
-
-
-def worker_reload_start(worker: Any) -> None:
-    """``initialize_layerwise_reload`` on the model, as vLLM's NCCL engine does at ``start_weight_update``."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-    with set_current_vllm_config(worker.vllm_config):
-        initialize_layerwise_reload(_worker_model(worker))
-
-
-def worker_reload_finish(worker: Any) -> None:
-    """``finalize_layerwise_reload``, as vLLM's NCCL engine does at ``finish_weight_update``."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-    with set_current_vllm_config(worker.vllm_config):
-        finalize_layerwise_reload(_worker_model(worker), worker.model_config)
-
-
-def _receive_and_load(worker: Any, metas: Sequence[tuple[str, str, Sequence[int]]]) -> None:
-    from vllm.config import set_current_vllm_config
-
-    g = _group()
-    model: Any = _worker_model(worker)
-    with set_current_vllm_config(worker.vllm_config):
-        for name, dtype, shape in metas:
-            t = torch.empty(list(shape), dtype=DTYPES[dtype])
-            g.wait(g.broadcast(as_bytes(t)), PHASE)
-            model.load_weights([(name, t)])
-
-
-def worker_recv_one(worker: Any, name: str, dtype: str, shape: list[int]) -> None:
-    """One tensor of the ``per_tensor`` method: allocate, receive, ``load_weights``."""
-    _receive_and_load(worker, [(name, dtype, shape)])
-
-
-def worker_recv_all(worker: Any, metas: list[tuple[str, str, list[int]]]) -> None:
-    """The ``per_tensor_bare`` method: every tensor of ``metas`` in order, one RPC for all."""
-    _receive_and_load(worker, metas)
-
-
-def worker_report(worker: Any, raw: bool) -> dict[str, Any]:
-    """What the last round delivered (then reset): CRC-32 per tensor handed to ``load_weights`` (or of the
-    raw buffer), how many tensors were loaded, CRC-32 of the model's readable parameters (not for
-    ``raw``), and the seconds spent inside vLLM's layerwise reload and inside ``model.load_weights``."""
-    if raw:
-        assert _W.raw is not None
-        digests = {RAW_KEY: crc32(_W.raw)}
-    else:
-        digests = {n: crc32(as_bytes(t.detach().contiguous())) for n, t in _W.captured}
-    engine: dict[str, int] = {}
-    if not raw:
-        for n, p in _worker_model(worker).named_parameters():
-            if p.numel() > 0:  # oneDNN-packed linear weights are empty tensors here
-                engine[n] = crc32(as_bytes(p.detach().contiguous()))
-    out = {
-        "digests": digests,
-        "loaded": len(_W.captured),
-        "engine": engine,
-        "reload_s": _W.reload_s,
-        "load_s": _W.load_s,
-    }
-    _W.captured.clear()
-    _W.reload_s = _W.load_s = 0.0
-    return out
-
-
-# ----------------------------------------------------------------------------------------- trainer side
-
-
-@dataclass
-class RoundResult:
-    """One verified (or not) round of one method.
-
-    Attributes:
-        seconds: wall time of the round on the trainer.
-        reload_s: seconds the worker spent inside vLLM's layerwise reload in this round.
-        load_s: seconds the worker spent inside ``model.load_weights`` in this round (most of the reload
-            runs in there, from the weight loaders of completed layers).
-        bytes_verified: bytes whose CRC-32 on the engine equals the trainer's.
-        engine_params_checked: readable engine parameters compared (all equal when ``ok``).
-        ok: every byte arrived bit-exact, nothing else was loaded, every readable parameter matches.
-        problem: why not ``ok`` ("" when ok).
-    """
-
-    seconds: float
-    reload_s: float
-    load_s: float
-    bytes_verified: int
-    engine_params_checked: int
-    ok: bool
-    problem: str
 
 
 def _crcs(pairs: Iterator[tuple[str, torch.Tensor]]) -> dict[str, int]:
@@ -537,25 +263,6 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
-def _summary(results: list[RoundResult], model_bytes: int) -> dict[str, Any]:
-    secs = [r.seconds for r in results]
-    med, best = statistics.median(secs), min(secs)
-    return {
-        "seconds": secs,
-        "median_s": med,
-        "min_s": best,
-        "gbps": model_bytes / med / 1e9,
-        "gbps_best": model_bytes / best / 1e9,
-        "reload_seconds": [r.reload_s for r in results],
-        "load_weights_seconds": [r.load_s for r in results],
-        "bytes_verified_min": min(r.bytes_verified for r in results),
-        "engine_params_checked_min": min(r.engine_params_checked for r in results),
-        "rounds": len(results),
-        "rounds_verified": sum(r.ok for r in results),
-        "problems": sorted({r.problem for r in results if r.problem}),
-    }
-
-
 def _measure(
     bench: _Bench, reps: int, say: Callable[[str], None]
 ) -> tuple[dict[str, RoundResult], dict[str, list[RoundResult]]]:
@@ -582,7 +289,7 @@ def run_vllm_bench(
     timeout_s: float = 120.0,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark (module docstring) and return its figures.
+    """Run the benchmark (:mod:`weightsync.bench.vllm`) and return its figures.
 
     Args:
         quick: the 6.5 MiB model, 1 MiB buckets and 2 repetitions (for tests).
@@ -637,101 +344,20 @@ def run_vllm_bench(
         finally:
             if bench is not None:
                 bench.close()
-    methods = {m: _summary(results[m], model_bytes) for m in METHODS}
-    verified = all(warm[m].ok for m in METHODS) and all(
-        s["rounds_verified"] == s["rounds"] for s in methods.values()
+    return figures(
+        warm,
+        results,
+        quick=quick,
+        model_bytes=model_bytes,
+        num_tensors=num_tensors,
+        start_s=start_s,
+        overrides=overrides,
+        bucket=bucket,
+        num_buffers=num_buffers,
+        reps=reps,
+        vllm_version=str(vllm.__version__),
+        loadavg_start=loadavg_start,
     )
-    out: dict[str, Any] = {
-        "bench": "vllm",
-        "vllm_version": str(vllm.__version__),
-        "quick": quick,
-        "model_config": {"architecture": "LlamaForCausalLM", "dtype": "float32", **overrides},
-        "model_bytes": model_bytes,
-        "num_tensors": num_tensors,
-        "backend": "gloo",
-        "bucket_bytes": bucket,
-        "num_buffers": num_buffers,
-        "repetitions": reps,
-        "warmup_rounds": 1,
-        "order": "interleaved, rotated by one method each repetition",
-        "gbps_definition": "model_bytes / seconds / 1e9; headline figures use each method's median round",
-        "methods": methods,
-        "warmup": {m: {"seconds": r.seconds, "ok": r.ok, "problem": r.problem} for m, r in warm.items()},
-        "engine_start_seconds": start_s,
-    }
-    for m in METHODS:
-        out[f"{m}_gbps"] = methods[m]["gbps"]
-        out[f"{m}_gbps_best"] = methods[m]["gbps_best"]
-    for base in ("raw", "per_tensor", "per_tensor_bare"):
-        out[f"vs_{base}"] = out["weightsync_gbps"] / out[f"{base}_gbps"]
-        out[f"vs_{base}_best"] = out["weightsync_gbps_best"] / out[f"{base}_gbps_best"]
-    ws_reload = methods["weightsync"]["reload_seconds"]
-    out["reload_seconds"] = statistics.median(ws_reload)
-    out["reload_seconds_min"] = min(ws_reload)
-    out["reload_share"] = out["reload_seconds"] / methods["weightsync"]["median_s"]
-    # > 1 / TARGET_VS_RAW: the reload alone takes longer than the whole budget the raw target allows
-    out["reload_over_raw"] = out["reload_seconds"] / methods["raw"]["median_s"]
-    out["verified"] = verified
-    out["targets"] = {
-        f"vs_raw>={TARGET_VS_RAW}": out["vs_raw"] >= TARGET_VS_RAW,
-        f"vs_per_tensor>={TARGET_VS_PER_TENSOR}": out["vs_per_tensor"] >= TARGET_VS_PER_TENSOR,
-    }
-    out["targets_met"] = all(out["targets"].values())
-    out["targets_judged"] = not quick
-    out["ok"] = verified and (out["targets_met"] or quick)
-    out["loadavg_start"] = loadavg_start
-    out["loadavg"] = list(os.getloadavg())
-    return out
 
 
-def human_summary(out: dict[str, Any]) -> str:
-    """The figures of :func:`run_vllm_bench` as a few lines for people."""
-    m = out["methods"]
-    judged = out["targets_judged"]
-    tg = out["targets"]
-    rows = [
-        ("raw broadcast (ceiling)", "raw", ""),
-        ("per-tensor, RPC per tensor", "per_tensor", ""),
-        ("per-tensor, one RPC", "per_tensor_bare", ""),
-        (
-            "weightsync",
-            "weightsync",
-            f"  {out['vs_raw']:.2f} x raw (>= {TARGET_VS_RAW}: {tg[f'vs_raw>={TARGET_VS_RAW}']}), "
-            f"{out['vs_per_tensor']:.2f} x per-tensor (>= {TARGET_VS_PER_TENSOR}: "
-            f"{tg[f'vs_per_tensor>={TARGET_VS_PER_TENSOR}']})",
-        ),
-    ]
-    lines = [
-        f"bench vllm: {out['model_bytes'] / 2**20:.1f} MiB float32 Llama ({out['num_tensors']} tensors) into "
-        f"vLLM {out['vllm_version']}, gloo, {out['repetitions']} repetitions, GB/s median (best)"
-        + ("" if judged else "; --quick: targets not judged")
-    ]
-    for label, key, extra in rows:
-        s = m[key]
-        lines.append(
-            f"  {label:<28} {s['gbps']:7.3f} ({s['gbps_best']:.3f})  "
-            f"verified {s['rounds_verified']}/{s['rounds']}{extra}"
-        )
-    lines.append(
-        f"  inside vLLM's layerwise reload (weightsync rounds): median {out['reload_seconds']:.3f} s of "
-        f"{m['weightsync']['median_s']:.3f} s"
-    )
-    lines.append(f"  verified: {out['verified']}; loadavg {out['loadavg']}")
-    return "\n".join(lines)
-
-
-__all__ = [
-    "FULL_MODEL",
-    "QUICK_MODEL",
-    "RoundResult",
-    "human_summary",
-    "run_vllm_bench",
-    "worker_raw",
-    "worker_recv_all",
-    "worker_recv_one",
-    "worker_reload_finish",
-    "worker_reload_start",
-    "worker_report",
-    "worker_setup",
-    "worker_teardown",
-]
+__all__ = ["run_vllm_bench"]

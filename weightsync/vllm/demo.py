@@ -2,11 +2,11 @@
 engines, weights synced by weightsync's backend through vLLM's own weight-transfer API.
 
 The policy is built locally (no hub): the default demo policy's Llama shape (``DEFAULT_MODEL_KWARGS``:
-vocabulary 259, the byte tokenizer of :mod:`weightsync.impl.rl_task`) or, with ``moe``, a tiny Mixtral
+vocabulary 259, the byte tokenizer of :mod:`weightsync.demo.rl_task`) or, with ``moe``, a tiny Mixtral
 (where vLLM's DP waves and two-phase pause run: lockstep ``DPEngineCoreProc`` ranks). Both are written as a
 safetensors checkpoint with a local tokenizer file and served by ``AsyncLLM(data_parallel_size=2)`` with
-``weight_transfer_config={"backend": "weightsync"}``; the trainer is :class:`~weightsync.impl.trainer.Trainer`
-(GRPO-style policy gradient on :class:`~weightsync.impl.rl_task.DigitPatternTask`) and connects through
+``weight_transfer_config={"backend": "weightsync"}``; the trainer is :class:`~weightsync.demo.trainer.Trainer`
+(GRPO-style policy gradient on :class:`~weightsync.demo.rl_task.DigitPatternTask`) and connects through
 vLLM's public ``WeightTransferTrainerFactory.trainer_init(init_info, client=..., source=ModuleSource(model))``.
 
 One step: the engines sample a rollout batch (``prompts_per_step`` x ``group_size``, temperature 1, the
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from weightsync.impl.rl_task import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, DigitPatternTask, Prompt, Sample
+from weightsync.demo.rl_task import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, DigitPatternTask, Prompt, Sample
 from weightsync.spec.errors import WeightSyncError
 from weightsync.vllm.serving import LoopThread
 
@@ -94,7 +94,7 @@ class VllmDemoConfig:
 
 
 def _policy(cfg: VllmDemoConfig, out: Path) -> Any:
-    from weightsync.impl.trainer import DEFAULT_MODEL_KWARGS
+    from weightsync.demo.trainer import DEFAULT_MODEL_KWARGS
     from weightsync.vllm.models import build_tiny_llama, build_tiny_mixtral
 
     ids = {"vocab_size": VOCAB_SIZE, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
@@ -190,7 +190,7 @@ def _run(
 ) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from weightsync.impl.trainer import Trainer, TrainerConfig, probe_prompt_tokens
+    from weightsync.demo.trainer import Trainer, TrainerConfig, probe_prompt_tokens
     from weightsync.vllm.checked import checked_async_llm
     from weightsync.vllm.models import checkpoint_state
     from weightsync.vllm.serving import connect_trainer, start_async_llm

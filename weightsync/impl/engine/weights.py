@@ -5,7 +5,7 @@ created in the engine process by a factory named in :attr:`EngineConfig.transfer
 <weightsync.impl.engine.core.EngineConfig.transfer>` as ``"package.module:fn"`` with
 ``fn(model, dp_index) -> WeightWorker``. The real transports of :mod:`weightsync.impl.transfer` provide
 :data:`BROADCAST_WORKER` (the default: packed broadcast, gloo on CPU) and :data:`IPC_WORKER`
-(shared memory); the demo wraps them (``weightsync.impl.demo:demo_broadcast_worker``). The transfer's
+(shared memory); the demo wraps them (``weightsync.demo.worker:demo_broadcast_worker``). The transfer's
 deadlines come from ``init_info['timeout_s']`` (the transports' default is 300 s), not from the engine
 config.
 """

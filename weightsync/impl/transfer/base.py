@@ -16,14 +16,30 @@ is raised before any byte moves or any state changes.
 from __future__ import annotations
 
 import dataclasses
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, Protocol, Self, TypeVar, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, Self, runtime_checkable
 
 import torch
 
+from weightsync.impl.transfer.fields import (
+    field_bool,
+    field_int,
+    field_list,
+    field_seconds,
+    field_str,
+    parse_request,
+    request_dict,
+)
+from weightsync.impl.transfer.tensors import (
+    DTYPES,
+    NonFiniteWeightError,
+    TensorMeta,
+    dtype_name,
+    meta_of,
+    non_finite_counts,
+)
 from weightsync.spec.errors import WeightSyncError
 
 #: vLLM's defaults for the packed format (reference section 3): 1 GiB buffers, two of them.
@@ -39,25 +55,6 @@ DEFAULT_ROUND_FLOOR_S = 60.0
 #: 1 Gbit/s link; gloo on loopback, NCCL and shared memory are 10-1000x faster).
 DEFAULT_ROUND_BANDWIDTH_BPS = 50e6
 
-#: Wire names of the dtypes weightsync can move (vLLM's ``dtype_names`` use the torch attribute names).
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
-    if hasattr(torch, _name):
-        DTYPES[_name] = getattr(torch, _name)
-_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-_FINITE_NATIVE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
 
 class PortInUseError(WeightSyncError, OSError):
     """The trainer could not host the rendezvous store: ``master_port`` is already in use (EADDRINUSE)."""
@@ -65,150 +62,6 @@ class PortInUseError(WeightSyncError, OSError):
 
 class ChecksumMismatchError(WeightSyncError):
     """With ``verify=True``, a bucket's checksum on some rank differs from the trainer's (corruption)."""
-
-
-class NonFiniteWeightError(WeightSyncError, ValueError):
-    """With ``update_info['check_finite']=True``, received floating-point weights hold NaN or +/-Inf.
-
-    Raised by the engine worker on the received bytes, before ``load_weights`` copies any weight of the
-    batch (see :class:`~weightsync.impl.transfer.worker.WeightTransferWorker`, rule 7).
-
-    Attributes:
-        counts: weight name -> number of non-finite elements, in arrival order.
-    """
-
-    def __init__(self, counts: Mapping[str, int], numels: Mapping[str, int]) -> None:
-        self.counts: dict[str, int] = dict(counts)
-        shown = "; ".join(
-            f"{n!r} has {c} non-finite element(s) of {numels[n]}" for n, c in list(self.counts.items())[:10]
-        )
-        more = f"; and {len(self.counts) - 10} more weight(s)" if len(self.counts) > 10 else ""
-        super().__init__(
-            f"update_weights: check_finite=True: every floating-point weight must be finite (no NaN, +Inf or "
-            f"-Inf) before it is loaded, but {len(self.counts)} weight(s) are not: {shown}{more}; nothing of "
-            "this batch was loaded, and this round cannot finish"
-        )
-
-
-def non_finite_counts(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """Number of NaN / +Inf / -Inf elements per floating-point tensor of ``weights`` (only nonzero counts).
-
-    Integer and bool tensors are always finite. float8 tensors are widened to float32 for the test.
-    """
-    out: dict[str, int] = {}
-    for name, t in weights:
-        if not t.dtype.is_floating_point or t.numel() == 0:
-            continue
-        x = t if t.dtype in _FINITE_NATIVE else t.float()
-        bad = t.numel() - int(torch.isfinite(x).sum())
-        if bad:
-            out[name] = bad
-    return out
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of ``dtype`` (e.g. ``torch.bfloat16`` -> ``"bfloat16"``).
-
-    Raises:
-        ValueError: ``dtype`` is not one of :data:`DTYPES`.
-    """
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ValueError(
-            f"dtype {dtype} cannot be transferred; supported: {', '.join(sorted(DTYPES))}"
-        ) from None
-
-
-class TensorMeta(NamedTuple):
-    """What both sides must agree on for one tensor: checkpoint (or kernel) name, dtype name and shape."""
-
-    name: str
-    dtype_name: str
-    shape: tuple[int, ...]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The torch dtype of :attr:`dtype_name`."""
-        return DTYPES[self.dtype_name]
-
-    @property
-    def numel(self) -> int:
-        """Number of elements (``prod(shape)``; 1 for a 0-dim tensor)."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Payload size in bytes: ``prod(shape) * itemsize`` (reference section 3)."""
-        return self.numel * self.dtype.itemsize
-
-
-def meta_of(name: str, tensor: torch.Tensor) -> TensorMeta:
-    """The :class:`TensorMeta` of a real tensor (the trainer side derives its metadata this way)."""
-    return TensorMeta(name, dtype_name(tensor.dtype), tuple(int(d) for d in tensor.shape))
-
-
-# ---------------------------------------------------------------------------------------------- parsing
-
-
-def _require_mapping(obj: object, what: str) -> Mapping[str, Any]:
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"{what} must be a dict, got {type(obj).__name__}")
-    for k in obj:
-        if not isinstance(k, str):
-            raise ValueError(f"{what} keys must be str, got {k!r}")
-    return obj
-
-
-def _check_fields(d: Mapping[str, Any], what: str, required: Sequence[str], optional: Sequence[str]) -> None:
-    for f in required:
-        if f not in d:
-            raise ValueError(f"{what} is missing required field {f!r} (required: {', '.join(required)})")
-    allowed = set(required) | set(optional)
-    for k in d:
-        if k not in allowed:
-            raise ValueError(f"{what} has unknown field {k!r}; allowed fields: {', '.join(sorted(allowed))}")
-
-
-def _int(
-    d: Mapping[str, Any], key: str, what: str, minimum: int | None = None, maximum: int | None = None
-) -> int:
-    v = d[key]
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{what}[{key!r}] must be an int, got {type(v).__name__} {v!r}")
-    if minimum is not None and v < minimum:
-        raise ValueError(f"{what}[{key!r}]={v} must be >= {minimum}")
-    if maximum is not None and v > maximum:
-        raise ValueError(f"{what}[{key!r}]={v} must be <= {maximum}")
-    return v
-
-
-def _bool(d: Mapping[str, Any], key: str, what: str) -> bool:
-    v = d[key]
-    if not isinstance(v, bool):
-        raise ValueError(f"{what}[{key!r}] must be a bool, got {type(v).__name__} {v!r}")
-    return v
-
-
-def _float(d: Mapping[str, Any], key: str, what: str) -> float:
-    v = d[key]
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{what}[{key!r}] must be a positive finite number of seconds, got {v!r}")
-    return float(v)
-
-
-def _str(d: Mapping[str, Any], key: str, what: str) -> str:
-    v = d[key]
-    if not isinstance(v, str) or not v:
-        raise ValueError(f"{what}[{key!r}] must be a non-empty str, got {type(v).__name__} {v!r}")
-    return v
-
-
-def _list(d: Mapping[str, Any], key: str, what: str) -> Sequence[Any]:
-    v = d[key]
-    if not isinstance(v, list | tuple):
-        raise ValueError(f"{what}[{key!r}] must be a list, got {type(v).__name__}")
-    return v
 
 
 #: vLLM 0.32's NCCL worker ``init_info`` fields (``distributed/weight_transfer/nccl_common.py:96-103``). A
@@ -231,42 +84,6 @@ VLLM_UPDATE_FIELDS = ("names", "dtype_names", "shapes")
 LAYOUTS = ("aligned", "vllm")
 #: ``group_backend`` values: NCCL when the data lives on CUDA, else gloo; or forced.
 GROUP_BACKENDS = ("auto", "gloo", "nccl")
-
-_R = TypeVar("_R")
-
-
-def _parse_request(cls: type[_R], obj: object, what: str) -> _R:
-    """``cls(**obj)`` as vLLM builds its request dataclasses (``distributed/weight_transfer/base.py:440-470``,
-    ``TypeError`` -> ``ValueError``), after checking that ``obj`` is a dict with str keys that names every
-    required field of ``cls`` and no unknown one (weightsync's messages name the field)."""
-    d = _require_mapping(obj, what)
-    fields = [f for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
-    required = [
-        f.name
-        for f in fields
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    _check_fields(d, what, required, [f.name for f in fields if f.name not in required])
-    try:
-        return cls(**d)
-    except TypeError as exc:
-        raise ValueError(f"{what}: {exc}") from exc
-
-
-def _request_dict(obj: Any, always: Sequence[str]) -> dict[str, Any]:
-    """The request dict of dataclass ``obj``: the fields in ``always`` unless None, every other field only
-    when it differs from its default (so with weightsync's extras at their defaults the dict is vLLM's)."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(obj):
-        if not f.init:
-            continue
-        v = getattr(obj, f.name)
-        if f.name in always:
-            if v is not None:
-                out[f.name] = v
-        elif f.default is dataclasses.MISSING or v != f.default:
-            out[f.name] = v
-    return out
 
 
 @dataclass(frozen=True)
@@ -330,9 +147,9 @@ class InitExtras:
         """Raises ValueError naming the first extra field with a wrong type or value."""
         d = self.__dict__
         if self.timeout_s is not None:
-            _float(d, "timeout_s", what)
-        _bool(d, "verify", what)
-        _bool(d, "is_checkpoint_format", what)
+            field_seconds(d, "timeout_s", what)
+        field_bool(d, "verify", what)
+        field_bool(d, "is_checkpoint_format", what)
         if self.layout is not None and self.layout not in LAYOUTS:
             raise ValueError(
                 f"{what}['layout']={self.layout!r} must be 'aligned' (weightsync's), 'vllm' (vLLM's packer) "
@@ -390,13 +207,13 @@ class InitInfo(InitExtras):
                 f"master_address={self.master_address!r}, master_port={self.master_port!r})"
             )
         d = self.__dict__
-        _str(d, "master_address", what)
-        _int(d, "master_port", what, 1, 65535)
-        _int(d, "rank_offset", what, 1)
-        _int(d, "world_size", what, 2)
-        _bool(d, "packed", what)
-        _int(d, "packed_buffer_size_bytes", what, 1)
-        _int(d, "packed_num_buffers", what, 1, 64)
+        field_str(d, "master_address", what)
+        field_int(d, "master_port", what, 1, 65535)
+        field_int(d, "rank_offset", what, 1)
+        field_int(d, "world_size", what, 2)
+        field_bool(d, "packed", what)
+        field_int(d, "packed_buffer_size_bytes", what, 1)
+        field_int(d, "packed_num_buffers", what, 1, 64)
         self._check_extras(what)
 
     @classmethod
@@ -407,12 +224,12 @@ class InitInfo(InitExtras):
         Raises:
             ValueError: not a dict with str keys, a missing or unknown field, or any rule of the class.
         """
-        return _parse_request(cls, obj, "init_info")
+        return parse_request(cls, obj, "init_info")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able request dict (inverse of :meth:`parse`): vLLM's fields, the others only when not at
         their defaults (so with defaults it also parses in vLLM's ``NCCLWeightTransferInitInfo``)."""
-        return _request_dict(self, VLLM_INIT_FIELDS)
+        return request_dict(self, VLLM_INIT_FIELDS)
 
     @property
     def address(self) -> str:
@@ -498,7 +315,7 @@ class UpdateInfo:
     def __post_init__(self) -> None:
         what = "update_info"
         d = self.__dict__
-        names, dtypes, shapes = (_list(d, k, what) for k in VLLM_UPDATE_FIELDS)
+        names, dtypes, shapes = (field_list(d, k, what) for k in VLLM_UPDATE_FIELDS)
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(
                 f"update_info length mismatch: names has {len(names)}, dtype_names has {len(dtypes)}, "
@@ -532,8 +349,8 @@ class UpdateInfo:
                         f"{dim}; every dimension must be >= 0"
                     )
         if self.verify is not None:
-            _bool(d, "verify", what)
-        _bool(d, "check_finite", what)
+            field_bool(d, "verify", what)
+        field_bool(d, "check_finite", what)
         self.names, self.dtype_names = list(names), list(dtypes)
         self.shapes = [list(s) for s in shapes]
 
@@ -545,7 +362,7 @@ class UpdateInfo:
         Raises:
             ValueError: not a dict with str keys, a missing or unknown field, or any rule of the class.
         """
-        return _parse_request(cls, obj, "update_info")
+        return parse_request(cls, obj, "update_info")
 
     def metas(self) -> list[TensorMeta]:
         """One :class:`TensorMeta` per tensor, in order."""
@@ -561,7 +378,7 @@ class UpdateInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able request dict (inverse of :meth:`parse`; the optional fields only when set)."""
-        out = _request_dict(self, VLLM_UPDATE_FIELDS)
+        out = request_dict(self, VLLM_UPDATE_FIELDS)
         out["names"], out["dtype_names"] = list(self.names), list(self.dtype_names)
         out["shapes"] = [list(s) for s in self.shapes]
         return out

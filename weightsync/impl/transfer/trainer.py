@@ -65,8 +65,8 @@ from weightsync.impl.transfer.base import (
     InitExtras,
     InitInfo,
     WireArgs,
-    _int,
 )
+from weightsync.impl.transfer.fields import field_int
 from weightsync.impl.transfer.rounds import pair_problem
 from weightsync.spec.errors import TransferTimeoutError
 
@@ -150,7 +150,7 @@ class TrainerInitInfo(InitExtras):
     rank: int
 
     def __post_init__(self) -> None:
-        _int(self.__dict__, "rank", "trainer init_info", 0)
+        field_int(self.__dict__, "rank", "trainer init_info", 0)
         self.worker_init_info()
 
     @property

@@ -1,92 +1,15 @@
-"""CheckedEngine around a real vLLM 0.32: adapters that give a running ``AsyncLLM`` (or a ``vllm serve``
-with ``VLLM_SERVER_DEV_MODE=1``) the engine-client API of :class:`weightsync.impl.checked.CheckedEngine`,
-and derive the per-rank table transitions that vLLM itself never reports.
-
-Use :func:`checked_async_llm` (or :func:`checked_http`): every controller call (``pause``, ``resume``,
-``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``, ``finish_weight_update``) is
-checked against the table of every DP rank before it reaches vLLM. vLLM has no gate of its own (reference
-``vllm-0.32.md`` section 3 item 7: ``collective_rpc`` runs in any state; a ``start_weight_update`` while
-serving runs, and so does a resume in the middle of an update; only the worker, once the call has crossed
-into the engine, refuses an ``update_weights`` outside a round and a second start, by its own flag), so an
-illegal call -- ``update_weights`` while serving, ``start_weight_update`` twice -- raises
-:class:`~weightsync.spec.errors.LocalProtocolError` in this process and no message leaves it for vLLM.
-A :class:`~weightsync.impl.checked.CheckedEngine` is itself a vLLM ``VLLMWeightSyncClient``, so a trainer
-built by ``WeightTransferTrainerFactory.trainer_init(..., client=<checked engine>)`` goes through the checks.
-
-What the adapters **observe** from vLLM, and what they **infer**:
-
-- Observed: that a vLLM call returned, or raised (and its error); ``is_paused()`` right after a pause and a
-  resume returned (must be True / False: else the adapter stops, :class:`RemoteProtocolError`);
-  ``get_weight_version()`` when attaching and after every finish (must equal the version the table now
-  holds); the front-end's count of unfinished requests per DP rank just before every call it sends and just
-  after each pause (``AsyncLLM.output_processor`` for one engine, the DP client's
-  ``reqs_in_flight`` routing table for several; :class:`HTTPServerAdapter` sees none and records -1).
-- Inferred: every table transition. vLLM reports none, so each returned call is mapped onto the table's
-  rows from the rank's state, as the reference engine (:mod:`weightsync.impl.engine.core`) would fire them:
-
-  ========================  ====================================================================================
-  call returned             transitions recorded on every rank, in lockstep
-  ========================  ====================================================================================
-  ``pause(mode)``           ``pause`` (args ``mode``, ``clear_cache``, ``running`` = the rank's unfinished count
-                            before the call), then ``step`` -> ``dp_sync_done`` (or ``dp_step_done`` and again,
-                            with ``sync_interval`` > 1) until the rank is ``verified``: a returned pause *is*
-                            phase 2's agreement. The outcome arguments (``sum_unfinished``, ``sum_pending_pause``)
-                            are the SUM the table's all-reduce would compute from the ranks' states and counts.
-  ``resume()``              ``resume`` -> ``resume_barrier_done`` (``max_unfinished`` from the counts before the
-                            call, ``max_wave`` from the ranks' waves): ``running``.
-  ``init_weight_transfer``  ``init_weight_transfer_engine`` -> ``transfer_init_done``
-  ``start_weight_update``   ``start_weight_update`` (-> ``updating``)
-  ``update_weights``        ``update_weights`` -> ``weight_broadcast_done``
-  ``finish_weight_update``  ``finish_weight_update`` -> ``finish_done`` (``weight_version``): ``verified``
-  a weight call raised      the call's transition, then ``transfer_failed`` (``phase``, ``error``): ``failed``
-  ``update_weight_version`` no transition: a relabel record (``relabel_weight_version``) on every rank
-  ========================  ====================================================================================
-
-  Each record's ``waiting`` / ``running`` are the front-end's unfinished counts, split by inference: vLLM's
-  scheduler split is not visible from the client. Requests kept by ``pause(mode="keep")`` count as running
-  (frozen); requests still unfinished after an ``abort`` or ``wait`` pause returned count as waiting (held:
-  the only split under which a returned pause agrees with the table). The waves, the step counter and the
-  sync cadence are the table's, not vLLM's: a dense vLLM engine has no DP waves at all (reference section
-  3), and the adapters model each returned pause with ``sync_interval=1`` by default (one inferred sync step
-  per pause; vLLM's real cadence, 16 steps, is invisible to a client).
-
-Rules of the adapters:
-
-1. **Refusals stay local.** A call with no row in some rank's state raises ``LocalProtocolError`` (the
-   adapter checks too, so it is safe without CheckedEngine); a call whose row is the table's ``refuse`` (a
-   ``failed`` rank asked to pause, resume, update or finish) records that row and raises
-   ``LocalProtocolError``. In neither case is vLLM called. A ``resume`` whose row is the local no-op (a
-   rank already running, ``two-phase-epoch``'s safe resume) records it and does not call vLLM.
-2. **Failures are table events.** A weight call that vLLM answers with an error records the call's row and
-   then ``transfer_failed``; the error is raised. A new round (``start_weight_update``) is legal from
-   ``failed``. A pause or resume that raises, any call that times out, or an observation that disagrees
-   with the table leaves vLLM's state unknown: the adapter records nothing more and refuses every later
-   controller call with :class:`RemoteProtocolError` (attach a new adapter to a known state).
-3. **No monotonic guard.** vLLM has no monotonic version guard, and the adapters do not emulate the table's
-   ``version_older`` row: ``finish_weight_update(monotonic=True)`` raises ``ValueError`` before vLLM is called.
-4. **Attach to a serving engine.** The adapter starts every rank at the table's initial state (``running``)
-   with vLLM's current ``weight_version``; it refuses an engine that ``is_paused()``.
-
-Known divergence: after a ``finish_weight_update`` that failed in vLLM (e.g. weightsync's backend raising
-``IncompleteUpdateError``), vLLM keeps the round open (its worker does not reset ``_weight_update_active``),
-while the table has the rank ``failed``; the table then allows only a new ``start_weight_update``, which
-vLLM's worker refuses while that round is open. Recovering needs vLLM to abandon the round.
-"""
+"""The table-checking adapter between :class:`~weightsync.impl.checked.CheckedEngine` and a running vLLM:
+what it observes and infers, and its rules, are in :mod:`weightsync.vllm.checked`. Its subclasses talk to
+vLLM: :mod:`weightsync.vllm.checked.async_llm` and :mod:`weightsync.vllm.checked.http`."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Coroutine, Sequence
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from weightsync.impl.checked import CheckedEngine, vars_to_dict
+from weightsync.impl.checked import vars_to_dict
 from weightsync.impl.engine.messages import RankRecord, RelabelRecord, TransitionRecord
 from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
 from weightsync.spec.rank import DEFAULT_VARIANT, RankMachine, relabel_weight_version
@@ -98,8 +21,6 @@ from weightsync.spec.states import (
     schedulable,
     unfinished_for_sync,
 )
-
-T = TypeVar("T")
 
 #: DP collectives (numbered by ``coll_seq``) and the completion event of every collective the table enters
 DP_KINDS = frozenset({"dp_step", "dp_sync", "resume_barrier"})
@@ -563,225 +484,13 @@ class VLLMAdapter:
             raise RemoteProtocolError(f"vLLM's state diverged: {self.lost}")
 
 
-# ====================================================================================== AsyncLLM
-
-
-class AsyncLLMAdapter(VLLMAdapter):
-    """:class:`VLLMAdapter` over an in-process ``vllm.v1.engine.async_llm.AsyncLLM`` that runs on ``loop``
-    (another thread; the calls here block until vLLM's coroutine finished, at most the timeout).
-
-    Calls (``v1/engine/async_llm.py``): ``pause_generation(mode=, clear_cache=)``, ``resume_generation()``,
-    ``is_paused()``, ``init_weight_transfer_engine(WeightTransferInitRequest)``, ``start_weight_update()``,
-    ``update_weights(WeightTransferUpdateRequest)``, ``finish_weight_update(weight_version=)``,
-    ``get_weight_version()``. Unfinished counts: the output processor's (one engine) or the DP client's
-    ``reqs_in_flight`` per engine identity (several), read on the loop in the same task as the pause.
-
-    Raises:
-        ValueError: the engine is paused (rule 4).
-    """
-
-    def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop, **kw: Any) -> None:
-        self.llm = llm
-        self.loop = loop
-        self.timeout_s = float(kw.get("timeout_s", DEFAULT_TIMEOUT_S))
-        dp = int(llm.vllm_config.parallel_config.data_parallel_size)
-        if self._run(llm.is_paused(), self.timeout_s):
-            raise ValueError(
-                "AsyncLLMAdapter attaches to a serving engine; this one is paused (resume it first)"
-            )
-        super().__init__(dp, str(self._run(llm.get_weight_version(), self.timeout_s)), **kw)
-
-    def _run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self.loop:
-            coro.close()
-            raise RuntimeError(
-                "AsyncLLMAdapter calls block; call them from a thread other than the engine's loop"
-            )
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result(timeout)
-        except TimeoutError:
-            fut.cancel()
-            raise
-
-    def _count_now(self) -> list[int]:
-        core = self.llm.engine_core
-        inflight = getattr(core, "reqs_in_flight", None)
-        if self.dp_size == 1:
-            return [int(self.llm.output_processor.get_num_unfinished_requests())]
-        if isinstance(inflight, dict):
-            out = [0] * self.dp_size
-            for ident in inflight.values():
-                r = int.from_bytes(bytes(ident), "little")
-                if 0 <= r < self.dp_size:
-                    out[r] += 1
-            return out
-        return [-1] * self.dp_size
-
-    def _vllm_pause(self, mode: str, clear_cache: bool, timeout: float) -> tuple[list[int], list[int]]:
-        async def go() -> tuple[list[int], list[int]]:
-            before = self._count_now()
-            await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
-            return before, self._count_now()
-
-        return self._run(go(), timeout)
-
-    def _vllm_resume(self, timeout: float) -> None:
-        self._run(self.llm.resume_generation(), timeout)
-
-    def _unfinished(self, timeout: float) -> list[int]:
-        async def go() -> list[int]:
-            return self._count_now()
-
-        return self._run(go(), timeout)
-
-    def _is_paused(self, timeout: float) -> bool:
-        return bool(self._run(self.llm.is_paused(), timeout))
-
-    def get_weight_version(self) -> str:
-        return str(self._run(self.llm.get_weight_version(), self.timeout_s))
-
-    def get_weight_versions(self) -> list[str]:
-        """Each DP engine's version (vLLM's ``call_utility_all_async("get_weight_version")``, in engine
-        order; one entry for a single engine)."""
-        core = self.llm.engine_core
-        if not hasattr(core, "call_utility_all_async"):
-            return [self.get_weight_version()]
-        return [str(v) for v in self._run(core.call_utility_all_async("get_weight_version"), self.timeout_s)]
-
-    def _vllm_relabel(self, new_version: str, timeout: float) -> None:
-        self._run(self.llm.update_weight_version(new_version), timeout)
-
-    def _vllm_call(self, event: RankEvent, payload: Any, timeout: float) -> None:
-        from vllm.distributed.weight_transfer.base import (
-            WeightTransferInitRequest,
-            WeightTransferUpdateRequest,
-        )
-
-        llm = self.llm
-        if event is RankEvent.INIT_TRANSFER:
-            self._run(llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=payload)), timeout)
-        elif event is RankEvent.START_UPDATE:
-            self._run(llm.start_weight_update(), timeout)
-        elif event is RankEvent.UPDATE_WEIGHTS:
-            self._run(llm.update_weights(WeightTransferUpdateRequest(update_info=payload)), timeout)
-        elif event is RankEvent.FINISH_UPDATE:
-            self._run(llm.finish_weight_update(weight_version=payload), timeout)
-        else:  # pragma: no cover - internal
-            raise AssertionError(event)
-
-
-# ====================================================================================== HTTP
-
-
-class HTTPServerAdapter(VLLMAdapter):
-    """:class:`VLLMAdapter` over the HTTP routes of ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``
-    (``entrypoints/rl/online/api_router.py``): ``POST /pause?mode=&clear_cache=``, ``POST /resume``,
-    ``GET /is_paused``, ``POST /init_weight_transfer_engine {"init_info"}``, ``POST /start_weight_update``,
-    ``POST /update_weights {"update_info"}``, ``POST /finish_weight_update {"weight_version"}``,
-    ``POST /update_weight_version {"new_version"}``, ``GET /weight_info``; ``GET /get_world_size`` with and without DP gives ``dp_size``.
-
-    The server reports no request counts per engine, so every record's counts are -1 (unknown) and the
-    outcome arguments are inferred from the returned calls alone (a returned pause: nothing schedulable).
-
-    Raises:
-        ValueError: the server is paused (rule 4).
-        VLLMCallError: a route answered with an error status.
-    """
-
-    def __init__(self, base_url: str, **kw: Any) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = float(kw.get("timeout_s", DEFAULT_TIMEOUT_S))
-        with_dp = int(
-            self._request("GET", "/get_world_size?include_dp=true", None, self.timeout_s)["world_size"]
-        )
-        without = int(
-            self._request("GET", "/get_world_size?include_dp=false", None, self.timeout_s)["world_size"]
-        )
-        if self._is_paused(self.timeout_s):
-            raise ValueError(
-                "HTTPServerAdapter attaches to a serving engine; this one is paused (POST /resume)"
-            )
-        super().__init__(max(1, with_dp // max(1, without)), self.get_weight_version(), **kw)
-
-    def _request(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method)
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            raise VLLMCallError(
-                path.split("?")[0].lstrip("/"), f"HTTP {exc.code}: {exc.read().decode(errors='replace')}"
-            ) from None
-        except (urllib.error.URLError, OSError) as exc:
-            if "timed out" in str(exc):
-                raise TimeoutError(f"{method} {path}: {exc}") from exc
-            raise
-        return json.loads(raw) if raw else None
-
-    def _vllm_pause(self, mode: str, clear_cache: bool, timeout: float) -> tuple[list[int], list[int]]:
-        q = urllib.parse.urlencode({"mode": mode, "clear_cache": str(bool(clear_cache)).lower()})
-        self._request("POST", f"/pause?{q}", None, timeout)
-        return [-1] * self.dp_size, [-1] * self.dp_size
-
-    def _vllm_resume(self, timeout: float) -> None:
-        self._request("POST", "/resume", None, timeout)
-
-    def _unfinished(self, timeout: float) -> list[int]:
-        return [-1] * self.dp_size
-
-    def _is_paused(self, timeout: float) -> bool:
-        return bool(self._request("GET", "/is_paused", None, timeout)["is_paused"])
-
-    def get_weight_version(self) -> str:
-        return str(self._request("GET", "/weight_info", None, self.timeout_s)["weight_version"])
-
-    def _vllm_relabel(self, new_version: str, timeout: float) -> None:
-        self._request("POST", "/update_weight_version", {"new_version": new_version}, timeout)
-
-    def _vllm_call(self, event: RankEvent, payload: Any, timeout: float) -> None:
-        if event is RankEvent.INIT_TRANSFER:
-            self._request("POST", "/init_weight_transfer_engine", {"init_info": payload}, timeout)
-        elif event is RankEvent.START_UPDATE:
-            self._request("POST", "/start_weight_update", None, timeout)
-        elif event is RankEvent.UPDATE_WEIGHTS:
-            self._request("POST", "/update_weights", {"update_info": payload}, timeout)
-        elif event is RankEvent.FINISH_UPDATE:
-            self._request("POST", "/finish_weight_update", {"weight_version": payload}, timeout)
-        else:  # pragma: no cover - internal
-            raise AssertionError(event)
-
-
-# ====================================================================================== glue
-
-
-def checked_async_llm(
-    llm: Any, loop: asyncio.AbstractEventLoop, trace_path: str | Path | None = None, **kw: Any
-) -> CheckedEngine:
-    """A :class:`~weightsync.impl.checked.CheckedEngine` around an :class:`AsyncLLMAdapter` of ``llm``
-    (``kw``: ``variant``, ``sync_interval``, ``timeout_s``); ``trace_path``: the JSONL trace that
-    ``weightsync replay`` validates."""
-    return CheckedEngine(AsyncLLMAdapter(llm, loop, **kw), trace_path=trace_path)
-
-
-def checked_http(base_url: str, trace_path: str | Path | None = None, **kw: Any) -> CheckedEngine:
-    """A :class:`~weightsync.impl.checked.CheckedEngine` around an :class:`HTTPServerAdapter` of a
-    ``vllm serve`` started with ``VLLM_SERVER_DEV_MODE=1``."""
-    return CheckedEngine(HTTPServerAdapter(base_url, **kw), trace_path=trace_path)
-
-
 __all__ = [
-    "AsyncLLMAdapter",
-    "HTTPServerAdapter",
+    "DEFAULT_TIMEOUT_S",
+    "DONE_OF_KIND",
+    "DP_KINDS",
+    "PHASE_OF",
+    "UNKNOWN",
+    "Counts",
     "VLLMAdapter",
     "VLLMCallError",
-    "checked_async_llm",
-    "checked_http",
 ]

@@ -1,13 +1,13 @@
 """Trainer side of the demo (issue 5): a Hugging Face causal LM updated by a GRPO-style policy gradient.
 
 * :func:`build_default_model` builds the default policy locally (no download): a small ``LlamaForCausalLM``
-  over the byte vocabulary of :mod:`weightsync.impl.rl_task`, float32, fixed seed. :func:`load_hf_model` loads a
+  over the byte vocabulary of :mod:`weightsync.demo.rl_task`, float32, fixed seed. :func:`load_hf_model` loads a
   local checkpoint directory (config.json + ``*.safetensors``) of a supported architecture.
 * :func:`save_config` writes the ``config.json`` the engines build :class:`~weightsync.impl.models.CausalLM`
   from; engines never read weights from disk, they receive them through the transfer engines from
   :func:`iter_checkpoint_weights`.
 * :class:`Trainer` holds the model and an Adam optimizer; :meth:`Trainer.trainer_step` applies one update from
-  engine-reported :class:`~weightsync.impl.rl_task.Sample` s.
+  engine-reported :class:`~weightsync.demo.rl_task.Sample` s.
 * :func:`trainer_probe_logits` is the trainer half of the post-sync exactness check.
 * :func:`local_rollouts` / :func:`run_local_loop` sample with the HF model itself (no engines), to show the
   reward rises.
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from weightsync.demo.rl_task import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, DigitPatternTask, Prompt, Sample
 from weightsync.impl.models.config import SUPPORTED_ARCHITECTURES, LMConfig
 from weightsync.impl.models.sampling import RequestSampler, SamplingParams
-from weightsync.impl.rl_task import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, DigitPatternTask, Prompt, Sample
 
 __all__ = [
     "DEFAULT_MODEL_KWARGS",

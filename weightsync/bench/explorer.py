@@ -14,6 +14,7 @@ import time
 import tracemalloc
 from typing import Any
 
+from weightsync.model.check import explore_model
 from weightsync.model.explorer import explore, networkx_bfs
 from weightsync.model.system import Bounds, Config, Model
 from weightsync.spec.states import PauseMode
@@ -31,14 +32,7 @@ def _run(n: int, symmetry: bool) -> dict[str, Any]:
     gc.collect()
     m = _model(n)
     t0 = time.perf_counter()
-    ex = explore(
-        [m.initial()],
-        m.successors,
-        invariant=m.invariant,
-        edge_check=m.edge_check,
-        terminal_check=m.terminal_check,
-        canon=m.canon if symmetry else None,
-    )
+    ex = explore_model(m, symmetry=symmetry)
     dt = time.perf_counter() - t0
     out = {
         "variant": "two-phase-epoch",

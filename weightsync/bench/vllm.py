@@ -1,0 +1,259 @@
+"""``weightsync bench vllm``: one sync round into a real vLLM 0.32 engine, against two baselines.
+
+Setup: a synthetic dense ``LlamaForCausalLM`` checkpoint built locally (:data:`FULL_MODEL`: 255.3 MiB of
+float32 in 156 tensors; ``quick``: :data:`QUICK_MODEL`, 6.5 MiB in 21 tensors), served by one real
+``AsyncLLM`` (``data_parallel_size=1``, ``enforce_eager=True``, ``dtype="float32"``,
+``weight_transfer_config={"backend": "weightsync"}``) on its own event-loop thread in this process; this
+process is also the trainer, holding the ``transformers`` model. Every figure is measured on the trainer
+with ``time.perf_counter`` around the round alone, inside a ``pause_generation(mode="keep")`` /
+``resume_generation()`` bracket (the bracket itself is not timed), in GB/s = model bytes / seconds / 1e9.
+
+Methods (all over gloo on 127.0.0.1, one trainer rank and one engine worker):
+
+- ``raw`` (the ceiling): one ``broadcast`` of the model's bytes as one flat uint8 tensor into a buffer the
+  worker allocated once; nothing is loaded. One RPC tells the worker to receive.
+- ``per_tensor`` (what ad-hoc integrations do, OpenRLHF's ``_broadcast_to_vllm``): per tensor one
+  ``collective_rpc`` carrying ``(name, dtype, shape)`` to the worker, which allocates the tensor, receives
+  its broadcast and ``model.load_weights([(name, tensor)])`` it, and the trainer waits for that reply
+  before the next tensor. On vLLM 0.32 a live ``load_weights`` alone cannot update this model (on CPU
+  the linear layers drop their ``weight`` after packing it for oneDNN: ``layers/linear.py:206-216``,
+  ``layers/utils.py:470-610`` with ``remove_weight=True``), so the round is bracketed by vLLM's layerwise
+  reload exactly as vLLM's own NCCL engine brackets it (``initialize_layerwise_reload`` /
+  ``finalize_layerwise_reload``: ``distributed/weight_transfer/nccl_engine.py:159-173``), one RPC each.
+- ``per_tensor_bare``: vLLM's own unpacked NCCL receive loop (``nccl_engine.py:217-229``) over gloo: one
+  RPC for the whole round, then per tensor allocate, broadcast, ``load_weights``. A lower bound on any
+  per-tensor integration, reported so that nobody is misled by the RPC-per-tensor figure.
+- ``weightsync``: the real path: ``WeightTransferTrainerFactory.trainer_init`` with
+  :class:`~weightsync.vllm.trainer.WeightsyncTrainerInitInfo` (packed, ``bucket_bytes`` buckets,
+  ``num_buffers`` slots) and ``trainer.send_weights(weight_version=...)`` from a vLLM ``ModuleSource``:
+  ``start_weight_update`` / one ``update_weights`` / ``finish_weight_update`` through vLLM's RPCs, the
+  engine's layerwise reload and weightsync's completeness check included.
+
+Code in the worker runs through ``AsyncLLM.collective_rpc(callable)`` (``v1/engine/async_llm.py:1205``
+-> ``core_client.py:1384`` -> ``v1/engine/core.py:1073`` -> ``v1/executor/uniproc_executor.py:90`` ->
+``v1/serial_utils.py:485`` ``run_method``, which calls it with the worker as first argument). A callable
+crosses the front-end/EngineCore socket only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+(``v1/serial_utils.py:213-230``, pickled by reference: the worker imports this module), so the bench sets
+it for the engine it starts and restores it afterwards. The worker's model is
+``worker.model_runner.model``, the same object the ``weightsync`` engine loads into.
+
+Interleaving and statistics: one untimed warm-up round per method, then ``repeats`` repetitions of every
+method, interleaved (the order rotated by one each repetition) so load swings on a shared machine hit
+every method alike; each method's median and minimum are reported, and the headline GB/s and ratios use
+the medians. ``loadavg`` is ``os.getloadavg()`` at the end (``loadavg_start`` before the engine starts).
+
+Reload time: the seconds the worker spends inside vLLM's layerwise reload (``initialize_layerwise_reload``,
+every ``_layerwise_process`` a completed layer triggers from its weight loader, and
+``finalize_layerwise_reload``: ``model_executor/model_loader/reload/layerwise.py:83,226,287,344``), timed
+by wrappers the bench installs in the worker for its duration (nested calls counted once). Reported per
+round and method; ``reload_seconds`` is the median over the ``weightsync`` rounds. Those calls overlap
+the transfer of later buckets, so the figure is a share of the round, not an addend.
+
+Verification (every round, warm-up included, outside the timed window): before each round the trainer
+negates every weight in place (so each round's bytes differ from the previous round's in every element)
+and records the CRC-32 of each tensor (``raw``: of the flat buffer). After the round the worker reports
+the CRC-32 of every tensor handed to ``model.load_weights`` in that round (captured by reference through
+a wrapper around the model's ``load_weights``; ``raw``: of its receive buffer) and of every parameter the
+engine's model still holds as a plain tensor (embeddings, norms, ``lm_head``; the oneDNN-packed linear
+weights cannot be read back), which must equal what was sent. A round is verified when every byte of the
+model arrived bit-exact (``bytes_verified == model_bytes``), nothing else was loaded and every readable
+engine parameter matches.
+
+Targets (judged at full size only): ``vs_raw >= 0.7`` and ``vs_per_tensor >= 1.5``.
+
+This module is the benchmark without vLLM (its sizes, figures and rendering); the run is
+:func:`weightsync.vllm.bench.run_vllm_bench` and the worker side :mod:`weightsync.vllm.bench_worker`, since
+only :mod:`weightsync.vllm` imports vllm.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+#: ``build_tiny_llama`` overrides of the full model: 66,930,176 float32 parameters (267,720,704 bytes,
+#: 255.3 MiB) in 156 tensors (17 layers of 9, embeddings, final norm, ``lm_head``); head dimension 64.
+FULL_MODEL: dict[str, int] = {
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 17,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 16384,
+}
+#: ``--quick``: 1,705,216 parameters (6,820,864 bytes, 6.5 MiB) in 21 tensors.
+QUICK_MODEL: dict[str, int] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+}
+#: timed repetitions of every method (full size, ``quick``)
+REPEATS = (5, 2)
+#: bucket size of ``quick`` (several buckets for its 6.5 MiB); the full size uses the transfer bench's
+QUICK_BUCKET_BYTES = 1 << 20
+METHODS = ("raw", "per_tensor", "per_tensor_bare", "weightsync")
+#: the CRC key of the raw method's one flat buffer
+RAW_KEY = "<raw>"
+TARGET_VS_RAW = 0.7
+TARGET_VS_PER_TENSOR = 1.5
+
+
+@dataclass
+class RoundResult:
+    """One verified (or not) round of one method.
+
+    Attributes:
+        seconds: wall time of the round on the trainer.
+        reload_s: seconds the worker spent inside vLLM's layerwise reload in this round.
+        load_s: seconds the worker spent inside ``model.load_weights`` in this round (most of the reload
+            runs in there, from the weight loaders of completed layers).
+        bytes_verified: bytes whose CRC-32 on the engine equals the trainer's.
+        engine_params_checked: readable engine parameters compared (all equal when ``ok``).
+        ok: every byte arrived bit-exact, nothing else was loaded, every readable parameter matches.
+        problem: why not ``ok`` ("" when ok).
+    """
+
+    seconds: float
+    reload_s: float
+    load_s: float
+    bytes_verified: int
+    engine_params_checked: int
+    ok: bool
+    problem: str
+
+
+def method_summary(results: list[RoundResult], model_bytes: int) -> dict[str, Any]:
+    """One method's rounds: seconds (median, min), GB/s, reload and ``load_weights`` seconds, verification."""
+    secs = [r.seconds for r in results]
+    med, best = statistics.median(secs), min(secs)
+    return {
+        "seconds": secs,
+        "median_s": med,
+        "min_s": best,
+        "gbps": model_bytes / med / 1e9,
+        "gbps_best": model_bytes / best / 1e9,
+        "reload_seconds": [r.reload_s for r in results],
+        "load_weights_seconds": [r.load_s for r in results],
+        "bytes_verified_min": min(r.bytes_verified for r in results),
+        "engine_params_checked_min": min(r.engine_params_checked for r in results),
+        "rounds": len(results),
+        "rounds_verified": sum(r.ok for r in results),
+        "problems": sorted({r.problem for r in results if r.problem}),
+    }
+
+
+def figures(
+    warm: dict[str, RoundResult],
+    results: dict[str, list[RoundResult]],
+    *,
+    quick: bool,
+    model_bytes: int,
+    num_tensors: int,
+    start_s: float,
+    overrides: dict[str, int],
+    bucket: int,
+    num_buffers: int,
+    reps: int,
+    vllm_version: str,
+    loadavg_start: list[float],
+) -> dict[str, Any]:
+    """The result of :func:`weightsync.vllm.bench.run_vllm_bench` from its rounds: per method
+    (:func:`method_summary`), the headline GB/s and ratios of medians, the reload share, verification and
+    the targets (judged at full size only)."""
+    methods = {m: method_summary(results[m], model_bytes) for m in METHODS}
+    verified = all(warm[m].ok for m in METHODS) and all(
+        s["rounds_verified"] == s["rounds"] for s in methods.values()
+    )
+    out: dict[str, Any] = {
+        "bench": "vllm",
+        "vllm_version": vllm_version,
+        "quick": quick,
+        "model_config": {"architecture": "LlamaForCausalLM", "dtype": "float32", **overrides},
+        "model_bytes": model_bytes,
+        "num_tensors": num_tensors,
+        "backend": "gloo",
+        "bucket_bytes": bucket,
+        "num_buffers": num_buffers,
+        "repetitions": reps,
+        "warmup_rounds": 1,
+        "order": "interleaved, rotated by one method each repetition",
+        "gbps_definition": "model_bytes / seconds / 1e9; headline figures use each method's median round",
+        "methods": methods,
+        "warmup": {m: {"seconds": r.seconds, "ok": r.ok, "problem": r.problem} for m, r in warm.items()},
+        "engine_start_seconds": start_s,
+    }
+    for m in METHODS:
+        out[f"{m}_gbps"] = methods[m]["gbps"]
+        out[f"{m}_gbps_best"] = methods[m]["gbps_best"]
+    for base in ("raw", "per_tensor", "per_tensor_bare"):
+        out[f"vs_{base}"] = out["weightsync_gbps"] / out[f"{base}_gbps"]
+        out[f"vs_{base}_best"] = out["weightsync_gbps_best"] / out[f"{base}_gbps_best"]
+    ws_reload = methods["weightsync"]["reload_seconds"]
+    out["reload_seconds"] = statistics.median(ws_reload)
+    out["reload_seconds_min"] = min(ws_reload)
+    out["reload_share"] = out["reload_seconds"] / methods["weightsync"]["median_s"]
+    # > 1 / TARGET_VS_RAW: the reload alone takes longer than the whole budget the raw target allows
+    out["reload_over_raw"] = out["reload_seconds"] / methods["raw"]["median_s"]
+    out["verified"] = verified
+    out["targets"] = {
+        f"vs_raw>={TARGET_VS_RAW}": out["vs_raw"] >= TARGET_VS_RAW,
+        f"vs_per_tensor>={TARGET_VS_PER_TENSOR}": out["vs_per_tensor"] >= TARGET_VS_PER_TENSOR,
+    }
+    out["targets_met"] = all(out["targets"].values())
+    out["targets_judged"] = not quick
+    out["ok"] = verified and (out["targets_met"] or quick)
+    out["loadavg_start"] = loadavg_start
+    out["loadavg"] = list(os.getloadavg())
+    return out
+
+
+def human_summary(out: dict[str, Any]) -> str:
+    """The figures of :func:`run_vllm_bench` as a few lines for people."""
+    m = out["methods"]
+    judged = out["targets_judged"]
+    tg = out["targets"]
+    rows = [
+        ("raw broadcast (ceiling)", "raw", ""),
+        ("per-tensor, RPC per tensor", "per_tensor", ""),
+        ("per-tensor, one RPC", "per_tensor_bare", ""),
+        (
+            "weightsync",
+            "weightsync",
+            f"  {out['vs_raw']:.2f} x raw (>= {TARGET_VS_RAW}: {tg[f'vs_raw>={TARGET_VS_RAW}']}), "
+            f"{out['vs_per_tensor']:.2f} x per-tensor (>= {TARGET_VS_PER_TENSOR}: "
+            f"{tg[f'vs_per_tensor>={TARGET_VS_PER_TENSOR}']})",
+        ),
+    ]
+    lines = [
+        f"bench vllm: {out['model_bytes'] / 2**20:.1f} MiB float32 Llama ({out['num_tensors']} tensors) into "
+        f"vLLM {out['vllm_version']}, gloo, {out['repetitions']} repetitions, GB/s median (best)"
+        + ("" if judged else "; --quick: targets not judged")
+    ]
+    for label, key, extra in rows:
+        s = m[key]
+        lines.append(
+            f"  {label:<28} {s['gbps']:7.3f} ({s['gbps_best']:.3f})  "
+            f"verified {s['rounds_verified']}/{s['rounds']}{extra}"
+        )
+    lines.append(
+        f"  inside vLLM's layerwise reload (weightsync rounds): median {out['reload_seconds']:.3f} s of "
+        f"{m['weightsync']['median_s']:.3f} s"
+    )
+    lines.append(f"  verified: {out['verified']}; loadavg {out['loadavg']}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "FULL_MODEL",
+    "METHODS",
+    "QUICK_MODEL",
+    "RoundResult",
+    "figures",
+    "human_summary",
+    "method_summary",
+]
