@@ -8,8 +8,8 @@ import time
 from typing import Any
 
 from weightsync.impl.engine.client import DPEngineClient, RequestStream, free_port
+from weightsync.impl.engine.config import EngineConfig, tiny_config
 from weightsync.impl.engine.controller import RoundTimes, update_round
-from weightsync.impl.engine.core import EngineConfig, tiny_config
 from weightsync.impl.engine.weights import BROADCAST_WORKER, random_weights
 from weightsync.impl.models.causal_lm import CausalLM
 from weightsync.impl.models.sampling import SamplingParams

@@ -34,6 +34,8 @@ class Case:
         cycles: pause / update / resume cycles.
         verify: the transfer's checksum round (``init_info['verify']``).
         expect_rejected: whether the walker must reject the trace.
+        targets: the ranks requests go to (empty: any rank). Requests to rank 0 only leave rank 1 to
+            learn of every wave from START_DP_WAVE.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Case:
     cycles: int = 4
     verify: bool = False
     expect_rejected: bool = True
+    targets: tuple[int, ...] = ()
 
 
 _FAULTS = "weightsync.impl.engine.faults"
@@ -51,7 +54,7 @@ _FAULTS = "weightsync.impl.engine.faults"
 CASES = (
     Case("healthy-20-cycles", cycles=20, expect_rejected=False),
     Case("scheduler-advances-under-paused-all", f"{_FAULTS}:AdvancesWhilePaused", cycles=10),
-    Case("drops-start-dp-wave", f"{_FAULTS}:DropsStartDPWave", cycles=10),
+    Case("drops-start-dp-wave", f"{_FAULTS}:DropsStartDPWave", cycles=10, targets=(0,)),
     Case("clear-cache-does-nothing", f"{_FAULTS}:ClearCacheDoesNothing", cycles=10),
     Case("wave-complete-never-sent", f"{_FAULTS}:NoWaveComplete", cycles=10),
     Case("abort-aborts-nothing", f"{_FAULTS}:AbortAbortsNothing", mode="abort", cycles=10),
@@ -85,7 +88,7 @@ def record(
     """Run ``case`` on a reference DP cluster (``dp_size`` ranks, variant two-phase-epoch, the tiny Llama,
     broadcast transport over gloo) and write its system trace to ``path``.
 
-    Traffic: before each cycle 0-3 greedy requests of ``tokens`` tokens to random ranks (each engine step
+    Traffic: before each cycle 0-3 (a broken engine: 1-3) greedy requests of ``tokens`` tokens to random ranks (``case.targets``; each engine step
     sleeps 2 ms, so requests are often in flight at a pause), a random pause of 0-40 ms, then one round (``update_round``: pause(mode, clear_cache=True), start, update with fresh
     random weights, finish with ``weight_version="step-<c>"``, resume). After the cycles it waits for
     every request. A broken engine's run ends one cycle after its first ``fault`` record (at most
@@ -93,8 +96,8 @@ def record(
     reported in :attr:`Recorded.error`, not raised. ``timeout_s``: every collective's deadline, seconds.
     """
     from weightsync.impl.engine.client import DPEngineClient, free_port
+    from weightsync.impl.engine.config import EngineConfig, tiny_config
     from weightsync.impl.engine.controller import update_round
-    from weightsync.impl.engine.core import EngineConfig, tiny_config
     from weightsync.impl.engine.weights import random_weights
     from weightsync.impl.models.causal_lm import CausalLM
     from weightsync.impl.models.sampling import SamplingParams
@@ -143,10 +146,12 @@ def record(
         trainer = BroadcastTrainerEngine.trainer_init(info, client=client)
         lm = CausalLM(model_cfg)
         for c in range(case.cycles):
-            for _ in range(rng.randint(0, 3)):
+            # a broken engine's run needs traffic in every cycle for its fault to act
+            for _ in range(rng.randint(1 if case.core else 0, 3)):
                 prompt = [rng.randrange(model_cfg.vocab_size) for _ in range(rng.randint(1, 4))]
                 params = SamplingParams(temperature=0.0, max_new_tokens=tokens)
-                streams.append(client.add_request(prompt, params, rank=rng.randrange(dp_size)))
+                target = rng.choice(case.targets) if case.targets else rng.randrange(dp_size)
+                streams.append(client.add_request(prompt, params, rank=target))
             time.sleep(rng.uniform(0.0, 0.04))
             weights = random_weights(lm, seed * 1000 + c + 1)
             update_round(
@@ -188,16 +193,22 @@ def run_case(case: Case, workdir: Path, *, seed: int = 0) -> dict[str, Any]:
     ``fault_line`` and ``fault`` (the broken engine's first ``fault`` record: its line and what it did),
     ``at_fault`` (the rejected step is the one that fault record belongs to), ``ok`` (a broken engine was
     rejected at its fault; the healthy one accepted), ``steps`` (model steps walked), ``trace`` (the
-    file), ``recorded`` (requests, cycles and the error that ended the run, if any).
+    file), ``recorded`` (requests, cycles and the error that ended the run, if any), ``attempts`` (runs
+    recorded: a broken engine whose fault never acted is run again with another seed, at most 3 times).
     """
     from weightsync.model.trace_walk import read_trace, walk_trace
 
     path = workdir / f"{case.name}.jsonl"
-    rec = record(path, case, seed=seed)
-    with path.open() as f:
-        lines = f.readlines()
+    # A broken engine's traffic is random: if its fault never acted (the trace is then a healthy one), the
+    # run says nothing about the walker, so it is recorded again with another seed (at most 3 runs).
+    for attempt in range(1, 4):
+        rec = record(path, case, seed=seed + 1000 * (attempt - 1))
+        with path.open() as f:
+            lines = f.readlines()
+        _, steps, faults = read_trace(lines)
+        if faults or not case.expect_rejected:
+            break
     result = walk_trace(lines)
-    _, steps, faults = read_trace(lines)
     # the first fault in walk order: the fault whose step starts first (a fault record may be written
     # before its step's first record, and one rank's faulty step may start before another's)
     starts = {(st.proc, st.group): st.line for st in steps}
@@ -215,6 +226,7 @@ def run_case(case: Case, workdir: Path, *, seed: int = 0) -> dict[str, Any]:
         "ok": ok,
         "steps": result.steps,
         "trace": str(path),
+        "attempts": attempt,
         "recorded": {
             "requests": rec.requests,
             "finished": rec.finished,

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from weightsync.impl.engine.client import DPEngineClient
-from weightsync.impl.engine.core import EngineConfig, tiny_config
+from weightsync.impl.engine.config import EngineConfig, tiny_config
 from weightsync.impl.models.sampling import SamplingParams
 
 

@@ -275,7 +275,7 @@ class _Run:
         from weightsync.demo.trainer import iter_checkpoint_weights, save_config
         from weightsync.impl.checked import CheckedEngine
         from weightsync.impl.engine.client import DPEngineClient, free_port
-        from weightsync.impl.engine.core import EngineConfig
+        from weightsync.impl.engine.config import EngineConfig
         from weightsync.impl.models.config import LMConfig
         from weightsync.impl.transfer.base import meta_of
         from weightsync.impl.transfer.packing import plan_buckets

@@ -191,7 +191,7 @@ class CheckedEngine:
     def _record(self, rec: Any) -> None:
         self.records += 1
         if self.trace_path is not None and not self._engine_writes:
-            from weightsync.impl.engine.core import record_line
+            from weightsync.impl.engine.records import record_line
 
             with self.trace_path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record_line(rec), sort_keys=True) + "\n")

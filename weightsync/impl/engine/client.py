@@ -47,8 +47,9 @@ from typing import Any
 
 import torch.multiprocessing as tmp
 
+from weightsync.impl.engine.config import EngineConfig, EngineQueues
 from weightsync.impl.engine.coordinator import run_coordinator
-from weightsync.impl.engine.core import EngineConfig, EngineCore, EngineQueues, run_engine
+from weightsync.impl.engine.core import EngineCore, run_engine
 from weightsync.impl.engine.messages import (
     AbortMsg,
     AddMsg,
@@ -208,6 +209,8 @@ class DPEngineClient:
             raise ValueError("EngineConfig.model is required")
         if cfg.dp_port == 0:
             cfg = replace(cfg, dp_port=free_port(cfg.host))
+        if hold and not cfg.core:  # repro: every rank runs behind a step gate
+            cfg = replace(cfg, core="weightsync.impl.engine.gated:GatedEngineCore")
         self.cfg = cfg
         self.variant = get_variant(cfg.variant)
         self.dp_size = cfg.dp_size
@@ -527,7 +530,7 @@ class DPEngineClient:
                 self._held_stats = None
 
     def set_step_gate(self, rank: int, value: int) -> None:
-        """Repro mode: ``rank`` may take ``value`` acting steps (-1: any number; see ``EngineCore._may_step``)."""
+        """Repro mode: ``rank`` may take ``value`` acting steps (-1: any number; see ``GatedEngineCore.may_step``)."""
         gate = self.step_gates[rank]
         with gate.get_lock():
             gate.value = value

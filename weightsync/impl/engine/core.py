@@ -31,15 +31,13 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any, ClassVar
 
+from weightsync.impl.engine.config import EngineConfig, EngineQueues
 from weightsync.impl.engine.messages import (
     AbortMsg,
     AddMsg,
     EngineFailure,
-    RankRecord,
     RelabelRecord,
     Shutdown,
     StartDPWave,
@@ -51,163 +49,15 @@ from weightsync.impl.engine.messages import (
     UtilityReply,
     WaveComplete,
 )
-from weightsync.impl.engine.tracing import message_dict, open_trace
-from weightsync.impl.models.config import LMConfig
+from weightsync.impl.engine.records import INITIAL_WEIGHT_VERSION, record_line, trace_line, vars_dict
+from weightsync.impl.engine.tracing import jsonable, message_dict, open_trace
 from weightsync.spec.errors import LocalProtocolError, PeerFailedError
-from weightsync.spec.rank import EFFECTS, RankMachine, apply, relabel_weight_version
+from weightsync.spec.rank import EFFECTS, RankMachine, relabel_weight_version
 from weightsync.spec.states import PauseMode, RankEvent
 from weightsync.spec.table import Fired
 
-
-def tiny_config(vocab: int = 64, hidden: int = 32, layers: int = 2) -> LMConfig:
-    """A small Llama config for tests and benchmarks (fast on CPU)."""
-    return LMConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-        o_bias=False,
-        mlp_bias=False,
-    )
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Configuration of a DP engine cluster (picklable; sent to every process).
-
-    Attributes:
-        dp_size: number of DP engine ranks.
-        model: the reference LM's config.
-        variant: protocol variant (a :data:`~weightsync.spec.rank.VARIANTS` name).
-        sync_interval: K, the DP sync all-reduce cadence in steps (32 in vLLM, PR #21617).
-        init_seed: seed of the engines' initial random weights (None: the model's zero init).
-        collective_timeout_s: deadline of every DP collective and of the DP rendezvous, seconds (the weight
-            transfer's deadline is its ``init_info['timeout_s']``).
-        transfer: weight-transfer worker factory ``"package.module:fn"`` (see
-            :func:`weightsync.impl.engine.weights.make_worker`); default: the broadcast transport's
-            ``weightsync.impl.transfer.worker:broadcast_worker``.
-        max_batch: most requests running per rank.
-        idle_sleep_s: how long an idle loop iteration sleeps, seconds.
-        step_sleep_s: extra sleep after every executed step (dummy or real), seconds (slows the loop for
-            schedule-sensitive tests; 0 in normal runs).
-        host: address for the gloo rendezvous.
-        dp_port: TCPStore port of the DP group (0: pick a free one at launch).
-        threads: torch intra-op threads per engine process.
-        system_trace: a system-trace file (:mod:`weightsync.impl.engine.tracing`) that every process of the
-            cluster (ranks, coordinator, front-end, controller) appends to from its start; None: none.
-        core: the engine class each rank process runs, ``"package.module:Class"`` (an
-            :class:`EngineCore` subclass; ``weightsync replay --self-test`` runs deliberately broken ones);
-            "" runs :class:`EngineCore`.
-    """
-
-    dp_size: int = 2
-    model: LMConfig | None = None
-    variant: str = "two-phase-epoch"
-    sync_interval: int = 32
-    init_seed: int | None = 0
-    collective_timeout_s: float = 30.0
-    transfer: str = "weightsync.impl.transfer.worker:broadcast_worker"
-    max_batch: int = 64
-    idle_sleep_s: float = 0.002
-    step_sleep_s: float = 0.0
-    host: str = "127.0.0.1"
-    dp_port: int = 0
-    threads: int = 1
-    system_trace: str | None = None
-    core: str = ""
-
-
-@dataclass
-class EngineQueues:
-    """The FIFOs of one rank: inputs (front-end, controller, coordinator wave) and outputs."""
-
-    front_in: Any  # front-end -> engine: AddMsg, AbortMsg
-    control_in: Any  # controller -> engine: UtilityCall, Shutdown
-    wave_in: Any  # coordinator -> engine: StartDPWave
-    out: Any  # engine -> front-end: StepOutputs, UtilityReply, TransitionRecord, EngineFailure
-    to_coord: Any  # engine -> coordinator: WaveComplete, StartWave
-    step_gate: Any = None  # repro only: a shared int; -1 steps freely, n >= 0 permits n acting steps
-
-
 #: The names of a rank's input sockets, in :meth:`EngineCore.poll`'s order (system trace ``recv.socket``).
 _SOCKETS = ("front", "control", "wave")
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, Enum):
-        return v.value
-    if isinstance(v, int | float | str | bool) or v is None:
-        return v
-    return repr(v)
-
-
-def vars_dict(v: Any) -> dict[str, Any]:
-    """A RankVars as a JSON-able dict (enums as values)."""
-    return {k: _jsonable(x) for k, x in v._asdict().items()}
-
-
-#: A rank's weight version before any update (vLLM 0.32 ``EngineCore._weight_version``, ``v1/engine/core.py:141``).
-INITIAL_WEIGHT_VERSION = "default"
-
-
-def record_line(rec: RankRecord) -> dict[str, Any]:
-    """The JSONL trace record of a transition (:func:`trace_line`) or of a relabel: ``kind="relabel"``,
-    ``rank``, ``rank_seq``, ``weight_version`` (the new label), ``vars_before`` / ``vars_after``, ``t``
-    (``weightsync replay`` applies :func:`~weightsync.spec.rank.relabel_weight_version` to it)."""
-    if isinstance(rec, TransitionRecord):
-        return trace_line(rec)
-    return {
-        "kind": "relabel",
-        "rank": rec.rank,
-        "rank_seq": rec.rank_seq,
-        "weight_version": rec.weight_version,
-        "vars_before": rec.before,
-        "vars_after": rec.after,
-        "t": rec.t,
-    }
-
-
-def trace_line(rec: TransitionRecord) -> dict[str, Any]:
-    """The JSONL trace record of one transition (rank, seq, state before/after, event, wave, collective, time).
-
-    Fields: ``kind="transition"``, ``rank``, ``rank_seq``, ``event``, ``args``, ``before`` / ``after`` (states),
-    ``vars_before`` / ``vars_after`` (RankVars), ``guard``, ``effects``, ``wave`` (current_wave after),
-    ``collective`` (DP/transfer collective entered, or ""), ``coll_seq`` (this rank's DP collective sequence
-    number before the effects), ``t`` (seconds since the epoch), ``waiting`` / ``running`` (the scheduler's
-    queue lengths before the effects; for a collective's completion, at entry).
-    """
-    return {
-        "kind": "transition",
-        "rank": rec.rank,
-        "rank_seq": rec.rank_seq,
-        "event": rec.event,
-        "args": rec.args,
-        "before": rec.before["state"],
-        "after": rec.after["state"],
-        "vars_before": rec.before,
-        "vars_after": rec.after,
-        "guard": rec.guard,
-        "effects": list(rec.effects),
-        "wave": rec.after["current_wave"],
-        "collective": rec.collective,
-        "coll_seq": rec.coll_seq,
-        "t": rec.t,
-        "waiting": rec.waiting,
-        "running": rec.running,
-    }
 
 
 class _RoundFailed(Exception):
@@ -325,7 +175,7 @@ class EngineCore:
             self.rank,
             self.rank_seq,
             event.value,
-            {k: _jsonable(v) for k, v in args.items()},
+            {k: jsonable(v) for k, v in args.items()},
             vars_dict(fired.before),
             vars_dict(fired.after),
             tr.guard,
@@ -749,30 +599,10 @@ class EngineCore:
         self._pending_pause.clear()
 
     # ------------------------------------------------------------------ loop
-    def _may_step(self) -> bool:
-        """Repro step gate (``weightsync repro``): a STEP that would act (the table gives it effects or changes
-        the variables; an idle loop pass does neither) fires only while the gate is open (-1) or holds a
-        permit (n > 0, consumed here). Asks the table; decides nothing about the protocol."""
-        gate = self.q.step_gate
-        if gate is None or gate.value < 0:
-            return True
-        args = {
-            "has_work": self.sched.has_work(),
-            "rank": self.rank,
-            "dp_size": self.cfg.dp_size,
-            "sync_interval": self.cfg.sync_interval,
-        }
-        v = self.machine.vars
-        tr = self.machine.select(RankEvent.STEP, args)
-        if tr is None or (not tr.effects and apply(v, tr, args) == v):
-            return True
-        with gate.get_lock():
-            if gate.value < 0:
-                return True
-            if gate.value > 0:
-                gate.value -= 1
-                return True
-        return False
+    def may_step(self) -> bool:
+        """Whether the loop may fire its next STEP now: always (``weightsync repro``'s engine,
+        :class:`~weightsync.impl.engine.gated.GatedEngineCore`, holds acting steps at a gate)."""
+        return True
 
     def run(self) -> None:
         """The busy loop; returns on shutdown."""
@@ -784,7 +614,7 @@ class EngineCore:
                 if self.failure is not None:
                     time.sleep(self.cfg.idle_sleep_s)
                     continue
-                if not self._may_step():
+                if not self.may_step():
                     time.sleep(self.cfg.idle_sleep_s)
                     continue
                 fired = self.fire(RankEvent.STEP, has_work=self.sched.has_work())
@@ -823,12 +653,4 @@ def run_engine(cfg: EngineConfig, rank: int, queues: EngineQueues) -> None:
     core.run()
 
 
-__all__ = [
-    "EngineConfig",
-    "EngineCore",
-    "EngineQueues",
-    "run_engine",
-    "tiny_config",
-    "trace_line",
-    "vars_dict",
-]
+__all__ = ["EngineCore", "run_engine"]

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from weightsync.impl.engine.core import EngineConfig, EngineCore, EngineQueues
+from weightsync.impl.engine.config import EngineConfig, EngineQueues
+from weightsync.impl.engine.core import EngineCore
 from weightsync.impl.engine.messages import StartDPWave
 from weightsync.impl.engine.scheduler import Scheduler
 from weightsync.spec.rank import apply

@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from weightsync.impl.engine.client import DPEngineClient, free_port
-from weightsync.impl.engine.core import EngineConfig, tiny_config
+from weightsync.impl.engine.config import EngineConfig, tiny_config
 from weightsync.impl.engine.messages import TransitionRecord
 from weightsync.impl.engine.repro_driver import (
     TIMEOUT,

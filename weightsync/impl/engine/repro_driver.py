@@ -102,7 +102,7 @@ def wire(msg: Any, req_index: Mapping[str, int]) -> tuple[Any, ...]:
 def acting(t: TransitionRecord) -> bool:
     """Whether a transition is one the model has: every one but an idle loop pass (a step that changes
     nothing and has no effects), which the model omits, and which the engine's step gate lets through
-    (``EngineCore._may_step``)."""
+    (``GatedEngineCore.may_step``)."""
     return not (t.event == "step" and not t.effects and t.before == t.after)
 
 

@@ -6,7 +6,7 @@ the transitions its table fired:
 
 - ``recv``: an engine rank dequeued a message (its socket: ``front``, ``control`` or ``wave``), written at
   the socket, before the rank hands it to its table;
-- ``transition``: a rank fired its table (:func:`weightsync.impl.engine.core.trace_line`, plus ``group``
+- ``transition``: a rank fired its table (:func:`weightsync.impl.engine.records.trace_line`, plus ``group``
   and ``depth``);
 - ``send``: a rank put a message on its coordinator socket (written before the put);
 - ``settle``: a rank's step ended (its effects ran, or it is about to block in a collective): the

@@ -2,7 +2,7 @@
 
 The engine drives any object with the worker API of reference section 2 (:class:`WeightWorker`). It is
 created in the engine process by a factory named in :attr:`EngineConfig.transfer
-<weightsync.impl.engine.core.EngineConfig.transfer>` as ``"package.module:fn"`` with
+<weightsync.impl.engine.config.EngineConfig.transfer>` as ``"package.module:fn"`` with
 ``fn(model, dp_index) -> WeightWorker``. The real transports of :mod:`weightsync.impl.transfer` provide
 :data:`BROADCAST_WORKER` (the default: packed broadcast, gloo on CPU) and :data:`IPC_WORKER`
 (shared memory); the demo wraps them (``weightsync.demo.worker:demo_broadcast_worker``). The transfer's
