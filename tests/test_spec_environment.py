@@ -198,6 +198,7 @@ class _FrontEndOnly:
         c.hold = False
         c.hold_coord = False
         c._held_adds = []
+        c._trace_front = None  # no system trace
         self.sent: list[tuple[str, int, Any, int]] = []
         c._send = lambda r, sock, msg: self.sent.append(("ADD", r, msg.request, msg.wave))  # type: ignore[method-assign]
         c._fe2coord = type(
