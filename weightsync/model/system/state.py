@@ -5,28 +5,18 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from weightsync.spec.controller import CALL_EVENT as CALL_EVENT
+from weightsync.spec.controller import PHASE_CALL as PHASE_CALL
+from weightsync.spec.controller import X_PAUSE as X_PAUSE
+from weightsync.spec.controller import X_RESUME as X_RESUME
+from weightsync.spec.controller import Phase
 from weightsync.spec.rank import RankVars
 from weightsync.spec.states import DP_COLLECTIVES, PauseMode, RankEvent
 from weightsync.spec.worker import WorkerVars
 
-# Controller phases.
-IDLE, PAUSE, START, UPDATE, FINISH, RESUME, INIT = range(7)
-PHASE_CALL = {
-    PAUSE: "pause",
-    START: "start_weight_update",
-    UPDATE: "update_weights",
-    FINISH: "finish_weight_update",
-    RESUME: "resume",
-    INIT: "init_weight_transfer_engine",
-}
-CALL_EVENT = {
-    "pause": RankEvent.PAUSE,
-    "resume": RankEvent.RESUME,
-    "start_weight_update": RankEvent.START_UPDATE,
-    "update_weights": RankEvent.UPDATE_WEIGHTS,
-    "finish_weight_update": RankEvent.FINISH_UPDATE,
-    "init_weight_transfer_engine": RankEvent.INIT_TRANSFER,
-}
+# Controller phases (the spec's :class:`~weightsync.spec.controller.Phase`, as ints in the state), the call
+# each makes and the rank event each call is (spec data: :mod:`weightsync.spec.controller`).
+IDLE, PAUSE, START, UPDATE, FINISH, RESUME, INIT = (int(p) for p in Phase)
 # Controller per-rank call status (FAILED_REPLY: the call returned an error: a refusal or a failure).
 NOT_SENT, SENT, REPLIED, SPURIOUS, FAILED_REPLY = 0, 1, 2, 3, 4
 #: The third field of a controller message ("U", call, arg): the version a finish_weight_update carries,
@@ -187,7 +177,8 @@ _new_rank = tuple.__new__
 
 
 class Ctrl(NamedTuple):
-    """The RL controller's state (see :class:`G`).
+    """The RL controller's state (see :class:`G`): the spec's :class:`~weightsync.spec.controller.CtrlVars`
+    plus the model's failure-injection counter, advanced only by the controller table.
 
     Attributes:
         phase: the call it is making (IDLE, PAUSE, INIT, START, UPDATE, FINISH, RESUME).
@@ -213,8 +204,6 @@ class Ctrl(NamedTuple):
     extra_used: int
 
 
-#: ``extra_used`` bits: the second pause and the resume during an update (Bounds flags) were sent.
-X_PAUSE, X_RESUME = 1, 2
 #: ``Rank.owed`` bits.
 OWE_PAUSE, OWE_RESUME = 1, 2
 
