@@ -81,7 +81,7 @@ class Policy(StrEnum):
 
 #: The engine call each phase makes (vLLM 0.32's names, ``v1/engine/async_llm.py:1315-1363``; ``pause`` /
 #: ``resume`` are ``pause_generation`` / ``resume_generation``).
-PHASE_CALL: dict[Phase, str] = {
+PHASE_CALL: dict[int, str] = {
     Phase.PAUSE: "pause",
     Phase.START: "start_weight_update",
     Phase.UPDATE: "update_weights",
@@ -99,7 +99,7 @@ CALL_EVENT: dict[str, RankEvent] = {
     "finish_weight_update": RankEvent.FINISH_UPDATE,
 }
 #: The phases the trainer joins, with the transfer collective it enters (their outcome waits for it too).
-TRAINER_COLLECTIVE: dict[Phase, Collective] = {
+TRAINER_COLLECTIVE: dict[int, Collective] = {
     Phase.UPDATE: Collective.WEIGHT_BROADCAST,
     Phase.INIT: Collective.TRANSFER_INIT,
 }
@@ -173,11 +173,11 @@ def _cycles_left(v: CtrlVars, a: Args) -> bool:
 
 
 def _recover(a: Args) -> bool:
-    return a["policy"] == Policy.RECOVER
+    return bool(a["policy"] == Policy.RECOVER)
 
 
 def _one_round(a: Args) -> bool:
-    return a["policy"] == Policy.ONE_ROUND
+    return bool(a["policy"] == Policy.ONE_ROUND)
 
 
 #: Arguments: ``policy`` (:class:`Policy`), ``cycles`` (cycles the controller may run), ``requests_sent``

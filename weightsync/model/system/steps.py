@@ -206,6 +206,8 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
             "controller",
             tuple(f"rank {j}" for j in range(model.n)),
         )
+    if kind == "end":  # policy one_round only (spec/controller.py)
+        return Step("controller", "ends the round", str(label[1]), "", "", ("controller",))
     if kind == "timeout":
         i, k = label[1], label[2]
         who = "trainer" if i < 0 else f"rank {i}"
