@@ -170,7 +170,9 @@ def _ctrl_vars(s: G) -> CtrlVars:
         ("front-end-pause", Bounds(stray_resume=True)),
     ],
 )
-def test_the_models_controller_offers_exactly_the_rows_whose_guards_hold(variant: str, bounds: Bounds) -> None:
+def test_the_models_controller_offers_exactly_the_rows_whose_guards_hold(
+    variant: str, bounds: Bounds
+) -> None:
     """Random walks through the model: at each state the controller's moves are the table's choices."""
     model = Model(Config(variant, 2, PauseMode.KEEP, "per-socket", bounds))
     table = controller_table(model.variant.pause_in_front_end)

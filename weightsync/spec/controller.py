@@ -269,7 +269,13 @@ def controller_table(pause_in_front_end: bool = False) -> Table:
     untracked: dict[Phase, tuple[Transition, ...]] = {}
     if not pause_in_front_end:
         extras = (
-            t("extra_pause_left", None, ("use_extra_pause",), ("extra_pause",), "model bound pause_during_update"),
+            t(
+                "extra_pause_left",
+                None,
+                ("use_extra_pause",),
+                ("extra_pause",),
+                "model bound pause_during_update",
+            ),
             t(
                 "extra_resume_left",
                 None,
@@ -292,7 +298,9 @@ def controller_table(pause_in_front_end: bool = False) -> Table:
 
     next_cycle = (
         row("cycles_left", _P.PAUSE, ("begin_cycle",), R9 + ": a new cycle"),
-        row("stray_resume_left", _P.RESUME, ("use_stray_resume",), "reference s9 prime-rl: a `finally` resume"),
+        row(
+            "stray_resume_left", _P.RESUME, ("use_stray_resume",), "reference s9 prime-rl: a `finally` resume"
+        ),
     )
     after_pause = (
         row("initialised", _P.START, (), R9),
@@ -341,7 +349,9 @@ def controller_table(pause_in_front_end: bool = False) -> Table:
         ),
         (_P.INIT, _E.DONE): after_init,
         (_P.INIT, _E.FAILED): (
-            row("recovers", _P.INIT, ("note_failure",), R_RECOVER + ": the transfer group is gone: init again"),
+            row(
+                "recovers", _P.INIT, ("note_failure",), R_RECOVER + ": the transfer group is gone: init again"
+            ),
             give_up._replace(rule=R_ONE + ": the init's error"),
         ),
         (_P.START, _E.DONE): (row(ALWAYS, _P.UPDATE, (), R9), *untracked.get(_P.START, ())),
@@ -388,7 +398,9 @@ def controller_table(pause_in_front_end: bool = False) -> Table:
     return rows
 
 
-def controller_choices(table: Table, v: CtrlVars, event: CtrlEvent, args: Args) -> list[tuple[Transition, CtrlVars]]:
+def controller_choices(
+    table: Table, v: CtrlVars, event: CtrlEvent, args: Args
+) -> list[tuple[Transition, CtrlVars]]:
     """Every row ``event`` may take from ``v`` (each whose guard holds, in table order) with the variables
     after it: the model's nondeterministic choice. Pure."""
     return [
@@ -397,7 +409,9 @@ def controller_choices(table: Table, v: CtrlVars, event: CtrlEvent, args: Args) 
     ]
 
 
-def controller_next(table: Table, v: CtrlVars, event: CtrlEvent, args: Args) -> tuple[Transition, CtrlVars] | None:
+def controller_next(
+    table: Table, v: CtrlVars, event: CtrlEvent, args: Args
+) -> tuple[Transition, CtrlVars] | None:
     """The first row ``event`` takes from ``v`` with the variables after it, or None (the controller
     waits): the implementation's deterministic choice. Pure."""
     tr = select_transition(table, v.phase, event, v, args, CTRL_GUARDS)

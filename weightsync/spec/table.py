@@ -88,9 +88,7 @@ def enabled_transitions(
     """Every row ``event`` may take from ``state`` (each whose guard holds, in table order): the choices of
     a nondeterministic user of a table (the model's controller). Pure."""
     return [
-        tr
-        for tr in table.get((state, event), ())
-        if tr.guard == ALWAYS or guards[tr.guard](variables, args)
+        tr for tr in table.get((state, event), ()) if tr.guard == ALWAYS or guards[tr.guard](variables, args)
     ]
 
 

@@ -51,6 +51,8 @@ from weightsync.impl.engine.messages import (
     WaveComplete,
 )
 from weightsync.impl.models.config import LMConfig
+from weightsync.spec.collectives import outcome_args
+from weightsync.spec.controller import CALL_EVENT, PAUSE_ARGS
 from weightsync.spec.errors import LocalProtocolError, PeerFailedError
 from weightsync.spec.rank import EFFECTS, RankMachine, apply, relabel_weight_version
 from weightsync.spec.states import PauseMode, RankEvent
@@ -366,10 +368,8 @@ class EngineCore:
             self.q.out.put(StepOutputs(self.rank, tuple(deltas)))
 
     def _abort_requests(self, fired: Fired) -> None:
-        # The PAUSE row 'pause_drains_now' carries this effect for abort and keep alike; only mode=abort
-        # aborts (reference s4). Reported to the lead: the effect name could carry the mode.
-        if PauseMode(self._current_kwargs().get("mode", "abort")) is PauseMode.ABORT:
-            self._send_deltas(self.sched.abort_all())
+        # only the rows of mode=abort name this effect (the table decided; vLLM 0.32 core.py:2086-2090)
+        self._send_deltas(self.sched.abort_all())
 
     def _queue_request(self, fired: Fired) -> None:
         assert isinstance(self._ctx_msg, AddMsg)
@@ -391,7 +391,7 @@ class EngineCore:
         if self.cfg.step_sleep_s:
             time.sleep(self.cfg.step_sleep_s)
 
-    def _join(self, kind: str, a: int, b: int) -> tuple[int, int]:
+    def _join(self, kind: str, a: int, b: int) -> tuple[int, ...]:
         seq = self.coll_seq
         self.coll_seq += 1
         return self.dp.collective(kind, seq, a, b)
@@ -401,14 +401,14 @@ class EngineCore:
         self.fire(RankEvent.DP_STEP_DONE, has_work=self.sched.has_work())
 
     def _enter_dp_sync(self, fired: Fired) -> None:
-        u, p = self._join("dp_sync", self.sched.unfinished(), int(self.machine.vars.pending_pause))
+        out = self._join("dp_sync", self.sched.unfinished(), int(self.machine.vars.pending_pause))
         self.fire(
-            RankEvent.DP_SYNC_DONE, has_work=self.sched.has_work(), sum_unfinished=u, sum_pending_pause=p
+            RankEvent.DP_SYNC_DONE, has_work=self.sched.has_work(), **dict(outcome_args("dp_sync", out))
         )
 
     def _enter_resume_barrier(self, fired: Fired) -> None:
-        u, w = self._join("resume_barrier", self.sched.unfinished(), int(self.machine.vars.current_wave))
-        self.fire(RankEvent.RESUME_BARRIER_DONE, max_unfinished=u, max_wave=w)
+        out = self._join("resume_barrier", self.sched.unfinished(), int(self.machine.vars.current_wave))
+        self.fire(RankEvent.RESUME_BARRIER_DONE, **dict(outcome_args("resume_barrier", out)))
 
     def _enter_weight_broadcast(self, fired: Fired) -> None:
         self.dp.post("weight_broadcast")
@@ -499,14 +499,7 @@ class EngineCore:
         return dict(self._ctx_call.kwargs) if self._ctx_call is not None else {}
 
     # ------------------------------------------------------------------ inputs
-    _CALL_EVENTS: ClassVar[dict[str, RankEvent]] = {
-        "pause": RankEvent.PAUSE,
-        "resume": RankEvent.RESUME,
-        "init_weight_transfer_engine": RankEvent.INIT_TRANSFER,
-        "start_weight_update": RankEvent.START_UPDATE,
-        "update_weights": RankEvent.UPDATE_WEIGHTS,
-        "finish_weight_update": RankEvent.FINISH_UPDATE,
-    }
+    _CALL_EVENTS: ClassVar[dict[str, RankEvent]] = CALL_EVENT  # spec/controller.py
 
     def _set_trace(self, path: str | None) -> None:
         if self._trace_fd is not None:
@@ -555,8 +548,8 @@ class EngineCore:
         args: dict[str, Any] = {}
         if event is RankEvent.PAUSE:
             args = {
-                "mode": PauseMode(call.kwargs.get("mode", "abort")),
-                "clear_cache": bool(call.kwargs.get("clear_cache", True)),
+                "mode": PauseMode(call.kwargs.get("mode", PAUSE_ARGS["mode"])),
+                "clear_cache": bool(call.kwargs.get("clear_cache", PAUSE_ARGS["clear_cache"])),
                 "running": len(self.sched.running),
             }
         if self.machine.select(event, args) is None:

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from weightsync.spec.collectives import DONE_EVENT as DONE_EVENT
+from weightsync.spec.collectives import DP_KINDS as DP_KINDS
+from weightsync.spec.collectives import ENTER_EFFECT as ENTER_EFFECT
+from weightsync.spec.collectives import FAIL_PHASE as FAIL_PHASE
+from weightsync.spec.collectives import TRANSFER_KINDS as TRANSFER_KINDS
 from weightsync.spec.controller import CALL_EVENT as CALL_EVENT
 from weightsync.spec.controller import PHASE_CALL as PHASE_CALL
 from weightsync.spec.controller import X_PAUSE as X_PAUSE
 from weightsync.spec.controller import X_RESUME as X_RESUME
 from weightsync.spec.controller import Phase
 from weightsync.spec.rank import RankVars
-from weightsync.spec.states import DP_COLLECTIVES, PauseMode, RankEvent
+from weightsync.spec.states import PauseMode
 from weightsync.spec.worker import WorkerVars
 
 # Controller phases (the spec's :class:`~weightsync.spec.controller.Phase`, as ints in the state), the call
@@ -24,12 +29,6 @@ NOT_SENT, SENT, REPLIED, SPURIOUS, FAILED_REPLY = 0, 1, 2, 3, 4
 RETRY = -1
 #: Rank effects that are worker operations that may fail (when Bounds.failures allows one).
 FAILABLE_EFFECTS = frozenset({"start_weight_update", "finish_weight_update"})
-FAIL_PHASE = {
-    "start_weight_update": "start",
-    "finish_weight_update": "finish",
-    "weight_broadcast": "update",
-    "transfer_init": "init",
-}
 
 # Per-socket rank input FIFOs.
 F_ADD, F_CTRL, F_WAVE = 0, 1, 2
@@ -40,17 +39,6 @@ CHANNEL_FIFOS: dict[str, tuple[int, int, int, int]] = {
     "ordered": (1, 0, 0, 0),
 }
 CHANNELS = tuple(CHANNEL_FIFOS)
-
-DONE_EVENT = {
-    "dp_step": RankEvent.DP_STEP_DONE,
-    "dp_sync": RankEvent.DP_SYNC_DONE,
-    "resume_barrier": RankEvent.RESUME_BARRIER_DONE,
-    "weight_broadcast": RankEvent.WEIGHT_BROADCAST_DONE,
-    "transfer_init": RankEvent.TRANSFER_INIT_DONE,
-}
-ENTER_EFFECT = {f"enter_{k}": k for k in DONE_EVENT}
-DP_KINDS = frozenset(str(c.value) for c in DP_COLLECTIVES)
-TRANSFER_KINDS = frozenset({"weight_broadcast", "transfer_init"})
 
 
 class Bounds(NamedTuple):
