@@ -143,6 +143,12 @@ class CtrlVars(NamedTuple):
 X_PAUSE, X_RESUME = 1, 2
 
 
+def front_end_answers(pause_in_front_end: bool, call: str) -> bool:
+    """Whether the API front-end answers ``call`` itself (the rows' effect ``front_end_call``): pause and
+    resume in a variant whose pause is held in the front-end (PR #28037, before PR #34125)."""
+    return pause_in_front_end and call in (PHASE_CALL[Phase.PAUSE], PHASE_CALL[Phase.RESUME])
+
+
 def call_version(phase: int, update_rounds: int) -> int:
     """The version argument the call of ``phase`` carries: a ``finish_weight_update`` the count of
     successful rounds + 1 (so a round retried after a failure carries the same version), the others 0."""
@@ -250,7 +256,7 @@ def controller_table(pause_in_front_end: bool = False) -> Table:
     t = Transition
 
     def call(target: Phase) -> str:
-        return "front_end_call" if pause_in_front_end and target in (_P.PAUSE, _P.RESUME) else "fan_out"
+        return "front_end_call" if front_end_answers(pause_in_front_end, PHASE_CALL[target]) else "fan_out"
 
     def row(guard: str, target: Phase, updates: tuple[str, ...], rule: str) -> Transition:
         return t(guard, target, updates, (call(target),), rule)
@@ -447,5 +453,6 @@ __all__ = [
     "controller_event",
     "controller_next",
     "controller_table",
+    "front_end_answers",
     "init_holds_requests",
 ]

@@ -27,7 +27,7 @@ from weightsync.model.system.state import (
     _Work,
 )
 from weightsync.spec.collectives import OUTCOME_KINDS, contribution, outcome_args, reduce_values
-from weightsync.spec.front_end import FrontEvent
+from weightsync.spec.front_end import RANK_EFFECT_EVENT
 from weightsync.spec.rank import RankVars
 from weightsync.spec.states import (
     RankEvent,
@@ -263,10 +263,8 @@ class RankEffects(ModelBase):
                 self._to_coord(w, i, ("wave_complete", rk.vars.current_wave - 1, i))
         elif eff == "emit_start_wave":
             self._to_coord(w, i, ("start_wave", rk.vars.current_wave, i))
-        elif eff == "front_end_gate":
-            w.front = self._front(w.front, FrontEvent.GATE)[1]
-        elif eff == "front_end_ungate":  # held requests: the model sends them only after this (release_held)
-            w.front = self._front(w.front, FrontEvent.UNGATE)[1]
+        elif eff in RANK_EFFECT_EVENT:  # the front-end's gate; held requests are sent only after ungate
+            w.front = self._front(w.front, RANK_EFFECT_EVENT[eff])[1]
         else:  # pragma: no cover - a table naming an effect the model does not know
             raise ValueError(f"unknown effect {eff!r}")
 
