@@ -23,6 +23,7 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from weightsync.spec.states import Collective, PauseState, RankEvent, unfinished_for_sync
+from weightsync.spec.table import table_digest
 
 
 class Reduction(StrEnum):
@@ -145,6 +146,18 @@ def outcome_args(kind: str, reduced: Sequence[int]) -> tuple[tuple[str, int], ..
     return tuple(sorted(zip(COLLECTIVES[Collective(kind)].outcome, reduced, strict=True)))
 
 
+def collectives_digest() -> str:
+    """SHA-256 of the collectives' data and the failure phases (``weightsync prove --check``)."""
+    lines = [
+        f"{k.value}|{c.done.value}|{c.enter}|{c.dp}|{c.reduction.value}|{','.join(c.contributes)}|"
+        f"{','.join(c.outcome)}"
+        for k, c in COLLECTIVES.items()
+    ]
+    lines += [f"{k}={v}" for k, v in sorted(FAIL_PHASE.items())]
+    lines += [f"{k.value}={v}" for k, v in CALL_FAIL_PHASE.items()]
+    return table_digest((), *lines)
+
+
 __all__ = [
     "CALL_FAIL_PHASE",
     "COLLECTIVES",
@@ -157,6 +170,7 @@ __all__ = [
     "TRANSFER_KINDS",
     "CollectiveSpec",
     "Reduction",
+    "collectives_digest",
     "contribution",
     "outcome_args",
     "reduce_values",

@@ -425,11 +425,20 @@ def controller_next(
 
 
 def controller_digest() -> str:
-    """SHA-256 of both controller tables (every variant uses one of them)."""
-    parts = []
+    """SHA-256 of both controller tables (every variant uses one of them) and the call maps."""
+    parts = [f"{int(p)}={c}" for p, c in PHASE_CALL.items()]
+    parts += [f"{c}={e.value}" for c, e in CALL_EVENT.items()]
+    parts += [f"{int(p)}={c.value}" for p, c in TRAINER_COLLECTIVE.items()]
+    parts += [f"{k}={v}" for k, v in PAUSE_ARGS.items()]
     for fe in (False, True):
         table = controller_table(fe)
-        parts.append(table_digest((s, e, tr) for (s, e), trs in sorted(table.items()) for tr in trs))
+        parts.append(
+            table_digest(
+                (s.name, e, tr._replace(target=tr.target.name))
+                for (s, e), trs in sorted(table.items())
+                for tr in trs
+            )
+        )
     return table_digest((), *parts)
 
 
