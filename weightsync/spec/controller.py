@@ -1,4 +1,4 @@
-"""The RL controller's cycle as a table: which call it makes next after each phase (reference section 9).
+"""The RL controller's cycle as a table: which call it makes next after each phase.
 
 The controller (an RL orchestrator) drives every engine rank through ``pause -> [init] -> start -> update ->
 finish -> resume``, or ``pause -> resume``. Its state is the phase whose call it made last
@@ -103,7 +103,7 @@ TRAINER_COLLECTIVE: dict[int, Collective] = {
     Phase.UPDATE: Collective.WEIGHT_BROADCAST,
     Phase.INIT: Collective.TRANSFER_INIT,
 }
-#: The pause call's arguments and vLLM 0.32's defaults (``v1/engine/async_llm.py``
+#: The pause call's arguments and vLLM 0.32's defaults (``v1/engine/async_llm.py:952``
 #: ``pause_generation(mode="abort", clear_cache=True)``; the rank table reads them as PAUSE's ``mode`` and
 #: ``clear_cache``).
 PAUSE_ARGS: dict[str, Any] = {"mode": "abort", "clear_cache": True}
@@ -244,7 +244,10 @@ CTRL_EFFECTS: dict[str, str] = {
 _P = Phase
 _E = CtrlEvent
 Table = dict[tuple[Phase, CtrlEvent], tuple[Transition, ...]]
-R9 = "reference s9 (RL controller)"
+R9 = (
+    "vLLM 0.32 RL API: pause_generation, init/start/update/finish weight calls, resume_generation "
+    "(v1/engine/async_llm.py:952-990, 1315-1363)"
+)
 R_RECOVER = "weightsync (model policy recover)"
 R_ONE = "weightsync update_round (policy one_round)"
 
@@ -305,7 +308,10 @@ def controller_table(pause_in_front_end: bool = False) -> Table:
     next_cycle = (
         row("cycles_left", _P.PAUSE, ("begin_cycle",), R9 + ": a new cycle"),
         row(
-            "stray_resume_left", _P.RESUME, ("use_stray_resume",), "reference s9 prime-rl: a `finally` resume"
+            "stray_resume_left",
+            _P.RESUME,
+            ("use_stray_resume",),
+            "an orchestrator's `finally` resume (model bound stray_resume)",
         ),
     )
     after_pause = (

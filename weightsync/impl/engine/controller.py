@@ -1,4 +1,4 @@
-"""The controller: one weight-update round over a DP engine cluster (reference section 2, "Round").
+"""The controller: one weight-update round over a DP engine cluster.
 
 ``pause(mode) -> start_weight_update -> update_weights (concurrently with the trainer's send) ->
 finish_weight_update(weight_version) -> resume``. The weight calls are vLLM 0.32's
@@ -112,7 +112,7 @@ def update_round(
             :class:`~weightsync.impl.checked.CheckedEngine` around it); also the trainer's client.
         trainer: the trainer engine (``trainer_init(..., client=engine)``).
         weights: this round's source (None: the trainer's own source).
-        mode, clear_cache: the pause arguments (reference section 4).
+        mode, clear_cache: the pause arguments (vLLM 0.32 ``pause_generation``, ``v1/engine/async_llm.py:952``).
         timeout: per-call timeout, seconds (None: the client's default).
         weight_version: the version ``finish_weight_update`` sets (vLLM 0.32's string; None: the version
             stays). Pass it whenever a round may be retried after a failure, so every rank ends on the
