@@ -51,7 +51,7 @@ from weightsync.impl.engine.messages import (
     WaveComplete,
 )
 from weightsync.impl.models.config import LMConfig
-from weightsync.spec.collectives import outcome_args
+from weightsync.spec.collectives import ENTER_EFFECT, FAIL_PHASE, outcome_args
 from weightsync.spec.controller import CALL_EVENT, PAUSE_ARGS
 from weightsync.spec.errors import LocalProtocolError, PeerFailedError
 from weightsync.spec.rank import EFFECTS, RankMachine, apply, relabel_weight_version
@@ -301,7 +301,7 @@ class EngineCore:
         # the scheduler's PauseState mirrors the machine variable (set by the table's updates)
         self.sched.pause_state = fired.after.pause_state
         tr = fired.transition
-        coll = next((e[len("enter_") :] for e in tr.effects if e.startswith("enter_")), "")
+        coll = next((ENTER_EFFECT[e] for e in tr.effects if e in ENTER_EFFECT), "")
         rec = TransitionRecord(
             self.rank,
             self.rank_seq,
@@ -413,23 +413,23 @@ class EngineCore:
     def _enter_weight_broadcast(self, fired: Fired) -> None:
         self.dp.post("weight_broadcast")
         info = dict(self._current_kwargs()["update_info"])
-        self._transfer_op("update", lambda: self.worker.update_weights(info))
+        self._transfer_op(FAIL_PHASE["weight_broadcast"], lambda: self.worker.update_weights(info))
         self.dp.post("idle")
         self.fire(RankEvent.WEIGHT_BROADCAST_DONE)
 
     def _enter_transfer_init(self, fired: Fired) -> None:
         self.dp.post("transfer_init")
         info = dict(self._current_kwargs()["init_info"])
-        self._transfer_op("init", lambda: self.worker.init_weight_transfer_engine(info))
+        self._transfer_op(FAIL_PHASE["transfer_init"], lambda: self.worker.init_weight_transfer_engine(info))
         self.dp.post("idle")
         self.fire(RankEvent.TRANSFER_INIT_DONE)
 
     def _start_weight_update(self, fired: Fired) -> None:
-        self._transfer_op("start", self.worker.start_weight_update)
+        self._transfer_op(FAIL_PHASE["start_weight_update"], self.worker.start_weight_update)
 
     def _finish_weight_update(self, fired: Fired) -> None:
         kw = self._current_kwargs()
-        self._transfer_op("finish", self.worker.finish_weight_update)
+        self._transfer_op(FAIL_PHASE["finish_weight_update"], self.worker.finish_weight_update)
         self.fire(
             RankEvent.FINISH_DONE,
             weight_version=kw.get("weight_version"),
