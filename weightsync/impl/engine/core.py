@@ -368,7 +368,7 @@ class EngineCore:
             self.q.out.put(StepOutputs(self.rank, tuple(deltas)))
 
     def _abort_requests(self, fired: Fired) -> None:
-        # only the rows of mode=abort name this effect (the table decided; vLLM 0.32 core.py:2086-2090)
+        # only the rows of mode=abort name this effect (the table decided; vLLM 0.32 core.py:2088-2092)
         self._send_deltas(self.sched.abort_all())
 
     def _queue_request(self, fired: Fired) -> None:
