@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import random
+import threading
 import time
 from typing import Any
 
@@ -195,6 +196,11 @@ class _FrontEndOnly:
 
         c = DPEngineClient.__new__(DPEngineClient)
         c.front = FrontVars()
+        c._lock = threading.RLock()
+        c._trans_cv = threading.Condition(c._lock)
+        c.rank_vars = [{} for _ in range(N)]
+        c.transitions = []
+        c._listeners = []
         c.hold = False
         c.hold_coord = False
         c._held_adds = []
@@ -209,11 +215,15 @@ class _FrontEndOnly:
 
 def test_model_and_client_front_end_agree_on_random_sequences() -> None:
     """The same random client traffic, coordinator stats and front-end pause gate go through the model's
-    front-end (``Model._front`` / ``_send_request``) and the reference client's; they must send the same
-    ADDs and FIRST_REQs (wave stamps included) and keep the same belief. Requests the gate holds: the
-    client sends them when the gate opens, the model sends them then (it does not create them earlier)."""
-    from weightsync.impl.engine.messages import Stats
+    front-end (``Model._front`` / ``_send_request``) and the reference client's; the gate closes and opens
+    through a rank row's ``front_end_gate`` / ``front_end_ungate`` effects (the model's ``_effect``, the
+    client's ``_on_engine_msg``). They must send the same ADDs and FIRST_REQs (wave stamps included) and
+    keep the same belief. Requests the gate holds: the client sends them when the gate opens, the model
+    sends them then (it does not create them earlier)."""
+    from weightsync.impl.engine.messages import Stats, TransitionRecord
+    from weightsync.model.system.state import _Work
     from weightsync.spec.front_end import FrontEvent
+    from weightsync.spec.states import RankEvent, RankState
 
     m = Model(Config("front-end-pause", N, PauseMode.KEEP, "per-socket", Bounds(requests=10**6)))
     fe = _FrontEndOnly()
@@ -245,9 +255,15 @@ def test_model_and_client_front_end_agree_on_random_sequences() -> None:
             _, front = m._front(s.front, FrontEvent.STATS, wave=wave, running=running)
             s = s._replace(front=front)
             fe.c._front_stats(Stats(wave, running))
-        else:  # the front-end pause gate closes or opens
+        else:  # a rank fires front-end-pause's PAUSE or RESUME row, whose effects close or open the gate
             ev = FrontEvent.GATE if k == 2 else FrontEvent.UNGATE
-            s = s._replace(front=m._front(s.front, ev)[1])
+            key = (RankState.RUNNING, RankEvent.PAUSE) if k == 2 else (RankState.VERIFIED, RankEvent.RESUME)
+            row = m.table[key][0]
+            w = _Work(s)
+            for eff in row.effects:  # the model runs the row's front-end effects (its replies: no call here)
+                if eff.startswith("front_end_"):
+                    m._effect(w, 0, eff, s.ranks[0].vars, -1)
+            s = w.freeze()
             if ev is FrontEvent.UNGATE:
                 first = s.front[2] - len(held)
                 for j, i in enumerate(held):  # the model sends the held requests now, in order
@@ -257,7 +273,8 @@ def test_model_and_client_front_end_agree_on_random_sequences() -> None:
                     s = s._replace(front=(*s.front[:2], nxt, *s.front[3:]))
                     want += out
                 held = []
-            fe.c._front_gate(ev)
+            rec = TransitionRecord(0, 0, key[1].value, {}, {}, {}, row.guard, row.effects, "", 0, 0.0, 0, 0)
+            fe.c._on_engine_msg(0, rec)  # the client runs them from the rank's report
         got, fe.sent[:] = list(fe.sent), []
         assert got == want, f"event {k}: client sent {got}, model {want}"
         belief = (fe.c.front.current_wave, fe.c.front.engines_running, fe.c.front.gated)

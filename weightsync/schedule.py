@@ -33,8 +33,9 @@ from typing import Any
 
 from weightsync.model.check import check, replay_labels
 from weightsync.model.system import CALL_EVENT, DONE_EVENT, G, Model, describe, message_event
+from weightsync.model.system.effects import collective_args as model_collective_args
 from weightsync.spec.rank import RankVars
-from weightsync.spec.states import RankEvent, unfinished_for_sync
+from weightsync.spec.states import RankEvent
 
 #: the rank variables vLLM has under the same name, compared between the model and the engine
 COMPARED = ("engines_running", "current_wave", "pending_pause", "ignore_start_dp_wave", "pause_state")
@@ -196,16 +197,9 @@ def channels(model: Model, s: G) -> dict[Channel, list[tuple[Any, ...]]]:
 
 def collective_args(model: Model, s: G, kind: str) -> tuple[tuple[str, Any], ...]:
     """The arguments every member's outcome event of collective ``kind`` carries in ``s`` (besides
-    ``has_work``): the DP sync's sums, the resume barrier's maxima (as the model's completion gives them)."""
-    ranks = s.ranks
-    if kind == "dp_sync":
-        su = sum(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
-        sp = sum(1 for r in ranks if r.vars.pending_pause)
-        return (("sum_pending_pause", sp), ("sum_unfinished", su))
-    if kind == "resume_barrier":
-        mu = max(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
-        return (("max_unfinished", mu), ("max_wave", max(r.vars.current_wave for r in ranks)))
-    return ()
+    ``has_work``): the DP sync's sums, the resume barrier's maxima (the model's joint completion,
+    :func:`weightsync.model.system.effects.collective_args`, over the spec's reductions)."""
+    return model_collective_args(s.ranks, kind)
 
 
 def fired_events(

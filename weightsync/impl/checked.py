@@ -46,16 +46,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from weightsync.spec.collectives import DP_KINDS, KIND_OF_DONE
+from weightsync.spec.controller import CALL_EVENT
 from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
 from weightsync.spec.rank import RankMachine, RankVars, apply, get_variant, relabel_weight_version, select
 from weightsync.spec.states import PauseMode, PauseState, RankEvent, RankState
 
-_DONE_OF = {
-    RankEvent.DP_STEP_DONE.value: "dp_step",
-    RankEvent.DP_SYNC_DONE.value: "dp_sync",
-    RankEvent.RESUME_BARRIER_DONE.value: "resume_barrier",
-}
-_DP_KINDS = frozenset(_DONE_OF.values())
+#: the DP collectives' completion events -> their kinds (spec/collectives.py)
+_DONE_OF = {ev: kind for ev, kind in KIND_OF_DONE.items() if kind in DP_KINDS}
+_DP_KINDS = DP_KINDS
 
 
 def vars_to_dict(v: RankVars) -> dict[str, Any]:
@@ -302,14 +301,7 @@ class CheckedEngine:
         return getattr(self.engine, name)
 
 
-_CALLS = {
-    RankEvent.PAUSE.value,
-    RankEvent.RESUME.value,
-    RankEvent.INIT_TRANSFER.value,
-    RankEvent.START_UPDATE.value,
-    RankEvent.UPDATE_WEIGHTS.value,
-    RankEvent.FINISH_UPDATE.value,
-}
+_CALLS = {str(e.value) for e in CALL_EVENT.values()}  # the controller calls (spec/controller.py)
 
 
 # =============================================================================== replay

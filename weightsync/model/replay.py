@@ -29,16 +29,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from weightsync.model.system import DONE_EVENT, TRANSFER_KINDS
+from weightsync.spec.collectives import DP_KINDS as DP_KINDS
+from weightsync.spec.collectives import KIND_OF_DONE as KIND_OF_DONE
+from weightsync.spec.collectives import OUTCOME_KINDS as OUTCOME_KINDS
+from weightsync.spec.collectives import TRANSFER_KINDS, contribution, outcome_args, reduce_values
 from weightsync.spec.rank import RankMachine, RankVars
-from weightsync.spec.states import PauseState, RankEvent, schedulable, unfinished_for_sync
+from weightsync.spec.states import PauseState, RankEvent, schedulable
 
-#: completion event value -> collective kind
-KIND_OF_DONE = {str(ev.value): kind for kind, ev in DONE_EVENT.items()}
-#: the collectives whose completion carries outcome arguments
-OUTCOME_KINDS = frozenset({"dp_sync", "resume_barrier"})
 #: DP collectives with a sequence number shared by the members (``coll_seq`` of the trace)
-SEQUENCED_KINDS = frozenset({"dp_step", "dp_sync", "resume_barrier"})
+SEQUENCED_KINDS = DP_KINDS
 
 
 class Member(NamedTuple):
@@ -61,15 +60,13 @@ def collective_outcome(kind: str, members: Sequence[Member]) -> dict[str, int]:
     """
     if not members:
         raise ValueError("a collective needs at least one member")
-    unfinished = [unfinished_for_sync(m.vars.pause_state, m.waiting, m.running) for m in members]
-    if kind == "dp_sync":
-        return {
-            "sum_unfinished": sum(unfinished),
-            "sum_pending_pause": sum(1 for m in members if m.vars.pending_pause),
-        }
-    if kind == "resume_barrier":
-        return {"max_unfinished": max(unfinished), "max_wave": max(m.vars.current_wave for m in members)}
-    return {}
+    contribs = [
+        contribution(
+            kind, m.vars.pause_state, m.waiting, m.running, m.vars.pending_pause, m.vars.current_wave
+        )
+        for m in members
+    ]
+    return dict(outcome_args(kind, reduce_values(kind, contribs)))
 
 
 def _counts(rec: Mapping[str, Any]) -> tuple[int, int] | None:

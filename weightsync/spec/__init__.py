@@ -27,12 +27,10 @@ from weightsync.spec.rank import (
 )
 from weightsync.spec.states import (
     Collective,
-    Message,
     PauseMode,
     PauseState,
     RankEvent,
     RankState,
-    Socket,
     schedulable,
     unfinished_for_sync,
 )
@@ -47,7 +45,6 @@ __all__ = [
     "Collective",
     "IncompleteUpdateError",
     "LocalProtocolError",
-    "Message",
     "PauseMode",
     "PauseState",
     "PeerFailedError",
@@ -56,7 +53,6 @@ __all__ = [
     "RankState",
     "RankVars",
     "RemoteProtocolError",
-    "Socket",
     "TransferTimeoutError",
     "Variant",
     "WeightSyncError",

@@ -66,6 +66,13 @@ class FrontVars(NamedTuple):
 #: (every held request through :attr:`FrontEvent.SEND_REQUEST` again, in order).
 FRONT_END_EFFECTS = ("send_add", "send_first_req", "hold_request", "release_held")
 
+#: The rank table's effects that the front-end executes, and the front-end event each is (the rank row
+#: names the effect; the front-end that serves the rank runs it).
+RANK_EFFECT_EVENT: dict[str, FrontEvent] = {
+    "front_end_gate": FrontEvent.GATE,
+    "front_end_ungate": FrontEvent.UNGATE,
+}
+
 FRONT_END_GUARDS = {
     "gated": lambda v, a: v.gated,
     "stats_running": lambda v, a: bool(a["running"]),
@@ -139,6 +146,7 @@ __all__ = [
     "FRONT_END_GUARDS",
     "FRONT_END_TABLE",
     "FRONT_END_UPDATES",
+    "RANK_EFFECT_EVENT",
     "FrontEvent",
     "FrontState",
     "FrontVars",

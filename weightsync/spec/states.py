@@ -1,4 +1,5 @@
-"""Vocabulary of the per-rank protocol: states, events, pause modes, PauseState, messages, collectives.
+"""Vocabulary of the per-rank protocol: states, events, pause modes, PauseState, collective kinds (their
+data: :mod:`weightsync.spec.collectives`).
 
 Names follow vLLM (``START_DP_WAVE``, ``PauseState``, ``pending_pause``, ``ignore_start_dp_wave``,
 ``engines_running``, ``current_wave``) and torch.distributed.
@@ -118,36 +119,6 @@ class Collective(StrEnum):
     RESUME_BARRIER = "resume_barrier"
     WEIGHT_BROADCAST = "weight_broadcast"
     TRANSFER_INIT = "transfer_init"
-
-
-#: Collectives of the DP group (engine ranks only); the others also include the trainer.
-DP_COLLECTIVES: frozenset[Collective] = frozenset(
-    {Collective.DP_STEP, Collective.DP_SYNC, Collective.RESUME_BARRIER}
-)
-TRANSFER_COLLECTIVES: frozenset[Collective] = frozenset(
-    {Collective.WEIGHT_BROADCAST, Collective.TRANSFER_INIT}
-)
-
-
-class Message(StrEnum):
-    """Messages between processes (reference section 5 table)."""
-
-    ADD = "ADD"  # front-end -> one engine: (request, wave)
-    ABORT = "ABORT"  # front-end -> one engine
-    FIRST_REQ = "FIRST_REQ"  # front-end -> coordinator: (exclude, wave)
-    START_DP_WAVE = "START_DP_WAVE"  # coordinator -> every engine: (wave, exclude)
-    WAVE_COMPLETE = "wave_complete"  # engine rank 0 -> coordinator: wave
-    START_WAVE = "start_wave"  # engine -> coordinator: wave
-    UTILITY = "utility"  # controller -> engine: pause / resume / weight-transfer call
-
-
-class Socket(StrEnum):
-    """Sockets; each is a FIFO, and sockets are mutually unordered (reference section 5)."""
-
-    INPUT = "input"  # front-end/controller -> engine: ADD, ABORT, utility calls
-    WAVE = "wave"  # coordinator -> engine: START_DP_WAVE
-    OUTPUT = "output"  # engine -> coordinator/front-end: wave_complete, start_wave, replies
-    FRONT = "front"  # front-end -> coordinator: FIRST_REQ
 
 
 def admits_waiting(pause_state: PauseState) -> bool:

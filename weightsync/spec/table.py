@@ -77,6 +77,21 @@ def select_transition(
     return None
 
 
+def enabled_transitions(
+    table: Mapping[tuple[Any, Any], tuple[Transition, ...]],
+    state: Any,
+    event: Any,
+    variables: Any,
+    args: Mapping[str, Any],
+    guards: Mapping[str, Guard],
+) -> list[Transition]:
+    """Every row ``event`` may take from ``state`` (each whose guard holds, in table order): the choices of
+    a nondeterministic user of a table (the model's controller). Pure."""
+    return [
+        tr for tr in table.get((state, event), ()) if tr.guard == ALWAYS or guards[tr.guard](variables, args)
+    ]
+
+
 def apply_transition(
     variables: V, tr: Transition, args: Mapping[str, Any], updates: Mapping[str, Update]
 ) -> V:

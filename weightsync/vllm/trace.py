@@ -49,23 +49,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from weightsync.spec.collectives import CALL_FAIL_PHASE, outcome_args, reduce_values
+from weightsync.spec.controller import CALL_EVENT
 from weightsync.spec.states import PauseState, RankEvent, schedulable
 
 #: vLLM's variables that the table has under the same name (compared by replay)
 OBSERVED = ("engines_running", "current_wave", "pending_pause", "ignore_start_dp_wave", "pause_state")
 #: weight-transfer call -> (its event, the event that follows on success)
+_DONE_OF_CALL: dict[str, RankEvent | None] = {
+    "init_weight_transfer_engine": RankEvent.TRANSFER_INIT_DONE,
+    "start_weight_update": None,
+    "update_weights": RankEvent.WEIGHT_BROADCAST_DONE,
+    "finish_weight_update": RankEvent.FINISH_DONE,
+}
 WEIGHT_CALLS: dict[str, tuple[RankEvent, RankEvent | None]] = {
-    "init_weight_transfer_engine": (RankEvent.INIT_TRANSFER, RankEvent.TRANSFER_INIT_DONE),
-    "start_weight_update": (RankEvent.START_UPDATE, None),
-    "update_weights": (RankEvent.UPDATE_WEIGHTS, RankEvent.WEIGHT_BROADCAST_DONE),
-    "finish_weight_update": (RankEvent.FINISH_UPDATE, RankEvent.FINISH_DONE),
+    call: (CALL_EVENT[call], done) for call, done in _DONE_OF_CALL.items()
 }
-PHASE = {
-    "init_weight_transfer_engine": "init",
-    "start_weight_update": "start",
-    "update_weights": "update",
-    "finish_weight_update": "finish",
-}
+#: the ``phase`` of ``transfer_failed`` for each weight call (spec/collectives.py)
+PHASE = {call: CALL_FAIL_PHASE[CALL_EVENT[call]] for call in WEIGHT_CALLS}
 
 
 def _obs(rec: dict[str, Any]) -> dict[str, Any]:
@@ -123,19 +124,21 @@ def to_replay_trace(
         if len(kinds) > 1:
             raise ValueError(f"DP collective #{seq}: the ranks entered {sorted(kinds)} (not matched)")
         kind = kinds.pop()
-        args: dict[str, Any]
+        # each member's contribution as vLLM logged it, reduced by the spec (spec/collectives.py)
+        contribs: list[tuple[int, ...]] | None = None
         if kind == "dp_sync" and all(colls[r][seq][2] is not None for r in ranks):
-            args = {
-                "sum_unfinished": sum(int(colls[r][seq][2]["has_unfinished"]) for r in ranks),
-                "sum_pending_pause": sum(int(colls[r][seq][2]["pending_pause"]) for r in ranks),
-            }
+            contribs = [
+                (int(colls[r][seq][2]["has_unfinished"]), int(colls[r][seq][2]["pending_pause"]))
+                for r in ranks
+            ]
         elif kind == "resume_barrier":
-            args = {
-                "max_unfinished": max(int(bool(colls[r][seq][2]["has_unfinished"])) for r in ranks),
-                "max_wave": max(int(colls[r][seq][1]["vllm"]["current_wave"]) for r in ranks),
-            }
-        else:
-            args = {}
+            contribs = [
+                (int(bool(colls[r][seq][2]["has_unfinished"])), int(colls[r][seq][1]["vllm"]["current_wave"]))
+                for r in ranks
+            ]
+        args: dict[str, Any] = (
+            {} if contribs is None else dict(outcome_args(kind, reduce_values(kind, contribs)))
+        )
         for r in ranks:
             outcome[(r, seq)] = args
     seq_of = {id(c[1]): (r, s) for r in ranks for s, c in enumerate(colls[r])}

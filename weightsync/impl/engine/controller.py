@@ -1,4 +1,4 @@
-"""The controller: one weight-update round over a DP engine cluster (reference section 2, "Round").
+"""The controller: one weight-update round over a DP engine cluster.
 
 ``pause(mode) -> start_weight_update -> update_weights (concurrently with the trainer's send) ->
 finish_weight_update(weight_version) -> resume``. The weight calls are vLLM 0.32's
@@ -7,23 +7,36 @@ finish_weight_update(weight_version) -> resume``. The weight calls are vLLM 0.32
 engine: the controller opens and closes the round and times each phase, the trainer's ``update`` moves
 the weights (``client.update_weights`` concurrently with its data plane).
 
-Failure policy (the choice the issue asks to document): **a rank never resumes serving on a partial update;
-it stays paused with an error.** ``resume`` runs in a ``finally`` whenever the engines hold a complete set
-of weights -- the round finished, or it failed before any weight moved (pause or start failed) -- so a
-failed round never leaves healthy engines paused forever. If the round failed after ``update_weights``
-began (a broadcast timed out, the trainer died, ``finish`` found missing parameters), resuming would serve
-a mix of old and new weights, so the controller does not resume; the ranks involved have already stopped
-(an engine rank stops on any failed effect, :mod:`weightsync.impl.engine.core`) and
-:class:`UpdateFailedError` says so. Rolling back instead would need a spec row ``UPDATING --abort_update-->
-VERIFIED``, which the table does not have (reported to the lead).
+The order of the calls and the failure policy are rows of the spec's controller table
+(:mod:`weightsync.spec.controller`, policy ``one_round``), which the model explores too; this module only
+makes the calls, times them and turns each outcome into the table's event. The policy: **a rank never
+resumes serving on a partial update.** ``resume`` runs whenever the engines hold a complete set of
+weights -- the round finished, or ``start_weight_update`` failed before any weight moved -- and then the
+start's error is raised. If the round failed after ``update_weights`` began (a broadcast timed out, the
+trainer died, ``finish`` found missing parameters), resuming would serve a mix of old and new weights, so
+the controller does not resume; the ranks involved are ``failed`` (the rank table's state: they refuse
+pause and resume and serve nothing until a new round completes) and :class:`UpdateFailedError` says so.
+A failed pause is raised without a resume (the ranks may stand in different states; a resume would send
+the verified ones alone into the resume barrier). The model's controller (policy ``recover``) carries a
+failed round through and runs a new one instead; the table names both.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from weightsync.spec.controller import (
+    PHASE_CALL,
+    CtrlEvent,
+    CtrlVars,
+    Phase,
+    Policy,
+    controller_next,
+    controller_table,
+)
 from weightsync.spec.errors import WeightSyncError
 
 
@@ -91,14 +104,15 @@ def update_round(
     monotonic: bool = False,
 ) -> RoundTimes:
     """Run one round: pause, start, update (the trainer's ``update``: ``update_weights`` concurrently with
-    its send), finish, resume.
+    its send), finish, resume -- the rows the controller table (:mod:`weightsync.spec.controller`) takes
+    under policy ``one_round``, first row whose guard holds (one cycle, the transfer engine initialised).
 
     Args:
         engine: the engine client (e.g. :class:`~weightsync.impl.engine.client.DPEngineClient` or a
             :class:`~weightsync.impl.checked.CheckedEngine` around it); also the trainer's client.
         trainer: the trainer engine (``trainer_init(..., client=engine)``).
         weights: this round's source (None: the trainer's own source).
-        mode, clear_cache: the pause arguments (reference section 4).
+        mode, clear_cache: the pause arguments (vLLM 0.32 ``pause_generation``, ``v1/engine/async_llm.py:952``).
         timeout: per-call timeout, seconds (None: the client's default).
         weight_version: the version ``finish_weight_update`` sets (vLLM 0.32's string; None: the version
             stays). Pass it whenever a round may be retried after a failure, so every rank ends on the
@@ -110,35 +124,64 @@ def update_round(
 
     Raises:
         UpdateFailedError: the round failed once weights began to move (engines not resumed).
-        The pause/start error itself when the round failed before any weight moved (engines resumed).
+        The start's error itself when it failed before any weight moved (engines resumed first); the
+        pause's error when the pause failed (not resumed); the resume's when the resume failed.
     """
     times = RoundTimes()
-    moved = False
-    done = False
-    t = time.perf_counter()
-    engine.pause(mode, clear_cache, timeout)
-    times.pause_s = time.perf_counter() - t
-    try:
-        t = time.perf_counter()
-        engine.start_weight_update(timeout=timeout)
-        times.start_s = time.perf_counter() - t
-        moved = True
+    table = controller_table()  # this client's pause and resume are its own calls, whatever the variant
+    args = {
+        "policy": Policy.ONE_ROUND,
+        "cycles": 1,
+        "requests_sent": 1,
+        "stray_resume": False,
+        "repeat_resume": False,
+        "pause_during_update": False,
+        "resume_during_update": False,
+    }
+    calls: dict[Phase, Callable[[], None]] = {
+        Phase.PAUSE: lambda: engine.pause(mode, clear_cache, timeout),
+        Phase.START: lambda: engine.start_weight_update(timeout=timeout),
+        Phase.UPDATE: lambda: trainer.update(weights),
+        Phase.FINISH: lambda: engine.finish_weight_update(
+            weight_version, monotonic=monotonic, timeout=timeout
+        ),
+        Phase.RESUME: lambda: engine.resume(timeout),
+    }
+    v = CtrlVars()
+    error: BaseException | None = None
+    failed_phase = Phase.IDLE
+    event = CtrlEvent.DONE
+    while True:
+        nxt = controller_next(table, v, event, args)
+        if nxt is None:  # pragma: no cover - every reachable (phase, event) of one_round has a row
+            raise AssertionError(f"controller table: no row for {v.phase.name} {event.value}")
+        tr, v = nxt
+        (effect,) = tr.effects
+        if effect == "end_round":
+            return times
+        if effect == "raise_failure":
+            assert error is not None
+            raise error
+        if effect == "raise_update_failed":
+            assert error is not None
+            raise UpdateFailedError(PHASE_CALL[failed_phase], error) from error
         t = time.perf_counter()
         try:
-            trainer.update(weights)
+            calls[v.phase]()
         except BaseException as exc:
-            raise UpdateFailedError("update_weights", exc) from exc
-        times.update_s = time.perf_counter() - t
-        t = time.perf_counter()
-        try:
-            engine.finish_weight_update(weight_version, monotonic=monotonic, timeout=timeout)
-        except BaseException as exc:
-            raise UpdateFailedError("finish_weight_update", exc) from exc
-        times.finish_s = time.perf_counter() - t
-        done = True
-    finally:
-        if done or not moved:
-            t = time.perf_counter()
-            engine.resume(timeout)
-            times.resume_s = time.perf_counter() - t
-    return times
+            if error is not None:
+                exc.__context__ = error
+            error, failed_phase, event = exc, v.phase, CtrlEvent.FAILED
+        else:
+            event = CtrlEvent.DONE
+        setattr(times, _TIME_FIELD[v.phase], time.perf_counter() - t)
+
+
+#: The :class:`RoundTimes` field of each phase.
+_TIME_FIELD = {
+    Phase.PAUSE: "pause_s",
+    Phase.START: "start_s",
+    Phase.UPDATE: "update_s",
+    Phase.FINISH: "finish_s",
+    Phase.RESUME: "resume_s",
+}

@@ -51,6 +51,8 @@ from weightsync.impl.engine.messages import (
 )
 from weightsync.impl.engine.records import INITIAL_WEIGHT_VERSION, record_line, trace_line, vars_dict
 from weightsync.impl.engine.tracing import jsonable, message_dict, open_trace
+from weightsync.spec.collectives import ENTER_EFFECT, FAIL_PHASE, outcome_args
+from weightsync.spec.controller import CALL_EVENT, PAUSE_ARGS
 from weightsync.spec.errors import LocalProtocolError, PeerFailedError
 from weightsync.spec.rank import EFFECTS, RankMachine, relabel_weight_version
 from weightsync.spec.states import PauseMode, RankEvent
@@ -170,7 +172,7 @@ class EngineCore:
         # the scheduler's PauseState mirrors the machine variable (set by the table's updates)
         self.sched.pause_state = fired.after.pause_state
         tr = fired.transition
-        coll = next((e[len("enter_") :] for e in tr.effects if e.startswith("enter_")), "")
+        coll = next((ENTER_EFFECT[e] for e in tr.effects if e in ENTER_EFFECT), "")
         rec = TransitionRecord(
             self.rank,
             self.rank_seq,
@@ -299,10 +301,8 @@ class EngineCore:
             self.q.out.put(StepOutputs(self.rank, tuple(deltas)))
 
     def _abort_requests(self, fired: Fired) -> None:
-        # The PAUSE row 'pause_drains_now' carries this effect for abort and keep alike; only mode=abort
-        # aborts (reference s4). Reported to the lead: the effect name could carry the mode.
-        if PauseMode(self._current_kwargs().get("mode", "abort")) is PauseMode.ABORT:
-            self._send_deltas(self.sched.abort_all())
+        # only the rows of mode=abort name this effect (the table decided; vLLM 0.32 core.py:2088-2092)
+        self._send_deltas(self.sched.abort_all())
 
     def _queue_request(self, fired: Fired) -> None:
         assert isinstance(self._ctx_msg, AddMsg)
@@ -328,7 +328,7 @@ class EngineCore:
         if self.cfg.step_sleep_s:
             time.sleep(self.cfg.step_sleep_s)
 
-    def _join(self, kind: str, a: int, b: int) -> tuple[int, int]:
+    def _join(self, kind: str, a: int, b: int) -> tuple[int, ...]:
         seq = self.coll_seq
         self.coll_seq += 1
         self._settle(kind)
@@ -341,35 +341,41 @@ class EngineCore:
         self.fire(RankEvent.DP_STEP_DONE, has_work=self.sched.has_work())
 
     def _enter_dp_sync(self, fired: Fired) -> None:
-        u, p = self._join("dp_sync", self.sched.unfinished(), int(self.machine.vars.pending_pause))
+        out = self._join("dp_sync", self.sched.unfinished(), int(self.machine.vars.pending_pause))
         self.fire(
-            RankEvent.DP_SYNC_DONE, has_work=self.sched.has_work(), sum_unfinished=u, sum_pending_pause=p
+            RankEvent.DP_SYNC_DONE, has_work=self.sched.has_work(), **dict(outcome_args("dp_sync", out))
         )
 
     def _enter_resume_barrier(self, fired: Fired) -> None:
-        u, w = self._join("resume_barrier", self.sched.unfinished(), int(self.machine.vars.current_wave))
-        self.fire(RankEvent.RESUME_BARRIER_DONE, max_unfinished=u, max_wave=w)
+        out = self._join("resume_barrier", self.sched.unfinished(), int(self.machine.vars.current_wave))
+        self.fire(RankEvent.RESUME_BARRIER_DONE, **dict(outcome_args("resume_barrier", out)))
 
     def _enter_weight_broadcast(self, fired: Fired) -> None:
         self.dp.post("weight_broadcast")
         info = dict(self._current_kwargs()["update_info"])
-        self._transfer_op("update", lambda: self.worker.update_weights(info), "weight_broadcast")
+        self._transfer_op(
+            FAIL_PHASE["weight_broadcast"], lambda: self.worker.update_weights(info), "weight_broadcast"
+        )
         self.dp.post("idle")
         self.fire(RankEvent.WEIGHT_BROADCAST_DONE)
 
     def _enter_transfer_init(self, fired: Fired) -> None:
         self.dp.post("transfer_init")
         info = dict(self._current_kwargs()["init_info"])
-        self._transfer_op("init", lambda: self.worker.init_weight_transfer_engine(info), "transfer_init")
+        self._transfer_op(
+            FAIL_PHASE["transfer_init"],
+            lambda: self.worker.init_weight_transfer_engine(info),
+            "transfer_init",
+        )
         self.dp.post("idle")
         self.fire(RankEvent.TRANSFER_INIT_DONE)
 
     def _start_weight_update(self, fired: Fired) -> None:
-        self._transfer_op("start", self.worker.start_weight_update)
+        self._transfer_op(FAIL_PHASE["start_weight_update"], self.worker.start_weight_update)
 
     def _finish_weight_update(self, fired: Fired) -> None:
         kw = self._current_kwargs()
-        self._transfer_op("finish", self.worker.finish_weight_update)
+        self._transfer_op(FAIL_PHASE["finish_weight_update"], self.worker.finish_weight_update)
         self.fire(
             RankEvent.FINISH_DONE,
             weight_version=kw.get("weight_version"),
@@ -439,14 +445,7 @@ class EngineCore:
         return dict(self._ctx_call.kwargs) if self._ctx_call is not None else {}
 
     # ------------------------------------------------------------------ inputs
-    CALL_EVENTS: ClassVar[dict[str, RankEvent]] = {
-        "pause": RankEvent.PAUSE,
-        "resume": RankEvent.RESUME,
-        "init_weight_transfer_engine": RankEvent.INIT_TRANSFER,
-        "start_weight_update": RankEvent.START_UPDATE,
-        "update_weights": RankEvent.UPDATE_WEIGHTS,
-        "finish_weight_update": RankEvent.FINISH_UPDATE,
-    }
+    CALL_EVENTS: ClassVar[dict[str, RankEvent]] = CALL_EVENT  # spec/controller.py
 
     def _set_trace(self, path: str | None) -> None:
         if self._trace_fd is not None:
@@ -495,8 +494,8 @@ class EngineCore:
         args: dict[str, Any] = {}
         if event is RankEvent.PAUSE:
             args = {
-                "mode": PauseMode(call.kwargs.get("mode", "abort")),
-                "clear_cache": bool(call.kwargs.get("clear_cache", True)),
+                "mode": PauseMode(call.kwargs.get("mode", PAUSE_ARGS["mode"])),
+                "clear_cache": bool(call.kwargs.get("clear_cache", PAUSE_ARGS["clear_cache"])),
                 "running": len(self.sched.running),
             }
         if self.machine.select(event, args) is None:

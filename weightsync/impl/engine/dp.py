@@ -5,7 +5,7 @@
 - Every DP collective (``dp_step``, ``dp_sync``, ``resume_barrier``) is one all-gather of a fixed-size
   int64 row ``[kind, seq, a, b]`` per rank. Each rank checks that every row names the same (kind, seq)
   (a mismatch raises :class:`~weightsync.spec.errors.RemoteProtocolError` naming every rank's collective)
-  and reduces ``a, b`` locally (SUM for ``dp_step``/``dp_sync``, MAX for ``resume_barrier``).
+  and reduces ``a, b`` locally by the spec's reduction (:mod:`weightsync.spec.collectives`).
 - Before entering, a rank posts ``"kind#seq"`` to the store (the status board). When the gloo timeout
   fires, the rank reads the board and raises :class:`~weightsync.spec.errors.TransferTimeoutError` whose
   ``missing_ranks`` are the ranks not posted at the same (kind, seq) and whose detail lists what each
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as _dist_mod
 
+from weightsync.spec.collectives import reduce_values
 from weightsync.spec.errors import RemoteProtocolError, TransferTimeoutError
 from weightsync.spec.states import Collective
 
@@ -80,10 +81,10 @@ class DPGroup:
         self.current = what
         self.store.set(f"at/{self.rank}", what)
 
-    def collective(self, kind: str, seq: int, a: int, b: int) -> tuple[int, int]:
-        """Join DP collective ``kind`` number ``seq`` with values (a, b); returns the reduced (a, b).
-
-        SUM for ``dp_step`` and ``dp_sync``, MAX for ``resume_barrier``.
+    def collective(self, kind: str, seq: int, a: int, b: int) -> tuple[int, ...]:
+        """Join DP collective ``kind`` number ``seq`` with values (a, b); returns them reduced by the spec's
+        reduction (:data:`weightsync.spec.collectives.COLLECTIVES`: SUM for ``dp_sync``, MAX for
+        ``resume_barrier``; ``()`` for ``dp_step``, which has no outcome).
 
         Raises:
             TransferTimeoutError: not every rank joined within ``timeout_s`` (phase ``"kind#seq"``).
@@ -109,9 +110,7 @@ class DPGroup:
             desc = ", ".join(f"rank {i} in {_CODE_KIND.get(r[0], '?')}#{r[1]}" for i, r in enumerate(rows))
             raise RemoteProtocolError(f"{tag}: mismatched DP collectives: {desc}")
         self.post("idle")
-        if kind == Collective.RESUME_BARRIER.value:
-            return max(r[2] for r in rows), max(r[3] for r in rows)
-        return sum(r[2] for r in rows), sum(r[3] for r in rows)
+        return reduce_values(kind, [r[2:] for r in rows])
 
     def close(self) -> None:
         """Drop the group (best effort)."""

@@ -41,7 +41,7 @@ from weightsync.spec.errors import (
     WeightSyncError,
     WireMismatchError,
 )
-from weightsync.spec.front_end import FrontVars
+from weightsync.spec.front_end import RANK_EFFECT_EVENT, FrontEvent, FrontVars
 from weightsync.spec.rank import get_variant
 
 SOCKETS = ("front", "control", "wave")
@@ -208,6 +208,10 @@ class Launcher:
         """The coordinator's stats reach the front-end (:class:`~weightsync.impl.engine.front_end.FrontEnd`)."""
         raise NotImplementedError
 
+    def _front_gate(self, event: FrontEvent) -> None:
+        """A rank row's front-end effect reaches the front-end (:class:`~weightsync.impl.engine.front_end.FrontEnd`)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Launcher:
         """Spawn the coordinator and the engines; return once all engines are ready.
@@ -349,6 +353,9 @@ class Launcher:
                 self.rank_vars[rank] = msg.after
                 if isinstance(msg, TransitionRecord):
                     self.transitions.append(msg)
+                    for eff in msg.effects:  # the rank row's front-end effects run here
+                        if eff in RANK_EFFECT_EVENT:
+                            self._front_gate(RANK_EFFECT_EVENT[eff])
                 for cb in list(self._listeners):
                     cb(msg)
                 self._trans_cv.notify_all()

@@ -14,11 +14,11 @@ from weightsync.impl.engine.front_end import FrontEnd
 from weightsync.impl.engine.messages import (
     UtilityCall,
 )
+from weightsync.spec.controller import front_end_answers
 from weightsync.spec.errors import (
     TransferTimeoutError,
     WeightSyncError,
 )
-from weightsync.spec.front_end import FrontEvent
 from weightsync.spec.rank import version_order
 from weightsync.spec.states import PauseMode
 
@@ -101,26 +101,23 @@ class RPCFanOut(FrontEnd):
     def pause(
         self, mode: str | PauseMode = "abort", clear_cache: bool = True, timeout: float | None = None
     ) -> None:
-        """``pause_generation(mode, clear_cache)`` on every rank; returns when every rank's pause completed."""
+        """``pause_generation(mode, clear_cache)`` on every rank; returns when every rank's pause completed.
+        The front-end pause gate (front-end-pause) closes when a rank's row names ``front_end_gate``
+        (the launcher's ``_on_engine_msg``), before that rank's reply."""
         m = PauseMode(mode)
-        if self.variant.pause_in_front_end:
-            # PR #28037: the pause is a flag in the front-end and returns at once; the ranks only record it
-            with self._lock:
-                self._front_gate(FrontEvent.GATE)
-            for r in range(self.dp_size):
-                self.call_rank(r, "pause", mode=m.value, clear_cache=clear_cache)
-            return
-        self.fan_out("pause", timeout, mode=m.value, clear_cache=clear_cache)
+        self._call_all("pause", timeout, mode=m.value, clear_cache=clear_cache)
 
     def resume(self, timeout: float | None = None) -> None:
         """``resume_generation`` on every rank (the resume barrier); returns when all answered."""
-        if not self.variant.pause_in_front_end:
-            self.fan_out("resume", timeout)
-        else:
+        self._call_all("resume", timeout)
+
+    def _call_all(self, method: str, timeout: float | None, **kwargs: Any) -> None:
+        if self.hold and front_end_answers(self.variant.pause_in_front_end, method):
+            # repro: the schedule releases these calls one by one; the front-end answers at once
             for r in range(self.dp_size):
-                self.call_rank(r, "resume")
-            with self._lock:
-                self._front_gate(FrontEvent.UNGATE)
+                self.call_rank(r, method, **kwargs)
+            return
+        self.fan_out(method, timeout, **kwargs)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any], *, timeout: float | None = None) -> None:
         """Every rank joins the weight-transfer group (concurrently with the trainer's init); ``init_info``

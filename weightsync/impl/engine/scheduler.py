@@ -8,9 +8,10 @@ Rules (reference section 4):
 - One step admits waiting requests (UNPAUSED only, up to ``max_batch`` running), then advances every
   running request by one token: requests whose KV cache is one token behind decode together in one
   batched forward; requests further behind (new, or whose cache was cleared) prefill the missing tokens.
-- :meth:`Scheduler.clear_cache` frees the KV of every request; a frozen request then re-prefills its prompt
-  and generated tokens under the current weights when it runs again (vLLM ``reset_prefix_cache`` including
-  running requests, PRs #34382/#42117). Without it, a frozen request keeps its old-weight KV ("stale KV").
+- :meth:`Scheduler.clear_cache` frees the KV of every request and preempts the running ones to the front of
+  the waiting queue; a frozen request then re-prefills its prompt and generated tokens under the current
+  weights when it is admitted again (vLLM ``reset_prefix_cache`` including running requests, PRs
+  #34382/#42117). Without it, a frozen request keeps its old-weight KV ("stale KV").
 - Sampling is per request (:class:`~weightsync.impl.models.sampling.RequestSampler`), so tokens depend only
   on the request's seed and logits.
 - A request that breaks a rule of :func:`~weightsync.impl.engine.messages.request_error` (a token id outside
@@ -124,16 +125,17 @@ class Scheduler:
         return out
 
     def clear_cache(self) -> None:
-        """Preempt every running request to the front of the waiting queue, in order, and free its KV cache:
-        it re-prefills prompt + generated tokens under the current weights when it is admitted again (vLLM
-        0.32 ``Scheduler.reset_prefix_cache(reset_running_requests=True)``, ``v1/core/sched/scheduler.py:
-        2850-2860``, which a completed ``pause_generation(clear_cache=True)`` reaches through
-        ``EngineCore._finish_pause`` -> ``_reset_caches``, ``v1/engine/core.py:898-919``)."""
-        for live in reversed(list(self.running.values())):
+        """Free every request's KV cache and preempt the running ones to the front of the waiting queue, in
+        order (vLLM 0.32 ``_reset_caches`` -> ``reset_prefix_cache(reset_running_requests=True)``,
+        ``v1/engine/core.py:898-912``, ``v1/core/sched/scheduler.py:2840-2866``); they re-prefill prompt +
+        generated tokens when admitted again (the model's ``clear_cache`` effect)."""
+        lives = list(self.running.values())
+        self.running.clear()
+        for live in lives:
             if live.cache is not None:
                 live.cache.clear()
-            self.waiting.appendleft(live)
-        self.running.clear()
+            live.cache = None
+        self.waiting.extendleft(reversed(lives))
 
     # ------------------------------------------------------------------ predicates
     def has_work(self) -> bool:

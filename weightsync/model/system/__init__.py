@@ -20,7 +20,7 @@ Processes (reference sections 1, 5, 6):
   ``(current_wave, engines_running)`` (the 100 ms stats).
 - **Controller** (the RL orchestrator, its own socket per rank): pause -> start -> update (with the trainer
   joining the broadcast) -> finish -> resume, or pause -> resume; at most ``cycles`` cycles, started at
-  any point.
+  any point; every row of the controller table (:mod:`weightsync.spec.controller`) whose guard holds.
 - **Trainer**: the sender of the weight broadcast.
 
 Channels: ``per-socket`` (default): one FIFO per (source, destination, socket) -- front-end->rank (ADD),

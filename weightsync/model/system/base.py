@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightsync.model.system.state import CHANNEL_FIFOS, CHANNELS, IDLE, NOT_SENT, Config, Ctrl, G, Rank
+from weightsync.spec.controller import Policy, controller_table
 from weightsync.spec.coordinator import coordinator_table
 from weightsync.spec.front_end import FrontEvent, FrontState, FrontVars, front_end_fire
 from weightsync.spec.rank import GUARDS, UPDATES, RankVars, Table, Variant, apply, get_variant, select
@@ -69,6 +70,11 @@ class ModelBase:
         self.coord_table = coordinator_table(
             self.variant.coordinator_latches, self.variant.first_req_exclusion
         )
+        # the RL controller's table (spec/controller.py) for this variant, the policy the model explores it
+        # under, and its choices by (controller, event, no request sent yet)
+        self.ctrl_table = controller_table(self.variant.pause_in_front_end)
+        self.ctrl_policy = Policy.RECOVER
+        self._ctrl_cache: dict[tuple[Any, ...], tuple[tuple[str, str, Ctrl], ...]] = {}
         self._front_cache: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[int, bool, bool]]] = {}
         self._coord_cache: dict[tuple[Any, ...], tuple[tuple[int, bool], tuple[tuple[int, int], ...]]] = {}
         # non-vacuity witnesses, set while exploring

@@ -26,7 +26,8 @@ from weightsync.model.system.state import (
     Rank,
     _Work,
 )
-from weightsync.spec.front_end import FrontEvent
+from weightsync.spec.collectives import OUTCOME_KINDS, contribution, outcome_args, reduce_values
+from weightsync.spec.front_end import RANK_EFFECT_EVENT
 from weightsync.spec.rank import RankVars
 from weightsync.spec.states import (
     RankEvent,
@@ -34,12 +35,30 @@ from weightsync.spec.states import (
     admits_waiting,
     advances_running,
     schedulable,
-    unfinished_for_sync,
 )
 from weightsync.spec.worker import WORKER_EVENT_OF_EFFECT
 
 #: Effects that answer a call at once (a pause or resume without any is answered later).
 _IMMEDIATE_REPLIES = frozenset({"reply", "reply_pause", "reply_resume", "refuse", "reply_failure"})
+
+
+def collective_args(ranks: tuple[Rank, ...], kind: str) -> tuple[tuple[str, Any], ...]:
+    """The outcome arguments of collective ``kind`` completed by ``ranks`` (the spec's contributions and
+    reduction, :mod:`weightsync.spec.collectives`), sorted by name; ``()`` for a kind without any."""
+    if kind not in OUTCOME_KINDS:
+        return ()
+    contribs = [
+        contribution(
+            kind,
+            r.vars.pause_state,
+            len(r.waiting),
+            len(r.running),
+            r.vars.pending_pause,
+            r.vars.current_wave,
+        )
+        for r in ranks
+    ]
+    return outcome_args(kind, reduce_values(kind, contribs))
 
 
 class RankEffects(ModelBase):
@@ -244,10 +263,8 @@ class RankEffects(ModelBase):
                 self._to_coord(w, i, ("wave_complete", rk.vars.current_wave - 1, i))
         elif eff == "emit_start_wave":
             self._to_coord(w, i, ("start_wave", rk.vars.current_wave, i))
-        elif eff == "front_end_gate":
-            w.front = self._front(w.front, FrontEvent.GATE)[1]
-        elif eff == "front_end_ungate":  # held requests: the model sends them only after this (release_held)
-            w.front = self._front(w.front, FrontEvent.UNGATE)[1]
+        elif eff in RANK_EFFECT_EVENT:  # the front-end's gate; held requests are sent only after ungate
+            w.front = self._front(w.front, RANK_EFFECT_EVENT[eff])[1]
         else:  # pragma: no cover - a table naming an effect the model does not know
             raise ValueError(f"unknown effect {eff!r}")
 
@@ -281,17 +298,7 @@ class RankEffects(ModelBase):
         ``fail`` (a transfer collective only) it fails on every member (TRANSFER_FAILED) and the trainer."""
         ranks = s.ranks
         ev = RankEvent.TRANSFER_FAILED if fail else DONE_EVENT[kind]
-        common: tuple[tuple[str, Any], ...] = ()
-        if kind == "dp_sync":
-            su = sum(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
-            sp = sum(1 for r in ranks if r.vars.pending_pause)
-            common = (("sum_pending_pause", sp), ("sum_unfinished", su))
-        elif kind == "resume_barrier":
-            mu = max(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
-            mw = max(r.vars.current_wave for r in ranks)
-            common = (("max_unfinished", mu), ("max_wave", mw))
-        if fail:
-            common = (("phase", FAIL_PHASE[kind]),)
+        common = (("phase", FAIL_PHASE[kind]),) if fail else collective_args(ranks, kind)
         w = _Work(s)
         for i in range(self.n):
             rk = w.ranks[i]._replace(blocked="")

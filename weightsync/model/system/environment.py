@@ -9,30 +9,35 @@ from weightsync.model.system.effects import RankEffects
 from weightsync.model.system.state import (
     CALL_EVENT,
     FAILED_REPLY,
-    FINISH,
-    IDLE,
     INIT,
     NOT_SENT,
-    PAUSE,
     PHASE_CALL,
     REPLIED,
-    RESUME,
     RETRY,
     SENT,
-    START,
-    UPDATE,
-    X_PAUSE,
-    X_RESUME,
     Ctrl,
     G,
     Label,
     _Work,
+)
+from weightsync.spec.controller import (
+    TRAINER_COLLECTIVE,
+    CtrlEvent,
+    CtrlVars,
+    Phase,
+    call_version,
+    controller_choices,
+    controller_event,
+    init_holds_requests,
 )
 from weightsync.spec.coordinator import MESSAGE_FIELDS, CoordEvent, CoordState, CoordVars, coordinator_fire
 from weightsync.spec.front_end import FrontEvent
 from weightsync.spec.states import RankEvent
 from weightsync.spec.table import ALWAYS
 
+#: The untracked calls of the controller table's effects (``Bounds.pause_during_update`` /
+#: ``resume_during_update``).
+_UNTRACKED = {"extra_pause": "pause", "extra_resume": "resume"}
 #: The effects a RESUME row may have for :meth:`Environment._deliver_now` to receive the resume at once.
 _REPLIES = frozenset({"reply", "reply_resume"})
 
@@ -112,107 +117,91 @@ class Environment(RankEffects):
 
     def _init_holds_front(self, s: G) -> bool:
         """An orchestrator that initialises the transfer engine before serving holds requests until the
-        init returned."""
-        return s.ctrl.phase == INIT and s.ctrl.cycles_started == 0 and not self._all_replied(s, INIT)
+        init returned (:func:`weightsync.spec.controller.init_holds_requests`)."""
+        c = s.ctrl
+        return init_holds_requests(c.phase, c.cycles_started, lambda: self._all_replied(s, INIT))
 
     # -- controller and trainer
 
     def _all_replied(self, s: G, phase: int) -> bool:
         if not all(r.status in (REPLIED, FAILED_REPLY) for r in s.ranks):
             return False
-        return phase not in (UPDATE, INIT) or s.trainer[1] in (REPLIED, FAILED_REPLY)
+        return phase not in TRAINER_COLLECTIVE or s.trainer[1] in (REPLIED, FAILED_REPLY)
 
     def _phase_failed(self, s: G) -> bool:
         """Some rank (or the trainer) answered the current phase's call with an error."""
         return any(r.status == FAILED_REPLY for r in s.ranks) or s.trainer[1] == FAILED_REPLY
 
     def _controller(self, s: G, out: list[tuple[Label, G]]) -> None:
-        """The RL controller (reference s9): pause -> [init] -> start -> update -> finish -> resume, or pause
-        -> resume. After a failed init it initialises again; after any other failure it carries the round
-        through (a failed rank refuses the later calls) and then runs a new round with the same version
-        before it resumes, so a resume never meets a failed rank."""
-        phase, started, rounds, inited, stray, repeat, fails, recovering, xused = s.ctrl
-        nexts: list[tuple[int, Ctrl]] = []
-        done = self._all_replied(s, phase)
-        failed = done and phase != IDLE and self._phase_failed(s)
-        rec = recovering or failed
-
-        def to(ph: int, started_: int = started, rounds_: int = rounds, **kw: Any) -> tuple[int, Ctrl]:
-            return (
-                ph,
-                Ctrl(
-                    ph,
-                    started_,
-                    rounds_,
-                    kw.get("inited", inited),
-                    kw.get("stray", stray),
-                    kw.get("repeat", repeat),
-                    fails,
-                    kw.get("recovering", rec),
-                    xused,
-                ),
-            )
-
-        if phase == IDLE or (phase == RESUME and done):
-            if started < self.C:
-                nexts.append(to(PAUSE, started + 1))
-                if not inited and phase == IDLE and s.front[2] == 0:
-                    nexts.append(to(INIT, inited=True))  # init before serving
-            if self.stray_resume and not stray:
-                nexts.append(to(RESUME, stray=True))  # a `finally` resume
-        elif phase == PAUSE and done:
-            if inited:
-                nexts.append(to(START))
-            else:
-                nexts.append(to(INIT, inited=True))  # lazy init, while paused
-            nexts.append(to(RESUME))
-        elif phase == INIT and done:
-            if failed:
-                nexts.append(to(INIT))  # the transfer group is gone: initialise again
-            elif rec:
-                nexts.append(to(START))  # a failed rank needs a new round before it may resume
-            elif started == 0:
-                if started < self.C:
-                    nexts.append(to(PAUSE, started + 1))
-            else:
-                nexts.append(to(START))
-                nexts.append(to(RESUME))
-        elif phase == START and done:
-            nexts.append(to(UPDATE))
-        elif phase == UPDATE and done:
-            nexts.append(to(FINISH))
-        elif phase == FINISH and done:
-            if failed:
-                nexts.append(to(START))  # a new round, same version
-            else:
-                nexts.append(to(RESUME, rounds_=rounds + 1, recovering=False))
+        """The RL controller (reference s9): every row of the controller table
+        (:func:`weightsync.spec.controller.controller_table`) whose guard holds for the outcome of the
+        current phase's call, under the model's policy (``recover``: :mod:`weightsync.spec.controller`).
+        Each row's effect is the move: a fan-out of its target phase's call (``fan_out``), the front-end
+        answering it (``front_end_call``), or an untracked call (``retry_resume``, ``extra_pause``,
+        ``extra_resume``; their replies are not counted)."""
+        c = s.ctrl
+        answered = self._all_replied(s, c.phase)
+        ev = controller_event(c.phase, answered, answered and self._phase_failed(s))
+        key = (c, ev, s.front[2] == 0)
+        moves = self._ctrl_cache.get(key)
+        if moves is None:
+            moves = self._ctrl_moves(c, ev, s.front[2])
+            self._ctrl_cache[key] = moves
         # The controller's fan-out is atomic under both channel semantics: only the controller writes the
         # controller->rank FIFOs, so sending to every rank at once and letting each rank receive at its
         # own time reaches the same interleavings as per-rank sends (the receipts stay independent).
-        for nph, ctrl2 in nexts:
-            if self.variant.pause_in_front_end and nph in (PAUSE, RESUME):
-                out.append((("fe", PHASE_CALL[nph]), self._front_end_call(s, nph, ctrl2)))
-            else:
-                out.append((("fan", PHASE_CALL[nph], -1), self._fan_out(s, ctrl2, None, True)))
-        # a retried resume while the first is outstanding (its replies are not counted)
-        if (
-            self.repeat_resume
-            and not repeat
-            and phase == RESUME
-            and not done
-            and not self.variant.pause_in_front_end
-        ):
-            ctrl3 = s.ctrl._replace(repeat_resume_used=True)
-            out.append((("retry", PHASE_CALL[RESUME]), self._retry(s, ctrl3)))
-        # a second pause, or a resume, while a round is in flight (its replies are not counted)
-        if phase in (START, UPDATE, FINISH) and not self.variant.pause_in_front_end:
-            for flag, bit, call in (
-                (self.pause_during_update, X_PAUSE, "pause"),
-                (self.resume_during_update, X_RESUME, "resume"),
-            ):
-                if flag and not xused & bit:
-                    ctrl4 = s.ctrl._replace(extra_used=xused | bit)
-                    out.append((("extra", call), self._retry(s, ctrl4, call)))
+        for eff, call, ctrl2 in moves:
+            if eff == "fan_out":
+                out.append((("fan", call, -1), self._fan_out(s, ctrl2, None, True)))
+            elif eff == "front_end_call":
+                out.append((("fe", call), self._front_end_call(s, ctrl2.phase, ctrl2)))
+            elif eff == "retry_resume":
+                out.append((("retry", call), self._retry(s, ctrl2)))
+            elif eff in _UNTRACKED:
+                out.append((("extra", _UNTRACKED[eff]), self._retry(s, ctrl2, _UNTRACKED[eff])))
+            else:  # the round is over (policy one_round only): the controller stops, no message
+                out.append((("end", eff), s._replace(ctrl=ctrl2)))
+
+    def _ctrl_moves(self, c: Ctrl, ev: CtrlEvent, requests_sent: int) -> tuple[tuple[str, str, Ctrl], ...]:
+        """The controller table's choices from ``c`` on ``ev``: ``(effect, call, controller after)``."""
+        v = CtrlVars(
+            Phase(c.phase),
+            c.cycles_started,
+            c.update_rounds,
+            c.transfer_initialised,
+            c.stray_resume_used,
+            c.repeat_resume_used,
+            c.recovering,
+            c.extra_used,
+        )
+        out = []
+        for tr, after in controller_choices(self.ctrl_table, v, ev, self._ctrl_args(requests_sent)):
+            ctrl2 = Ctrl(
+                int(after.phase),
+                after.cycles_started,
+                after.update_rounds,
+                after.transfer_initialised,
+                after.stray_resume_used,
+                after.repeat_resume_used,
+                c.failures_used,
+                after.recovering,
+                after.extra_used,
+            )
+            (eff,) = tr.effects
+            out.append((eff, PHASE_CALL.get(after.phase, ""), ctrl2))
+        return tuple(out)
+
+    def _ctrl_args(self, requests_sent: int) -> dict[str, Any]:
+        """The controller table's arguments: the model's policy and bounds."""
+        return {
+            "policy": self.ctrl_policy,
+            "cycles": self.C,
+            "requests_sent": requests_sent,
+            "stray_resume": self.stray_resume,
+            "repeat_resume": self.repeat_resume,
+            "pause_during_update": self.pause_during_update,
+            "resume_during_update": self.resume_during_update,
+        }
 
     def _retry(self, s: G, ctrl: Ctrl, call: str = "resume") -> G:
         """Send ``call`` to every rank (behind whatever each rank's controller FIFO holds), untracked."""
@@ -278,16 +267,14 @@ class Environment(RankEffects):
             w.trainer = ("", NOT_SENT)
         w.ctrl = ctrl
         targets = [] if trainer else (list(range(self.n)) if target is None else [target])
-        arg = (
-            ctrl.update_rounds + 1 if phase == FINISH else 0
-        )  # finish carries the version: successful rounds + 1
+        arg = call_version(phase, ctrl.update_rounds)  # finish carries the version
         for i in targets:
             rk = w.ranks[i].with_status(SENT, w.ranks[i].pz)
             w.ranks[i] = rk
             if not self._deliver_now(w, i, call):
                 w.ranks[i] = rk.with_inq((*rk.inq[:f], (*rk.inq[f], ("U", call, arg)), *rk.inq[f + 1 :]))
-        if phase in (UPDATE, INIT) and (trainer or target is None):
-            w.trainer = ("weight_broadcast" if phase == UPDATE else "transfer_init", SENT)
+        if phase in TRAINER_COLLECTIVE and (trainer or target is None):
+            w.trainer = (TRAINER_COLLECTIVE[phase].value, SENT)
         return w.freeze()
 
     def _front_end_call(self, s: G, phase: int, ctrl: Ctrl) -> G:

@@ -5,28 +5,23 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from weightsync.spec.collectives import DONE_EVENT as DONE_EVENT
+from weightsync.spec.collectives import DP_KINDS as DP_KINDS
+from weightsync.spec.collectives import ENTER_EFFECT as ENTER_EFFECT
+from weightsync.spec.collectives import FAIL_PHASE as FAIL_PHASE
+from weightsync.spec.collectives import TRANSFER_KINDS as TRANSFER_KINDS
+from weightsync.spec.controller import CALL_EVENT as CALL_EVENT
+from weightsync.spec.controller import PHASE_CALL as PHASE_CALL
+from weightsync.spec.controller import X_PAUSE as X_PAUSE
+from weightsync.spec.controller import X_RESUME as X_RESUME
+from weightsync.spec.controller import Phase
 from weightsync.spec.rank import RankVars
-from weightsync.spec.states import DP_COLLECTIVES, PauseMode, RankEvent
+from weightsync.spec.states import PauseMode
 from weightsync.spec.worker import WorkerVars
 
-# Controller phases.
-IDLE, PAUSE, START, UPDATE, FINISH, RESUME, INIT = range(7)
-PHASE_CALL = {
-    PAUSE: "pause",
-    START: "start_weight_update",
-    UPDATE: "update_weights",
-    FINISH: "finish_weight_update",
-    RESUME: "resume",
-    INIT: "init_weight_transfer_engine",
-}
-CALL_EVENT = {
-    "pause": RankEvent.PAUSE,
-    "resume": RankEvent.RESUME,
-    "start_weight_update": RankEvent.START_UPDATE,
-    "update_weights": RankEvent.UPDATE_WEIGHTS,
-    "finish_weight_update": RankEvent.FINISH_UPDATE,
-    "init_weight_transfer_engine": RankEvent.INIT_TRANSFER,
-}
+# Controller phases (the spec's :class:`~weightsync.spec.controller.Phase`, as ints in the state), the call
+# each makes and the rank event each call is (spec data: :mod:`weightsync.spec.controller`).
+IDLE, PAUSE, START, UPDATE, FINISH, RESUME, INIT = (int(p) for p in Phase)
 # Controller per-rank call status (FAILED_REPLY: the call returned an error: a refusal or a failure).
 NOT_SENT, SENT, REPLIED, SPURIOUS, FAILED_REPLY = 0, 1, 2, 3, 4
 #: The third field of a controller message ("U", call, arg): the version a finish_weight_update carries,
@@ -34,12 +29,6 @@ NOT_SENT, SENT, REPLIED, SPURIOUS, FAILED_REPLY = 0, 1, 2, 3, 4
 RETRY = -1
 #: Rank effects that are worker operations that may fail (when Bounds.failures allows one).
 FAILABLE_EFFECTS = frozenset({"start_weight_update", "finish_weight_update"})
-FAIL_PHASE = {
-    "start_weight_update": "start",
-    "finish_weight_update": "finish",
-    "weight_broadcast": "update",
-    "transfer_init": "init",
-}
 
 # Per-socket rank input FIFOs.
 F_ADD, F_CTRL, F_WAVE = 0, 1, 2
@@ -50,17 +39,6 @@ CHANNEL_FIFOS: dict[str, tuple[int, int, int, int]] = {
     "ordered": (1, 0, 0, 0),
 }
 CHANNELS = tuple(CHANNEL_FIFOS)
-
-DONE_EVENT = {
-    "dp_step": RankEvent.DP_STEP_DONE,
-    "dp_sync": RankEvent.DP_SYNC_DONE,
-    "resume_barrier": RankEvent.RESUME_BARRIER_DONE,
-    "weight_broadcast": RankEvent.WEIGHT_BROADCAST_DONE,
-    "transfer_init": RankEvent.TRANSFER_INIT_DONE,
-}
-ENTER_EFFECT = {f"enter_{k}": k for k in DONE_EVENT}
-DP_KINDS = frozenset(str(c.value) for c in DP_COLLECTIVES)
-TRANSFER_KINDS = frozenset({"weight_broadcast", "transfer_init"})
 
 
 class Bounds(NamedTuple):
@@ -187,7 +165,8 @@ _new_rank = tuple.__new__
 
 
 class Ctrl(NamedTuple):
-    """The RL controller's state (see :class:`G`).
+    """The RL controller's state (see :class:`G`): the spec's :class:`~weightsync.spec.controller.CtrlVars`
+    plus the model's failure-injection counter, advanced only by the controller table.
 
     Attributes:
         phase: the call it is making (IDLE, PAUSE, INIT, START, UPDATE, FINISH, RESUME).
@@ -213,8 +192,6 @@ class Ctrl(NamedTuple):
     extra_used: int
 
 
-#: ``extra_used`` bits: the second pause and the resume during an update (Bounds flags) were sent.
-X_PAUSE, X_RESUME = 1, 2
 #: ``Rank.owed`` bits.
 OWE_PAUSE, OWE_RESUME = 1, 2
 

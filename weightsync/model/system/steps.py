@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from weightsync.model.system.effects import collective_args
 from weightsync.model.system.state import CALL_EVENT, TRANSFER_KINDS, G, Label, Rank
-from weightsync.spec.states import PauseMode, RankEvent, unfinished_for_sync
+from weightsync.spec.collectives import COLLECTIVES
+from weightsync.spec.states import Collective, PauseMode, RankEvent
 
 if TYPE_CHECKING:
     from weightsync.model.system.model import Model
@@ -71,6 +73,12 @@ def message_event(
     return ev, model.call_extra(rk, ev)
 
 
+def _in_spec_order(kind: str, outcome: tuple[tuple[str, Any], ...]) -> list[tuple[str, Any]]:
+    """The outcome arguments in the spec's order (``sum_unfinished`` before ``sum_pending_pause``)."""
+    names = COLLECTIVES[Collective(kind)].outcome
+    return sorted(outcome, key=lambda nv: names.index(nv[0]))
+
+
 def describe(model: Model, s: G, label: Label, t: G) -> Step:
     """The :class:`Step` record of the edge ``s --label--> t`` (a successor of ``model``)."""
     kind = label[0]
@@ -112,16 +120,8 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
         k = label[1]
         members = ",".join(str(i) for i in range(model.n))
         proc = f"ranks {members}" + (" and trainer" if k in TRANSFER_KINDS else "")
-        args = ""
-        ranks = s.ranks
-        if k == "dp_sync":
-            su = sum(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
-            sp = sum(1 for r in ranks if r.vars.pending_pause)
-            args = f"(sum_unfinished={su}, sum_pending_pause={sp})"
-        elif k == "resume_barrier":
-            mu = max(unfinished_for_sync(r.vars.pause_state, len(r.waiting), len(r.running)) for r in ranks)
-            mw = max(r.vars.current_wave for r in ranks)
-            args = f"(max_unfinished={mu}, max_wave={mw})"
+        outcome = collective_args(s.ranks, k)
+        args = "(" + ", ".join(f"{n}={v}" for n, v in _in_spec_order(k, outcome)) + ")" if outcome else ""
         states = ", ".join(
             f"r{i}:{t.ranks[i].vars.state.value}/w{t.ranks[i].vars.current_wave}" for i in range(model.n)
         )
@@ -206,6 +206,8 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
             "controller",
             tuple(f"rank {j}" for j in range(model.n)),
         )
+    if kind == "end":  # policy one_round only (spec/controller.py)
+        return Step("controller", "ends the round", str(label[1]), "", "", ("controller",))
     if kind == "timeout":
         i, k = label[1], label[2]
         who = "trainer" if i < 0 else f"rank {i}"

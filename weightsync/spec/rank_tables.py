@@ -1,0 +1,352 @@
+"""The rank tables of the two-phase variants (vLLM PR #39366 and weightsync's ``two-phase-epoch``) and of
+the historical pause designs (the idle fast path of issue #36594, PR #36608's ignored waves, PR #28037's
+front-end pause), keyed by ``(RankState, RankEvent)``; their guards, updates and effects are named in
+:mod:`weightsync.spec.rank_vars`."""
+
+from __future__ import annotations
+
+from weightsync.spec.states import RankEvent, RankState
+from weightsync.spec.table import ALWAYS, Transition
+
+_S = RankState
+_E = RankEvent
+Table = dict[tuple[RankState, RankEvent], tuple[Transition, ...]]
+
+
+def _t(
+    guard: str, target: RankState, updates: tuple[str, ...], effects: tuple[str, ...], rule: str
+) -> Transition:
+    return Transition(guard, target, updates, effects, rule)
+
+
+R39366 = "vLLM PR #39366 (two-phase pause/resume)"
+R_WAVES = "reference s5 (DP waves)"
+
+
+def _serving_rows(state: RankState, honour_waves: bool, stale_add_rearms: bool, may_step: bool) -> Table:
+    """Rows for ADD, ABORT, START_DP_WAVE and STEP in a state where the rank keeps (or stops) serving."""
+    rows: Table = {}
+    add: list[Transition] = [_t("add_newer_wave", state, ("adopt_wave",), ("queue_request",), R_WAVES)]
+    if stale_add_rearms:
+        add.append(
+            _t(
+                "add_stale_wave_idle_unpaused",
+                state,
+                ("set_engines_running",),
+                ("queue_request", "emit_start_wave"),
+                "vLLM PR #37024 (stale-wave ADD on an idle UNPAUSED engine)",
+            )
+        )
+        add.append(_t("add_current_or_busy", state, (), ("queue_request",), R_WAVES))
+    else:
+        add.append(_t(ALWAYS, state, (), ("queue_request",), R_WAVES))
+    rows[(state, _E.ADD)] = tuple(add)
+    rows[(state, _E.ABORT)] = (_t(ALWAYS, state, (), ("abort_request",), "reference s5"),)
+    if honour_waves:
+        rows[(state, _E.START_DP_WAVE)] = (
+            _t("wave_for_me_not_ignoring", state, ("adopt_wave", "set_engines_running"), (), R_WAVES),
+            _t("wave_dropped", state, (), (), R39366 + ": dropped while globally paused"),
+        )
+    else:
+        rows[(state, _E.START_DP_WAVE)] = (_t(ALWAYS, state, (), (), "dropped"),)
+    if may_step:
+        rows[(state, _E.STEP)] = (
+            _t("step_plain", state, ("enter_dp_step",), ("execute_step", "enter_dp_step"), R_WAVES),
+            _t("step_sync", state, ("enter_dp_sync",), ("execute_step", "enter_dp_sync"), "vLLM PR #21617"),
+            _t("idle", state, (), (), R_WAVES),
+        )
+    else:
+        rows[(state, _E.STEP)] = (_t(ALWAYS, state, (), (), R39366 + ": stopped together"),)
+    return rows
+
+
+R_FAIL = "weightsync: failure is a table event; a failed round reaches `failed`"
+
+
+def _transfer_rows() -> Table:
+    """verified -> updating -> verified, with failures as rows (weightsync); init legal in running, verified
+    and failed. ``finish_weight_update`` moves the version only on FINISH_DONE, after the workers' finish
+    returned; every failure (TRANSFER_FAILED) leaves the round in ``failed``, and a new round recovers it."""
+    start = _t(ALWAYS, _S.UPDATING, (), ("start_weight_update", "reply"), "reference s2")
+    rows: Table = {
+        (_S.VERIFIED, _E.START_UPDATE): (start,),
+        (_S.FAILED, _E.START_UPDATE): (
+            start._replace(rule="weightsync: a new round recovers a failed rank"),
+        ),
+        (_S.UPDATING, _E.UPDATE_WEIGHTS): (
+            _t(ALWAYS, _S.UPDATING, ("enter_weight_broadcast",), ("enter_weight_broadcast",), "reference s2"),
+        ),
+        (_S.UPDATING, _E.WEIGHT_BROADCAST_DONE): (
+            _t(ALWAYS, _S.UPDATING, ("leave_collective",), ("reply",), "reference s2"),
+        ),
+        (_S.UPDATING, _E.FINISH_UPDATE): (
+            _t(
+                ALWAYS,
+                _S.UPDATING,
+                (),
+                ("finish_weight_update",),
+                "reference s2; outcome as an event: weightsync",
+            ),
+        ),
+        (_S.UPDATING, _E.FINISH_DONE): (
+            _t(
+                "version_older",
+                _S.FAILED,
+                ("fail_stop",),
+                ("fail_round", "reply_failure"),
+                "weightsync: opt-in monotonic weight_version; engines never go backwards",
+            ),
+            _t(
+                ALWAYS,
+                _S.VERIFIED,
+                ("set_weight_version",),
+                ("reply",),
+                "reference s2; vLLM 0.32 finish_weight_update(weight_version); moves only on success",
+            ),
+        ),
+        (_S.UPDATING, _E.TRANSFER_FAILED): (
+            _t(ALWAYS, _S.FAILED, ("leave_collective", "fail_stop"), ("fail_round", "reply_failure"), R_FAIL),
+        ),
+    }
+    for s in (_S.RUNNING, _S.VERIFIED, _S.FAILED):
+        rows[(s, _E.INIT_TRANSFER)] = (
+            _t(ALWAYS, s, ("enter_transfer_init",), ("enter_transfer_init",), "reference s2"),
+        )
+        rows[(s, _E.TRANSFER_INIT_DONE)] = (_t(ALWAYS, s, ("leave_collective",), ("reply",), "reference s2"),)
+        rows[(s, _E.TRANSFER_FAILED)] = (
+            _t(ALWAYS, _S.FAILED, ("leave_collective", "fail_stop"), ("fail_init", "reply_failure"), R_FAIL),
+        )
+    rows.update(_serving_rows(_S.FAILED, honour_waves=False, stale_add_rearms=False, may_step=False))
+    refuse = _t(ALWAYS, _S.FAILED, (), ("refuse",), "weightsync: a failed rank never serves partial weights")
+    for e in (_E.PAUSE, _E.RESUME, _E.UPDATE_WEIGHTS, _E.FINISH_UPDATE):
+        rows[(_S.FAILED, e)] = (refuse,)
+    return rows
+
+
+R_MIRROR = "vLLM 0.32 v1/engine/core.py:2394-2406: rank 0 mirrors the not-running -> running edge"
+
+
+def _step_done_rows(
+    state: RankState, drained_target: RankState | None = None, mirror_start_wave: bool = False
+) -> Table:
+    """Non-sync forward collective completed: count the step; vLLM sets engines_running True. With
+    ``mirror_start_wave`` rank 0 sends start_wave(current_wave) after the first step of a wave."""
+    step = ("leave_collective", "count_step")
+    if drained_target is None and mirror_start_wave:
+        return {
+            (state, _E.DP_STEP_DONE): (
+                _t("first_step_rank0", state, (*step, "mark_wave_started"), ("emit_start_wave",), R_MIRROR),
+                _t(ALWAYS, state, step, (), R_WAVES),
+            )
+        }
+    if drained_target is None:
+        return {(state, _E.DP_STEP_DONE): (_t(ALWAYS, state, step, (), R_WAVES),)}
+    return {
+        (state, _E.DP_STEP_DONE): (
+            _t("drained", drained_target, ("leave_collective", "count_step"), (), "weightsync: local drain"),
+            _t("not_drained", state, ("leave_collective", "count_step"), (), R_WAVES),
+        )
+    }
+
+
+def _running_rows(stale_add_rearms: bool = True, mirror_start_wave: bool = False) -> Table:
+    rows = _serving_rows(_S.RUNNING, honour_waves=True, stale_add_rearms=stale_add_rearms, may_step=True)
+    rows.update(_step_done_rows(_S.RUNNING, mirror_start_wave=mirror_start_wave))
+    keep = _t("sync_keep_running", _S.RUNNING, ("leave_collective", "count_step"), (), R_WAVES)
+    mirror: tuple[Transition, ...] = ()
+    if mirror_start_wave:
+        # vLLM 0.32 checks the sync result first (engines_running), then the edge; a wave that stops at
+        # its first sync ends (wave_complete) without a start_wave.
+        mirror = (
+            _t(
+                "sync_keep_running_first_rank0",
+                _S.RUNNING,
+                ("leave_collective", "count_step", "mark_wave_started"),
+                ("emit_start_wave",),
+                R_MIRROR,
+            ),
+        )
+    rows[(_S.RUNNING, _E.DP_SYNC_DONE)] = (
+        *mirror,
+        keep,
+        _t("sync_stop", _S.RUNNING, ("leave_collective", "end_wave"), ("emit_wave_complete",), R_WAVES),
+    )
+    return rows
+
+
+def two_phase_table(epoch: bool, safe_resume: bool = False, mirror_start_wave: bool = False) -> Table:
+    """vLLM PR #39366 as shipped (``epoch=False``) or weightsync's ``two-phase-epoch`` fix (``epoch=True``).
+
+    ``safe_resume``: a resume is a local no-op unless the rank is verified (weightsync; vLLM's rule, "no-op
+    if engines_running", is a per-rank belief, and a stray resume with one rank busy and one idle sends
+    the idle one alone into the resume barrier). ``mirror_start_wave``: rank 0 reports the not-running ->
+    running edge to the coordinator (vLLM 0.32), which then no longer latches on FIRST_REQ.
+    """
+    rows = _running_rows(mirror_start_wave=mirror_start_wave)
+    pause_updates = ("set_pause_state", "set_pending_pause", "set_engines_running")
+    # Only mode=abort aborts requests (reference s4); keep freezes them and wait drains the running ones.
+    rows[(_S.RUNNING, _E.PAUSE)] = (
+        _t("pause_abort", _S.PAUSED, pause_updates, ("abort_requests",), R39366 + " phase 1 (abort)"),
+        _t("pause_drains_now", _S.PAUSED, pause_updates, (), R39366 + " phase 1"),
+        _t("pause_must_drain", _S.PAUSING, pause_updates, (), R39366 + " phase 1 (wait drains)"),
+    )
+    for s in (_S.PAUSING, _S.PAUSED):
+        rows.update(_serving_rows(s, honour_waves=True, stale_add_rearms=False, may_step=True))
+    rows.update(_step_done_rows(_S.PAUSING, drained_target=_S.PAUSED))
+    rows.update(_step_done_rows(_S.PAUSED))
+    verify = _t(
+        "sync_paused_and_idle",
+        _S.VERIFIED,
+        ("leave_collective", "set_ignore_start_dp_wave", "clear_pending_pause", "end_wave"),
+        ("emit_wave_complete", "clear_cache", "reply_pause"),
+        R39366 + " phase 2",
+    )
+    # After consensus with work left (wait mode) the ranks keep stepping, ignoring waves, and stop together.
+    after_consensus = ("leave_collective", "set_ignore_start_dp_wave", "clear_pending_pause", "count_step")
+    for s in (_S.PAUSING, _S.PAUSED):
+        rows[(s, _E.DP_SYNC_DONE)] = (
+            verify,
+            _t("sync_consensus_drained", _S.PAUSED, after_consensus, (), R39366 + " phase 2 (wait)"),
+            _t("sync_consensus_draining", _S.PAUSING, after_consensus, (), R39366 + " phase 2 (wait)"),
+            _t(
+                "sync_partial_drained", _S.PAUSED, ("leave_collective", "count_step"), (), R39366 + " partial"
+            ),
+            _t(
+                "sync_partial_draining",
+                _S.PAUSING,
+                ("leave_collective", "count_step"),
+                (),
+                R39366 + " partial",
+            ),
+        )
+    rows.update(_serving_rows(_S.VERIFIED, honour_waves=True, stale_add_rearms=False, may_step=False))
+    rows.update(_serving_rows(_S.UPDATING, honour_waves=True, stale_add_rearms=False, may_step=False))
+    rows.update(_transfer_rows())
+    rows[(_S.VERIFIED, _E.RESUME)] = (
+        _t(
+            ALWAYS,
+            _S.RESUMING,
+            ("unpause", "clear_ignore_start_dp_wave", "enter_resume_barrier"),
+            ("enter_resume_barrier",),
+            R39366 + " resume barrier",
+        ),
+    )
+    if safe_resume:
+        rows[(_S.RUNNING, _E.RESUME)] = (
+            _t(
+                ALWAYS,
+                _S.RUNNING,
+                (),
+                ("reply_resume",),
+                "weightsync: a resume is a local no-op unless the rank is verified (stray, repeated or "
+                "racing resumes are safe)",
+            ),
+        )
+    else:
+        rows[(_S.RUNNING, _E.RESUME)] = (
+            _t("engines_running", _S.RUNNING, (), ("reply_resume",), R39366 + ": no-op while running"),
+            _t(
+                "engines_stopped",
+                _S.RESUMING,
+                ("unpause", "clear_ignore_start_dp_wave", "enter_resume_barrier"),
+                ("enter_resume_barrier",),
+                R39366 + " resume barrier",
+            ),
+        )
+    barrier_updates: tuple[str, ...] = ("leave_collective", "running_from_barrier")
+    rule = R39366 + " resume barrier"
+    if epoch:
+        barrier_updates += ("adopt_wave_after_barrier",)
+        rule = "weightsync two-phase-epoch: the resume all-reduce also agrees on MAX(current_wave) + 1"
+    if mirror_start_wave:
+        # The coordinator does not latch, so it learns the re-based wave from the engines: an idle resume
+        # ends wave MAX (rank 0's wave_complete); a busy one starts wave MAX + 1 (rank 0's start_wave
+        # after its first step, since wave_started is clear).
+        rows[(_S.RESUMING, _E.RESUME_BARRIER_DONE)] = (
+            _t(
+                "barrier_idle",
+                _S.RUNNING,
+                barrier_updates,
+                ("emit_wave_complete", "reply_resume"),
+                rule + "; rank 0 reports the idle resume as wave_complete(MAX)",
+            ),
+            _t(ALWAYS, _S.RUNNING, barrier_updates, ("reply_resume",), rule),
+        )
+    else:
+        rows[(_S.RESUMING, _E.RESUME_BARRIER_DONE)] = (
+            _t(ALWAYS, _S.RUNNING, barrier_updates, ("reply_resume",), rule),
+        )
+    return rows
+
+
+def _engine_pause_table(ignore_waves_while_paused: bool) -> Table:
+    """Pause inside EngineCore with the idle fast path (issue #36594 era), optionally ignoring waves
+    while paused (the rejected PR #36608 idea)."""
+    rows = _running_rows()
+    honour = not ignore_waves_while_paused
+    pause_updates = ("set_pause_state",)
+    fast = "issue #36594: an idle engine completes pause at once"
+    rows[(_S.RUNNING, _E.PAUSE)] = (
+        _t(
+            "pause_abort_idle",
+            _S.VERIFIED,
+            pause_updates,
+            ("abort_requests", "clear_cache", "reply_pause"),
+            fast + " (abort)",
+        ),
+        _t("pause_idle_fast_path", _S.VERIFIED, pause_updates, ("clear_cache", "reply_pause"), fast),
+        _t("pause_abort_busy", _S.PAUSED, pause_updates, ("abort_requests",), "reference s4 (abort)"),
+        _t("pause_drains_now_busy", _S.PAUSED, pause_updates, (), "reference s4"),
+        _t("pause_must_drain", _S.PAUSING, pause_updates, (), "reference s4 (wait drains)"),
+    )
+    for s in (_S.PAUSING, _S.PAUSED):
+        rows.update(_serving_rows(s, honour_waves=honour, stale_add_rearms=False, may_step=True))
+        rows[(s, _E.DP_SYNC_DONE)] = (
+            _t(
+                "sync_stop",
+                _S.VERIFIED,
+                ("leave_collective", "end_wave"),
+                ("emit_wave_complete", "clear_cache", "reply_pause"),
+                "reference s4: completes when idle",
+            ),
+            _t("drained", _S.PAUSED, ("leave_collective", "count_step"), (), R_WAVES),
+            _t("not_drained", _S.PAUSING, ("leave_collective", "count_step"), (), R_WAVES),
+        )
+    rows.update(_step_done_rows(_S.PAUSING, drained_target=_S.PAUSED))
+    rows.update(_step_done_rows(_S.PAUSED))
+    # A paused (verified/updating) engine still honours START_DP_WAVE and steps when re-armed: issue #36594.
+    for s in (_S.VERIFIED, _S.UPDATING):
+        rows.update(_serving_rows(s, honour_waves=honour, stale_add_rearms=False, may_step=True))
+        rows.update(_step_done_rows(s))
+        rows[(s, _E.DP_SYNC_DONE)] = (
+            _t("sync_keep_running", s, ("leave_collective", "count_step"), (), R_WAVES),
+            _t("sync_stop", s, ("leave_collective", "end_wave"), ("emit_wave_complete",), R_WAVES),
+        )
+    rows.update(_transfer_rows())
+    for s in (_S.VERIFIED, _S.PAUSING, _S.PAUSED):
+        rows[(s, _E.RESUME)] = (
+            _t(ALWAYS, _S.RUNNING, ("unpause",), ("reply_resume",), "reference s4: resume"),
+        )
+    rows[(_S.RUNNING, _E.RESUME)] = (_t(ALWAYS, _S.RUNNING, (), ("reply_resume",), "reference s4: no-op"),)
+    return rows
+
+
+def front_end_pause_table() -> Table:
+    """Pause held in the API front-end (PR #28037, before PR #34125): engines never pause."""
+    rows = _running_rows()
+    rows[(_S.RUNNING, _E.PAUSE)] = (
+        _t(ALWAYS, _S.VERIFIED, (), ("front_end_gate", "reply_pause"), "PR #28037: a flag in AsyncLLM"),
+    )
+    for s in (_S.VERIFIED, _S.UPDATING):
+        rows.update(_serving_rows(s, honour_waves=True, stale_add_rearms=True, may_step=True))
+        rows.update(_step_done_rows(s))
+        rows[(s, _E.DP_SYNC_DONE)] = (
+            _t("sync_keep_running", s, ("leave_collective", "count_step"), (), R_WAVES),
+            _t("sync_stop", s, ("leave_collective", "end_wave"), ("emit_wave_complete",), R_WAVES),
+        )
+    rows.update(_transfer_rows())
+    rows[(_S.VERIFIED, _E.RESUME)] = (
+        _t(ALWAYS, _S.RUNNING, (), ("front_end_ungate", "reply_resume"), "PR #28037"),
+    )
+    rows[(_S.RUNNING, _E.RESUME)] = (_t(ALWAYS, _S.RUNNING, (), ("reply_resume",), "PR #28037: no-op"),)
+    return rows
