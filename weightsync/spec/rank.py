@@ -18,11 +18,13 @@ from weightsync.spec.rank_tables import Table as Table
 from weightsync.spec.rank_tables import _engine_pause_table
 from weightsync.spec.rank_tables import front_end_pause_table as front_end_pause_table
 from weightsync.spec.rank_tables import two_phase_table as two_phase_table
+from weightsync.spec.rank_vars import EFFECT_RANKS as EFFECT_RANKS
 from weightsync.spec.rank_vars import EFFECTS as EFFECTS
 from weightsync.spec.rank_vars import GUARDS as GUARDS
 from weightsync.spec.rank_vars import UPDATES as UPDATES
 from weightsync.spec.rank_vars import Args as Args
 from weightsync.spec.rank_vars import RankVars as RankVars
+from weightsync.spec.rank_vars import effect_acts_on as effect_acts_on
 from weightsync.spec.rank_vars import relabel_weight_version as relabel_weight_version
 from weightsync.spec.rank_vars import version_order as version_order
 from weightsync.spec.rank_vllm032 import vllm032_table as vllm032_table

@@ -372,3 +372,15 @@ EFFECTS: dict[str, str] = {
     "front_end_gate": "the API front-end holds new requests (front-end-pause only)",
     "front_end_ungate": "the API front-end releases held requests (front-end-pause only)",
 }
+
+#: Effects that act on some DP ranks only, with those ranks; every other effect acts on every rank. Only
+#: DP rank 0 tells the coordinator that a wave ended (vLLM 0.32 ``v1/engine/core.py:2376-2390``: ``if
+#: self.dp_rank == 0 or not self.has_coordinator``, the coordinator case).
+EFFECT_RANKS: dict[str, frozenset[int]] = {"emit_wave_complete": frozenset({0})}
+
+
+def effect_acts_on(effect: str, rank: int) -> bool:
+    """Whether the table's ``effect`` acts on DP rank ``rank`` (:data:`EFFECT_RANKS`); the model and the
+    engine both ask, so neither decides by rank itself."""
+    ranks = EFFECT_RANKS.get(effect)
+    return ranks is None or rank in ranks

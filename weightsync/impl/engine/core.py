@@ -54,7 +54,7 @@ from weightsync.impl.engine.tracing import jsonable, message_dict, open_trace
 from weightsync.spec.collectives import ENTER_EFFECT, FAIL_PHASE, outcome_args
 from weightsync.spec.controller import CALL_EVENT, PAUSE_ARGS
 from weightsync.spec.errors import LocalProtocolError, PeerFailedError
-from weightsync.spec.rank import EFFECTS, RankMachine, relabel_weight_version
+from weightsync.spec.rank import EFFECTS, RankMachine, effect_acts_on, relabel_weight_version
 from weightsync.spec.states import PauseMode, RankEvent
 from weightsync.spec.table import Fired
 
@@ -98,7 +98,8 @@ class EngineCore:
         self.worker = make_worker(cfg.transfer, self.model, rank)
         self.weight_version: str = INITIAL_WEIGHT_VERSION
         self.sched.weight_version = INITIAL_WEIGHT_VERSION
-        self._round_error: BaseException | None = None  # the last weight-transfer failure (rank `failed`)
+        self._round_error: BaseException | None = None
+        self._op_failed = False  # a worker operation's failure is being fired (TRANSFER_FAILED)  # the last weight-transfer failure (rank `failed`)
         self.dp = DPGroup(rank, cfg.dp_size, cfg.host, cfg.dp_port, cfg.collective_timeout_s)
         self.coll_seq = 0  # DP collectives entered so far (equal on every rank while in lockstep)
         self.rank_seq = 0
@@ -203,7 +204,8 @@ class EngineCore:
         self._depth += 1
         try:
             for name in tr.effects:
-                self.effects[name](fired)
+                if effect_acts_on(name, self.rank):
+                    self.effects[name](fired)
         finally:
             self._depth -= 1
         self.weight_version = str(self.machine.vars.weight_version)
@@ -282,7 +284,11 @@ class EngineCore:
             if blocks_in:
                 self._begin(completion=True)
             self._round_error = exc  # the DP board keeps the phase it failed in (repro reports it)
-            self.fire(RankEvent.TRANSFER_FAILED, phase=phase, error=f"{type(exc).__name__}: {exc}")
+            self._op_failed = True
+            try:
+                self.fire(RankEvent.TRANSFER_FAILED, phase=phase, error=f"{type(exc).__name__}: {exc}")
+            finally:
+                self._op_failed = False
             raise _RoundFailed(exc) from exc
         if blocks_in:
             self._begin(completion=True)
@@ -320,8 +326,7 @@ class EngineCore:
         self._to_coord(StartWave(int(fired.after.current_wave), self.rank))
 
     def _emit_wave_complete(self, fired: Fired) -> None:
-        if self.rank == 0:
-            self._to_coord(WaveComplete(int(fired.after.current_wave) - 1))
+        self._to_coord(WaveComplete(int(fired.after.current_wave) - 1))
 
     def _execute_step(self, fired: Fired) -> None:
         self._send_deltas(self.sched.step())
@@ -383,11 +388,12 @@ class EngineCore:
         )
 
     def _fail_round(self, fired: Fired) -> None:
-        if fired.event is RankEvent.FINISH_DONE:  # the table refused the version after the workers' finish
+        if not self._op_failed:  # no worker operation failed: the row itself (the monotonic guard) did
             self._round_error = LocalProtocolError(
                 f"rank {self.rank}: weight_version {self._current_kwargs().get('weight_version')!r} is older "
-                f"than the served {fired.before.weight_version!r} (monotonic guard: engines never go "
-                "backwards); the rank is failed until a new round completes"
+                f"than the served {fired.before.weight_version!r} (monotonic guard, row "
+                f"{fired.event.value}/{fired.transition.guard}: engines never go backwards); the rank is failed "
+                "until a new round completes"
             )
         self.worker.fail_round()
 

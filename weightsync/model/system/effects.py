@@ -28,7 +28,7 @@ from weightsync.model.system.state import (
 )
 from weightsync.spec.collectives import OUTCOME_KINDS, contribution, outcome_args, reduce_values
 from weightsync.spec.front_end import RANK_EFFECT_EVENT
-from weightsync.spec.rank import RankVars
+from weightsync.spec.rank import EFFECT_RANKS, RankVars, effect_acts_on
 from weightsync.spec.states import (
     RankEvent,
     RankState,
@@ -207,6 +207,8 @@ class RankEffects(ModelBase):
         return w.freeze()
 
     def _effect(self, w: _Work, i: int, eff: str, before: RankVars, req: int) -> None:
+        if eff in EFFECT_RANKS and not effect_acts_on(eff, i):
+            return
         rk = w.ranks[i]
         if eff == "queue_request":
             w.ranks[i] = rk.with_queues(tuple(sorted((*rk.waiting, (req, self.T)))), rk.running)
@@ -258,9 +260,8 @@ class RankEffects(ModelBase):
             if rk.vars.clear_cache and rk.running:
                 pre = tuple((r, left) for r, left, _ in rk.running)
                 w.ranks[i] = rk._replace(waiting=tuple(sorted(rk.waiting + pre)), running=())
-        elif eff == "emit_wave_complete":
-            if i == 0:  # the wave that ended is the one before the rank's new current_wave
-                self._to_coord(w, i, ("wave_complete", rk.vars.current_wave - 1, i))
+        elif eff == "emit_wave_complete":  # the wave that ended: the one before the new current_wave
+            self._to_coord(w, i, ("wave_complete", rk.vars.current_wave - 1, i))
         elif eff == "emit_start_wave":
             self._to_coord(w, i, ("start_wave", rk.vars.current_wave, i))
         elif eff in RANK_EFFECT_EVENT:  # the front-end's gate; held requests are sent only after ungate
