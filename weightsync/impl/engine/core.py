@@ -50,7 +50,7 @@ from weightsync.impl.engine.messages import (
     WaveComplete,
 )
 from weightsync.impl.engine.records import INITIAL_WEIGHT_VERSION, record_line, trace_line, vars_dict
-from weightsync.impl.engine.tracing import jsonable, message_dict, open_trace
+from weightsync.impl.engine.tracing import StepTracer, jsonable, open_trace
 from weightsync.spec.collectives import ENTER_EFFECT, FAIL_PHASE, outcome_args
 from weightsync.spec.controller import CALL_EVENT, PAUSE_ARGS
 from weightsync.spec.errors import LocalProtocolError, PeerFailedError
@@ -112,13 +112,11 @@ class EngineCore:
         self._poll_start = 0
         self._trace_fd: int | None = None
         # the system trace (module tracing): one group of records per model step of this rank
-        self._sys = open_trace(cfg.system_trace, f"rank{rank}")
-        self._group = -1
-        self._group_open = False
-        self._group_written = False
+        self.tracer = StepTracer(
+            open_trace(cfg.system_trace, f"rank{rank}"),
+            lambda: (len(self.sched.waiting), len(self.sched.running)),
+        )
         self._depth = 0
-        self._finished: list[str] = []
-        self._aborted: list[str] = []
         self.effects: dict[str, Callable[[Fired], None]] = {
             "abort_requests": self._abort_requests,
             "queue_request": self._queue_request,
@@ -193,13 +191,8 @@ class EngineCore:
         if self._trace_fd is not None:  # log before send: written before any effect of the transition
             line = json.dumps(trace_line(rec), sort_keys=True) + "\n"
             os.write(self._trace_fd, line.encode())
-        if self._sys is not None:
-            if not self._group_open:
-                self._begin()
-            # an idle loop pass (no effect, no variable changed, no input) is no step of the model
-            if tr.effects or fired.after != fired.before or self._group_written:
-                self._sys.write(**trace_line(rec), group=self._group, depth=self._depth)
-                self._group_written = True
+        # an idle loop pass (no effect, no variable changed, no input) is no step of the model
+        self.tracer.transition(trace_line(rec), not tr.effects and fired.after == fired.before, self._depth)
         self.q.out.put(rec)
         self._depth += 1
         try:
@@ -232,44 +225,6 @@ class EngineCore:
         self.weight_version = new_version
         self.sched.weight_version = new_version
 
-    # ------------------------------------------------------------------ system trace
-    def _begin(self, received: Any = None, socket: str = "", completion: bool = False) -> None:
-        """Start this rank's next model step in the system trace (a received message, a loop step, or a
-        collective's completion: always traced); ``received`` is the message dequeued from ``socket``."""
-        self._group += 1
-        self._group_open = True
-        self._group_written = completion
-        self._finished, self._aborted = [], []
-        if self._sys is not None and received is not None:
-            self._sys.write("recv", group=self._group, socket=socket, msg=message_dict(received))
-            self._group_written = True
-
-    def _settle(self, blocked: str = "") -> None:
-        """End the current step in the system trace: the scheduler's counts, the requests the step finished
-        or aborted, and the collective the rank now blocks in (``blocked``)."""
-        if self._sys is not None and self._group_open and self._group_written:
-            self._sys.write(
-                "settle",
-                group=self._group,
-                waiting=len(self.sched.waiting),
-                running=len(self.sched.running),
-                finished=self._finished,
-                aborted=self._aborted,
-                blocked=blocked,
-            )
-        self._group_open = False
-
-    def _trace_send(self, msg: Any) -> None:
-        """A message this step puts on the coordinator socket (recorded before the put)."""
-        if self._sys is not None:
-            self._sys.write("send", group=self._group, socket="to_coord", msg=message_dict(msg))
-
-    def trace_fault(self, what: str) -> None:
-        """Mark where an injected fault acted (broken engines of ``weightsync replay --self-test``; the
-        walker never reads these records)."""
-        if self._sys is not None:
-            self._sys.write("fault", group=self._group, what=what)
-
     def _transfer_op(self, phase: str, op: Callable[[], None], blocks_in: str = "") -> None:
         """Run a worker operation of a weight-transfer round. If it raises (a timeout, a wire mismatch, an
         incomplete finish, ...), TRANSFER_FAILED fires (the table moves the rank to ``failed`` and replies
@@ -277,12 +232,12 @@ class EngineCore:
         ``blocks_in``: the weight-transfer collective the operation is (the step ends before it and its
         completion, or failure, is the next step)."""
         if blocks_in:
-            self._settle(blocks_in)
+            self.tracer.settle(blocks_in)
         try:
             op()
         except Exception as exc:
             if blocks_in:
-                self._begin(completion=True)
+                self.tracer.begin(completion=True)
             self._round_error = exc  # the DP board keeps the phase it failed in (repro reports it)
             self._op_failed = True
             try:
@@ -291,18 +246,17 @@ class EngineCore:
                 self._op_failed = False
             raise _RoundFailed(exc) from exc
         if blocks_in:
-            self._begin(completion=True)
+            self.tracer.begin(completion=True)
 
     # ------------------------------------------------------------------ effects
     def _noop(self, fired: Fired) -> None:
         pass
 
     def _send_deltas(self, deltas: list[TokenDelta]) -> None:
-        for d in deltas:
-            if d.finish_reason == "abort":
-                self._aborted.append(d.req_id)
-            elif d.finish_reason is not None:
-                self._finished.append(d.req_id)
+        self.tracer.outputs(
+            [d.req_id for d in deltas if d.finish_reason not in (None, "abort")],
+            [d.req_id for d in deltas if d.finish_reason == "abort"],
+        )
         if deltas:
             self.q.out.put(StepOutputs(self.rank, tuple(deltas)))
 
@@ -319,7 +273,7 @@ class EngineCore:
         self._send_deltas(self.sched.abort(self._ctx_msg.req_id))
 
     def _to_coord(self, msg: StartWave | WaveComplete) -> None:
-        self._trace_send(msg)
+        self.tracer.send(msg)
         self.q.to_coord.put(msg)
 
     def _emit_start_wave(self, fired: Fired) -> None:
@@ -336,9 +290,9 @@ class EngineCore:
     def _join(self, kind: str, a: int, b: int) -> tuple[int, ...]:
         seq = self.coll_seq
         self.coll_seq += 1
-        self._settle(kind)
+        self.tracer.settle(kind)
         out = self.dp.collective(kind, seq, a, b)
-        self._begin(completion=True)  # the completion is the next step
+        self.tracer.begin(completion=True)  # the completion is the next step
         return out
 
     def _enter_dp_step(self, fired: Fired) -> None:
@@ -562,9 +516,9 @@ class EngineCore:
                 n += 1
                 if self.failure is None:
                     if not isinstance(msg, Shutdown):
-                        self._begin(msg, _SOCKETS[(k + i) % len(qs)])
+                        self.tracer.begin(msg, _SOCKETS[(k + i) % len(qs)])
                     self._handle(msg)
-                    self._settle()
+                    self.tracer.settle()
                 elif isinstance(msg, UtilityCall):
                     self._handle_call(msg)  # queries and shutdown still answered; protocol calls refused
                 elif isinstance(msg, Shutdown):
@@ -623,7 +577,7 @@ class EngineCore:
                     time.sleep(self.cfg.idle_sleep_s)
                     continue
                 fired = self.fire(RankEvent.STEP, has_work=self.sched.has_work())
-                self._settle()
+                self.tracer.settle()
                 if not fired.transition.effects and not got:
                     time.sleep(self.cfg.idle_sleep_s)
             except Exception as exc:

@@ -13,7 +13,7 @@ plus corrupted weight bytes:
 - :class:`CorruptsWeights`: one byte of every received weight bucket is flipped (the checksum round of
   ``verify=True`` must catch it).
 
-A broken rank writes a ``fault`` record (:meth:`EngineCore.trace_fault`) whenever its fault changes what
+A broken rank writes a ``fault`` record (:meth:`~weightsync.impl.engine.tracing.StepTracer.fault`) whenever its fault changes what
 the rank does, attributed to the model step it changes. Faults that would change nothing (a START_DP_WAVE
 whose row is a no-op, a clear_cache with nothing running) are not injected, so the first fault record is
 where the trace first departs from a healthy engine.
@@ -36,8 +36,7 @@ from weightsync.spec.table import Fired
 
 def _mark(core: EngineCore, what: str) -> None:
     """A ``fault`` record for the step the fault acts in (the one under way, else the next one)."""
-    if core._sys is not None:
-        core._sys.write("fault", group=core._group if core._group_open else core._group + 1, what=what)
+    core.tracer.fault(what)
 
 
 class _IgnoresPausedAll(Scheduler):

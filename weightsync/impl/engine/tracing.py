@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -100,4 +101,80 @@ def message_dict(msg: Any) -> dict[str, Any]:
     return {"type": name, **{k: jsonable(getattr(msg, k)) for k in fields}}
 
 
-__all__ = ["SCHEMA", "TraceWriter", "jsonable", "message_dict", "open_trace"]
+class StepTracer:
+    """One rank's records in the system trace, grouped by model step (module docstring).
+
+    A step begins with a received message (:meth:`begin` with ``received``), a loop step (the first
+    :meth:`transition` of a closed step) or a collective's completion (``completion=True``: always
+    traced), and ends with :meth:`settle`: the scheduler's counts, the requests the step finished or
+    aborted (:meth:`outputs`) and the collective the rank now blocks in. A loop step that fires a
+    transition with no effect and no variable change is an idle pass: nothing of it is written.
+
+    Args:
+        writer: the rank's trace writer (None: no trace; every method is then a no-op but the counting).
+        counts: ``() -> (waiting, running)``, the scheduler's queue lengths.
+    """
+
+    def __init__(self, writer: TraceWriter | None, counts: Callable[[], tuple[int, int]]) -> None:
+        self.writer = writer
+        self.counts = counts
+        self.group = -1
+        self.open = False
+        self.written = False
+        self.finished: list[str] = []
+        self.aborted: list[str] = []
+
+    def begin(self, received: Any = None, socket: str = "", completion: bool = False) -> None:
+        """Start the rank's next step; ``received``: the message dequeued from ``socket``."""
+        self.group += 1
+        self.open = True
+        self.written = completion
+        self.finished, self.aborted = [], []
+        if self.writer is not None and received is not None:
+            self.writer.write("recv", group=self.group, socket=socket, msg=message_dict(received))
+            self.written = True
+
+    def transition(self, line: dict[str, Any], idle: bool, depth: int) -> None:
+        """A transition the rank fired (``line``: its per-rank trace record); ``idle``: it has no effect
+        and changes no variable."""
+        if self.writer is None:
+            return
+        if not self.open:
+            self.begin()
+        if not idle or self.written:
+            self.writer.write(**line, group=self.group, depth=depth)
+            self.written = True
+
+    def outputs(self, finished: Sequence[str], aborted: Sequence[str]) -> None:
+        """Requests this step finished / aborted (request ids)."""
+        self.finished.extend(finished)
+        self.aborted.extend(aborted)
+
+    def send(self, msg: Any, socket: str = "to_coord") -> None:
+        """A message this step puts on ``socket`` (recorded before the put)."""
+        if self.writer is not None:
+            self.writer.write("send", group=self.group, socket=socket, msg=message_dict(msg))
+
+    def settle(self, blocked: str = "") -> None:
+        """End the current step; ``blocked``: the collective the rank now blocks in ("" if none)."""
+        if self.writer is not None and self.open and self.written:
+            waiting, running = self.counts()
+            self.writer.write(
+                "settle",
+                group=self.group,
+                waiting=waiting,
+                running=running,
+                finished=self.finished,
+                aborted=self.aborted,
+                blocked=blocked,
+            )
+        self.open = False
+
+    def fault(self, what: str) -> None:
+        """A ``fault`` record (broken engines of ``weightsync replay --self-test`` only; the walker never
+        reads them) for the step the fault acts in: the one under way, else the next one."""
+        if self.writer is not None:
+            self.writer.write("fault", group=self.group if self.open else self.group + 1, what=what)
+
+
+__all__ = ["SCHEMA", "StepTracer", "TraceWriter", "jsonable", "message_dict", "open_trace"]
