@@ -98,6 +98,10 @@ def test_the_healthy_trace_is_accepted_and_every_edit_of_it_rejected_at_its_line
             lambda r: r["kind"] == "transition" and r["event"] == "step" and "has_work" in r["args"],
             lambda r: {**r, "args": {**r["args"], "has_work": not r["args"]["has_work"]}},
         ),
+        "a DP sync completed with another sum": (
+            lambda r: r["kind"] == "transition" and r["event"] == "dp_sync_done",
+            lambda r: {**r, "args": {**r["args"], "sum_unfinished": r["args"]["sum_unfinished"] + 1}},
+        ),
         "a pause reporting no running requests while some run": (
             lambda r: r["kind"] == "transition" and r["event"] == "pause" and r["args"].get("running", 0) > 0,
             lambda r: {**r, "args": {**r["args"], "running": 0}},

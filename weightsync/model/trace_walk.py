@@ -52,6 +52,7 @@ from weightsync.model.system import (
     Model,
     describe,
 )
+from weightsync.spec.collectives import contribution, outcome_args, reduce_values
 from weightsync.spec.coordinator import CoordState
 from weightsync.spec.states import PauseMode, RankEvent
 
@@ -305,6 +306,7 @@ class _Walker:
                     raise _Mismatch(mem, f"{mem.proc} was blocked in {kind}; its next step is no completion")
             label = ("done", kind)
             t = self.successor(label, members)
+            self.check_outcome(kind, members)
             for mem in members:
                 try:
                     self.check_rank(mem, int(mem.proc[4:]), t, self.s)
@@ -318,6 +320,31 @@ class _Walker:
         t = self.successor(label, st)
         self.check_rank(st, i, t, self.s)
         self.take(label, t)
+
+    def check_outcome(self, kind: str, members: Sequence[EngineStep]) -> None:
+        """Each member's completion carries the outcome the model computes from the members' states at
+        entry (spec/collectives.py: contributions and reduction)."""
+        contributions = [
+            contribution(
+                kind,
+                r.vars.pause_state,
+                len(r.waiting),
+                len(r.running),
+                r.vars.pending_pause,
+                r.vars.current_wave,
+            )
+            for r in self.s.ranks
+        ]
+        want = dict(outcome_args(kind, reduce_values(kind, contributions)))
+        for mem in members:
+            first = mem.of("transition")[0]
+            if first["event"] == RankEvent.TRANSFER_FAILED.value:
+                continue  # compared through the variables (the model completes, the engine failed)
+            got = {k: first.get("args", {}).get(k) for k in want}
+            if got != want:
+                raise _Mismatch(
+                    list(members), f"{mem.proc} completed {kind} with {got}; the model's outcome is {want}"
+                )
 
     def _next_of(self, proc: str, after: int) -> int | None:
         for k in range(after + 1, len(self.steps)):
