@@ -53,6 +53,7 @@ from weightsync.model.system import (
     describe,
 )
 from weightsync.spec.collectives import contribution, outcome_args, reduce_values
+from weightsync.spec.controller import front_end_answers
 from weightsync.spec.coordinator import CoordState
 from weightsync.spec.states import PauseMode, RankEvent
 
@@ -200,6 +201,7 @@ class _Walker:
         self.path: list[tuple[Label, G]] = []  # (label, state after) of every step taken
         self.last_front = 0  # len(path) after the front-end's last step
         self.versions: dict[int, str | None] = {0: "default"}  # model round -> engine label
+        self.call_versions: dict[int, str] = {}  # the round a call carries -> the label the engine's carries
         self.requests: dict[str, int] = {}  # engine request id -> model request number
         self.blocked = ["" for _ in range(model.n)]  # each rank's collective, by its last settle
         self.consumed: set[int] = set()
@@ -227,8 +229,8 @@ class _Walker:
         raise TraceFormatError(f"unknown message type {t!r}")
 
     def _model_msg(self, m: tuple[Any, ...]) -> tuple[Any, ...]:
-        if m[0] == "U":  # the model's finish carries its round number; the engine its label
-            return ("U", m[1], self.versions.get(m[2]) if m[1] == "finish_weight_update" else None)
+        if m[0] == "U":  # the model's call carries a round number where the engine's carries a version label
+            return ("U", m[1], self.call_versions.get(m[2]))
         if m[0] == "wave_complete":
             return ("wave_complete", m[1])
         return m
@@ -537,19 +539,25 @@ class _Walker:
     def call_step(self, st: EngineStep) -> None:
         rec = st.records[0]
         method = rec["method"]
+        kwargs = rec["kwargs"]
         label: Label = (
             ("fe", method)
-            if self.m.variant.pause_in_front_end and method in ("pause", "resume")
+            if front_end_answers(self.m.variant.pause_in_front_end, method)
             else ("fan", method, -1)
         )
-        t = self.successor(label, st)
-        if method == "finish_weight_update":
-            self.versions[t.ctrl.update_rounds + 1] = rec["kwargs"].get("weight_version")
-        if method == "pause" and PauseMode(rec["kwargs"].get("mode", "abort")) is not self.m.mode:
+        mode = kwargs.get("mode")
+        if mode is not None and PauseMode(mode) is not self.m.mode:
             raise _Mismatch(
-                st,
-                f"controller paused with mode {rec['kwargs'].get('mode')}; the walk's model pauses with {self.m.mode.value}",
+                st, f"controller called {method} with mode {mode}; the walk's model uses {self.m.mode.value}"
             )
+        t = self.successor(label, st)
+        version = kwargs.get("weight_version")
+        if version is not None:  # the model's call carries its round number: that round is this label
+            f = self.fifo["ctrl"]
+            sent = [q[-1] for r in t.ranks for q in (r.inq[f],) if q and q[-1][:2] == ("U", method)]
+            for m in sent:
+                self.call_versions[m[2]] = version
+                self.versions[m[2]] = version
         self.take(label, t)
 
 
