@@ -289,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help / --version exit 0
         return int(exc.code or 0)
-    except UsageError as exc:  # a bad flag or value: exit 2 naming it (design.md s5)
+    except UsageError as exc:  # a bad flag or value: exit 2 naming it (README, exit codes)
         if "--json" in argv:
             sys.stdout.write(json.dumps({"error": str(exc)}) + "\n")
         else:

@@ -2,8 +2,8 @@
 
 Figures: states/second and peak memory for two-phase-epoch N=3 (keep mode, safety exploration) and N=4
 with symmetry reduction, plus two same-process ratios at N=2: the dict parent-pointer explorer against a
-networkx ``DiGraph`` BFS of the same model (the approach reference section 10 measured 3-5x slower and
-~10x heavier), and plain vs symmetry-reduced exploration at N=3.
+networkx ``DiGraph`` BFS of the same model (an approach measured 3-5x slower and ~10x heavier), and plain
+vs symmetry-reduced exploration at N=3.
 """
 
 from __future__ import annotations

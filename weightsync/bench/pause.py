@@ -4,7 +4,7 @@ For each sync interval K the benchmark starts a 2-rank cluster of the tiny refer
 busy with long requests, measures the step time while serving, then times ``pause(keep)`` (call to every
 rank verified, i.e. the call returned) and ``resume`` (call to every rank running again). The pause's cost
 in steps is the number of DP collectives the slowest rank ran between the call and the return; the target
-(reference section 6, two-phase pause: consensus at the next K-step sync) is at most K + 2 steps.
+(vLLM PR #39366, two-phase pause: consensus at the next K-step sync) is at most K + 2 steps.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Properties (name -> statement, source) are listed in :data:`PROPERTIES`. Safety properties are checked on
 the fly by :func:`weightsync.model.explorer.explore`; progress properties by reverse reachability over the
 integer-indexed edge list (every reachable state must be able to reach a goal state; this also catches
-livelocks, reference section 10); non-vacuity ("sometimes") properties by witnesses seen while exploring.
+livelocks); non-vacuity ("sometimes") properties by witnesses seen while exploring.
 With ``symmetry`` on (the default from N=3), states are explored up to permutations of ranks 1..N-1
 (:meth:`weightsync.model.system.Model.canon`). Every property here survives that reduction: the invariants,
 edge checks, terminal checks, progress goals and witnesses are symmetric (none names a rank other than 0),
@@ -42,7 +42,7 @@ PROPERTIES: dict[str, tuple[str, str]] = {
     "collectives_match": (
         "never two ranks blocked in different collectives, and each rank's recorded collective is the one "
         "it is blocked in",
-        "reference s6/s10 (a deadlock is ranks waiting in different collectives); blog DP=2 scenario",
+        "blog DP=2 scenario (a deadlock is ranks waiting in different collectives); vLLM PR #39366",
     ),
     "no_one_sided_collective": (
         "no state without successors in which a rank (or the trainer) is blocked in a collective",
@@ -51,46 +51,48 @@ PROPERTIES: dict[str, tuple[str, str]] = {
     "no_deadlock": (
         "every state without successors is a legitimate end (controller done, requests finished, channels "
         "empty, every rank running and unpaused)",
-        "reference s10",
+        "weightsync",
     ),
     "quiescence": (
         "no rank steps or enters a DP collective while another rank is inside a weight-transfer collective",
-        "vLLM issue #36594; PR #39366 guarantee (reference s6)",
+        "vLLM issue #36594; PR #39366 guarantee",
     ),
     "phase_bracketing": (
         "no protocol error: every call the controller makes and every message a rank receives is legal in "
         "its state (no ERROR state), and no reply arrives for a call not made",
-        "reference s2 (four-phase API), h11-style fail-closed tables",
+        "vLLM 0.32 v1/worker/gpu_worker.py:1507-1604 (four-phase API), h11-style fail-closed tables",
     ),
     "request_conservation": (
         "each admitted request is in exactly one place; requests are aborted only in abort mode (keep and "
         "wait keep every request)",
-        "reference s4 (pause modes)",
+        "vLLM 0.32 v1/engine/core.py:2061-2103 (pause modes)",
     ),
     "version_agreement": (
         "when a finish_weight_update fan-out has returned without error, every rank's weight_version is the "
         "version it carried; when a resume fan-out has returned, every rank's weight_version equals the "
         "number of rounds that succeeded (a failed round never moves a version)",
-        "weightsync design s3 'version agreement after resume' (RFC #31848: vLLM has no version counter)",
+        "weightsync (RFC #31848: vLLM has no version counter)",
     ),
     "pause_gating": (
         "from receiving pause until resume a rank starts no waiting request (PAUSED_NEW); under keep "
         "(PAUSED_ALL), and once its pause returned, it advances no request at all",
-        "reference s4 (PauseState); PR #39366 guarantee: engines idle and gated after /pause returns",
+        "vLLM 0.32 v1/core/sched/interface.py:24-35 (PauseState); PR #39366 guarantee: engines idle and gated "
+        "after /pause returns",
     ),
     "mode_semantics": (
         "abort mode: from receiving pause until resume a rank advances no request, and none is running "
         "once its pause returned; keep and wait abort no request the client did not abort",
-        "reference s4 (pause modes table)",
+        "vLLM 0.32 v1/engine/core.py:2061-2103 (pause modes)",
     ),
     "tokens_exactly_once": (
         "every loop step that runs a forward gives each scheduled request exactly one token and the others "
         "none; a step that runs no forward changes no request (no token doubled or skipped)",
-        "reference s4/s5 (scheduler, busy loop); B14 (vLLM #42117: first post-resume token dropped)",
+        "vLLM 0.32 v1/engine/core.py:2328-2371 (busy loop); vLLM PR #42117 (first post-resume token dropped)",
     ),
     "no_stale_kv": (
         "with clear_cache=True, no request generates from KV computed under an older weight_version",
-        "reference s4 (keep + clear_cache re-prefills frozen requests); B14 (vLLM PR #34382)",
+        "vLLM 0.32 v1/engine/core.py:898-919, v1/core/sched/scheduler.py:2850-2860 (keep + clear_cache "
+        "re-prefills frozen requests); vLLM PR #34382",
     ),
     "no_partial_serving": (
         "no rank advances a request while its worker is mid-round, or after a failed round before a new "
@@ -104,7 +106,7 @@ PROPERTIES: dict[str, tuple[str, str]] = {
     ),
     "abort_honoured": (
         "a client ABORT that reaches the rank holding the request aborts it",
-        "reference s5 (ABORT message)",
+        "vLLM 0.32 v1/engine/core.py:1685-1686 (ABORT message)",
     ),
     "progress_pause": (
         "every pause can reach all-verified (all pause replies)",
@@ -116,15 +118,15 @@ PROPERTIES: dict[str, tuple[str, str]] = {
     ),
     "progress_requests": (
         "every admitted request can finish or be aborted",
-        "reference s4; AReaL #1160 (every pause followed by resume)",
+        "vLLM 0.32 v1/engine/core.py:951-953; AReaL #1160 (every pause followed by resume)",
     ),
     "sometimes_all_verified": (
         "non-vacuity: some reachable state has every rank verified",
-        "reference s10",
+        "weightsync (non-vacuity)",
     ),
     "sometimes_update_with_wave_in_flight": (
         "non-vacuity: some weight broadcast completes while a START_DP_WAVE is in flight",
-        "reference s10",
+        "weightsync (non-vacuity)",
     ),
 }
 SAFETY = (
@@ -477,7 +479,7 @@ def check(
     workers: int | None = None,
     stalls: bool = False,
 ) -> dict[str, Any]:
-    """Run ``weightsync check`` and return its JSON object (design.md section 5).
+    """Run ``weightsync check`` and return its JSON object (the keys below).
 
     ``symmetry`` None: :func:`default_symmetry`. ``workers``: processes exploring the pause modes in
     parallel (each mode is an independent exploration); None: one per mode, at most the CPU count.

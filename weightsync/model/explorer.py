@@ -263,7 +263,7 @@ def reverse_reachable(n: int, src: array[int], dst: array[int], goals: Iterable[
     """Which of ``n`` states can reach a goal state (the goals included): ``out[i] == 1`` iff so.
 
     Builds the reverse adjacency as a CSR (counting sort over ``dst``) and searches backwards. This is
-    the reverse-reachability progress check of reference section 10: every reachable state must be an
+    the reverse-reachability progress check: every reachable state must be an
     ancestor of a good state, which catches both sink deadlocks and livelocks without fairness.
     """
     start, rev = build_reverse_csr(n, src, dst)

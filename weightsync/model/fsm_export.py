@@ -1,7 +1,7 @@
 """Per-rank FSM diagrams (DOT, Mermaid) and ``spec/PROTOCOL.md``, generated from the spec tables.
 
 Output is deterministic (sorted nodes and edges), so checked-in copies under ``spec/`` can be tested for
-freshness (reference section 10, 'Diagrams').
+freshness.
 """
 
 from __future__ import annotations

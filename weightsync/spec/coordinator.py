@@ -1,4 +1,5 @@
-"""The DP coordinator as a table: vLLM's ``DPCoordinatorProc`` wave bookkeeping (reference section 5).
+"""The DP coordinator as a table: vLLM's ``DPCoordinatorProc`` wave bookkeeping (vLLM 0.32
+``v1/engine/coordinator.py:197-466``).
 
 The coordinator holds ``(current_wave, engines_running)``; here ``engines_running`` is the machine's state
 (:class:`CoordState`). It reads three messages (:class:`CoordEvent`) and its effects are the
@@ -44,7 +45,7 @@ class CoordState(StrEnum):
 
 
 class CoordEvent(StrEnum):
-    """Messages the coordinator reads (reference section 5)."""
+    """Messages the coordinator reads (vLLM 0.32 ``v1/engine/coordinator.py:363-375, 432-461``)."""
 
     FIRST_REQ = "FIRST_REQ"  # front-end -> coordinator: args ``exclude`` (target rank), ``wave``
     WAVE_COMPLETE = "wave_complete"  # engine rank 0 -> coordinator: args ``wave``

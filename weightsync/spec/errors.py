@@ -1,7 +1,7 @@
 """Error hierarchy (h11/h2 style), shared by the spec, the model and the implementation.
 
 Every message names the state, the event and what would have been legal, so a user can tell from the
-exception text alone which rule was broken (design.md section 4).
+exception text alone which rule was broken (as h11's and h2's errors do).
 """
 
 from __future__ import annotations

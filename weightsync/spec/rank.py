@@ -161,7 +161,7 @@ VARIANTS: dict[str, Variant] = {
             "vLLM 0.32 as shipped: sync at step 1 and every K, non-latching coordinator, rank 0's mirror "
             "start_wave, a FIRST_REQ exclusion that never matches, resume errors and a second pause accepted, "
             "weight calls in any state, non-sticky errors",
-            "vLLM 0.32.0 v1/engine/core.py, coordinator.py, core_client.py (reference vllm-0.32.md s3)",
+            "vLLM 0.32.0 v1/engine/core.py:2143-2427, coordinator.py:197-466, core_client.py:1582-1596",
             vllm032_table(epoch=False),
             verified_channels=("ordered",),
             coordinator_latches=False,

@@ -20,7 +20,14 @@ def _t(
 
 
 R39366 = "vLLM PR #39366 (two-phase pause/resume)"
-R_WAVES = "reference s5 (DP waves)"
+R_WAVES = "vLLM 0.32 v1/engine/core.py:2234-2248, 2281-2299, 2328-2393 (DP waves)"
+R_ABORT = "vLLM 0.32 v1/engine/core.py:1685-1686 (ABORT)"
+R_INIT = "vLLM 0.32 v1/engine/async_llm.py:1315-1326, v1/worker/gpu_worker.py:1484-1496"
+R_START = "vLLM 0.32 v1/engine/async_llm.py:1332-1334, v1/worker/gpu_worker.py:1507-1548"
+R_UPDATE = "vLLM 0.32 v1/engine/async_llm.py:1340-1349, v1/worker/gpu_worker.py:1550-1585"
+R_FINISH = "vLLM 0.32 v1/engine/async_llm.py:1351-1355, v1/worker/gpu_worker.py:1587-1604"
+R_PAUSE = "vLLM 0.32 v1/engine/core.py:2061-2103 (EngineCoreProc.pause_scheduler)"
+R_RESUME = "vLLM 0.32 v1/engine/core.py:951-953 (resume_scheduler)"
 
 
 def _serving_rows(state: RankState, honour_waves: bool, stale_add_rearms: bool, may_step: bool) -> Table:
@@ -41,7 +48,7 @@ def _serving_rows(state: RankState, honour_waves: bool, stale_add_rearms: bool, 
     else:
         add.append(_t(ALWAYS, state, (), ("queue_request",), R_WAVES))
     rows[(state, _E.ADD)] = tuple(add)
-    rows[(state, _E.ABORT)] = (_t(ALWAYS, state, (), ("abort_request",), "reference s5"),)
+    rows[(state, _E.ABORT)] = (_t(ALWAYS, state, (), ("abort_request",), R_ABORT),)
     if honour_waves:
         rows[(state, _E.START_DP_WAVE)] = (
             _t("wave_for_me_not_ignoring", state, ("adopt_wave", "set_engines_running"), (), R_WAVES),
@@ -67,17 +74,17 @@ def _transfer_rows() -> Table:
     """verified -> updating -> verified, with failures as rows (weightsync); init legal in running, verified
     and failed. ``finish_weight_update`` moves the version only on FINISH_DONE, after the workers' finish
     returned; every failure (TRANSFER_FAILED) leaves the round in ``failed``, and a new round recovers it."""
-    start = _t(ALWAYS, _S.UPDATING, (), ("start_weight_update", "reply"), "reference s2")
+    start = _t(ALWAYS, _S.UPDATING, (), ("start_weight_update", "reply"), R_START)
     rows: Table = {
         (_S.VERIFIED, _E.START_UPDATE): (start,),
         (_S.FAILED, _E.START_UPDATE): (
             start._replace(rule="weightsync: a new round recovers a failed rank"),
         ),
         (_S.UPDATING, _E.UPDATE_WEIGHTS): (
-            _t(ALWAYS, _S.UPDATING, ("enter_weight_broadcast",), ("enter_weight_broadcast",), "reference s2"),
+            _t(ALWAYS, _S.UPDATING, ("enter_weight_broadcast",), ("enter_weight_broadcast",), R_UPDATE),
         ),
         (_S.UPDATING, _E.WEIGHT_BROADCAST_DONE): (
-            _t(ALWAYS, _S.UPDATING, ("leave_collective",), ("reply",), "reference s2"),
+            _t(ALWAYS, _S.UPDATING, ("leave_collective",), ("reply",), R_UPDATE),
         ),
         (_S.UPDATING, _E.FINISH_UPDATE): (
             _t(
@@ -85,7 +92,7 @@ def _transfer_rows() -> Table:
                 _S.UPDATING,
                 (),
                 ("finish_weight_update",),
-                "reference s2; outcome as an event: weightsync",
+                R_FINISH + "; outcome as an event: weightsync",
             ),
         ),
         (_S.UPDATING, _E.FINISH_DONE): (
@@ -101,7 +108,7 @@ def _transfer_rows() -> Table:
                 _S.VERIFIED,
                 ("set_weight_version",),
                 ("reply",),
-                "reference s2; vLLM 0.32 finish_weight_update(weight_version); moves only on success",
+                R_FINISH + ": finish_weight_update(weight_version); moves only on success",
             ),
         ),
         (_S.UPDATING, _E.TRANSFER_FAILED): (
@@ -110,9 +117,9 @@ def _transfer_rows() -> Table:
     }
     for s in (_S.RUNNING, _S.VERIFIED, _S.FAILED):
         rows[(s, _E.INIT_TRANSFER)] = (
-            _t(ALWAYS, s, ("enter_transfer_init",), ("enter_transfer_init",), "reference s2"),
+            _t(ALWAYS, s, ("enter_transfer_init",), ("enter_transfer_init",), R_INIT),
         )
-        rows[(s, _E.TRANSFER_INIT_DONE)] = (_t(ALWAYS, s, ("leave_collective",), ("reply",), "reference s2"),)
+        rows[(s, _E.TRANSFER_INIT_DONE)] = (_t(ALWAYS, s, ("leave_collective",), ("reply",), R_INIT),)
         rows[(s, _E.TRANSFER_FAILED)] = (
             _t(ALWAYS, _S.FAILED, ("leave_collective", "fail_stop"), ("fail_init", "reply_failure"), R_FAIL),
         )
@@ -184,7 +191,8 @@ def two_phase_table(epoch: bool, safe_resume: bool = False, mirror_start_wave: b
     """
     rows = _running_rows(mirror_start_wave=mirror_start_wave)
     pause_updates = ("set_pause_state", "set_pending_pause", "set_engines_running")
-    # Only mode=abort aborts requests (reference s4); keep freezes them and wait drains the running ones.
+    # Only mode=abort aborts requests (vLLM 0.32 core.py:2088-2092); keep freezes them and wait drains the
+    # running ones.
     rows[(_S.RUNNING, _E.PAUSE)] = (
         _t("pause_abort", _S.PAUSED, pause_updates, ("abort_requests",), R39366 + " phase 1 (abort)"),
         _t("pause_drains_now", _S.PAUSED, pause_updates, (), R39366 + " phase 1"),
@@ -295,9 +303,9 @@ def _engine_pause_table(ignore_waves_while_paused: bool) -> Table:
             fast + " (abort)",
         ),
         _t("pause_idle_fast_path", _S.VERIFIED, pause_updates, ("clear_cache", "reply_pause"), fast),
-        _t("pause_abort_busy", _S.PAUSED, pause_updates, ("abort_requests",), "reference s4 (abort)"),
-        _t("pause_drains_now_busy", _S.PAUSED, pause_updates, (), "reference s4"),
-        _t("pause_must_drain", _S.PAUSING, pause_updates, (), "reference s4 (wait drains)"),
+        _t("pause_abort_busy", _S.PAUSED, pause_updates, ("abort_requests",), R_PAUSE + " (abort)"),
+        _t("pause_drains_now_busy", _S.PAUSED, pause_updates, (), R_PAUSE),
+        _t("pause_must_drain", _S.PAUSING, pause_updates, (), R_PAUSE + " (wait drains)"),
     )
     for s in (_S.PAUSING, _S.PAUSED):
         rows.update(_serving_rows(s, honour_waves=honour, stale_add_rearms=False, may_step=True))
@@ -307,7 +315,7 @@ def _engine_pause_table(ignore_waves_while_paused: bool) -> Table:
                 _S.VERIFIED,
                 ("leave_collective", "end_wave"),
                 ("emit_wave_complete", "clear_cache", "reply_pause"),
-                "reference s4: completes when idle",
+                R_PAUSE + ": completes when idle",
             ),
             _t("drained", _S.PAUSED, ("leave_collective", "count_step"), (), R_WAVES),
             _t("not_drained", _S.PAUSING, ("leave_collective", "count_step"), (), R_WAVES),
@@ -324,10 +332,8 @@ def _engine_pause_table(ignore_waves_while_paused: bool) -> Table:
         )
     rows.update(_transfer_rows())
     for s in (_S.VERIFIED, _S.PAUSING, _S.PAUSED):
-        rows[(s, _E.RESUME)] = (
-            _t(ALWAYS, _S.RUNNING, ("unpause",), ("reply_resume",), "reference s4: resume"),
-        )
-    rows[(_S.RUNNING, _E.RESUME)] = (_t(ALWAYS, _S.RUNNING, (), ("reply_resume",), "reference s4: no-op"),)
+        rows[(s, _E.RESUME)] = (_t(ALWAYS, _S.RUNNING, ("unpause",), ("reply_resume",), R_RESUME),)
+    rows[(_S.RUNNING, _E.RESUME)] = (_t(ALWAYS, _S.RUNNING, (), ("reply_resume",), R_RESUME + ": no-op"),)
     return rows
 
 

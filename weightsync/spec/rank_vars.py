@@ -176,7 +176,7 @@ GUARDS: dict[str, Callable[[RankVars, Args], bool]] = {
     "idle": lambda v, a: not _works(v, a),
     "drained": lambda v, a: not bool(a["has_work"]),
     "not_drained": lambda v, a: bool(a["has_work"]),
-    # DP sync all-reduce outcomes (reference section 5, 'DP sync')
+    # DP sync all-reduce outcomes (vLLM 0.32 config/parallel.py:850-875, v1/engine/core.py:2410-2427)
     "sync_keep_running": lambda v, a: _keep_running(a),
     "sync_stop": lambda v, a: not _keep_running(a),
     # Phase 2 stop: every rank paused (this sync's consensus, or an earlier one that set

@@ -47,7 +47,7 @@ C_UTIL_ERR = (
 C_RPC = (
     V032
     + "v1/engine/core.py:1073-1080, v1/engine/async_llm.py:1315-1355 (collective_rpc: no engine-level gate; "
-    "the worker checks only its own start/active flag, reference s3.7)"
+    "the worker checks only its own start/active flag, v1/worker/gpu_worker.py:1534-1538, 1566-1569)"
 )
 
 

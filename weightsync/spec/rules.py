@@ -23,7 +23,7 @@ RULES: tuple[Rule, ...] = (
         "Every protocol decision of a DP engine rank is a row of its variant's table, keyed by "
         "(state, event). A row names a guard, a target state, the local-variable updates and the effects. "
         "The first row whose guard holds fires; an event with no such row is illegal.",
-        "design.md s1; h11 _state.py",
+        "weightsync; h11 _state.py",
     ),
     Rule(
         "Fail closed and stay failed",
@@ -31,14 +31,14 @@ RULES: tuple[Rule, ...] = (
         "RemoteProtocolError; either moves the rank machine to the sticky error state before any effect "
         "runs, and no further weights move. The engine asks the table before it fires a call, so an illegal "
         "call from a client is refused with that LocalProtocolError and the rank stays unharmed.",
-        "design.md s4; h2 stream.py",
+        "weightsync; h2 stream.py",
     ),
     Rule(
         "Utility calls run between steps",
         "pause, resume and the four weight-transfer calls are inputs of the busy loop. A rank handles one "
         "input, or runs one step, at a time; a rank blocked in a collective handles nothing until the "
         "collective completes.",
-        "reference s1 'Execution point'",
+        "vLLM 0.32 v1/engine/core.py:1547-1558, 1674-1706 (utility calls are busy-loop inputs)",
     ),
     Rule(
         "Lockstep while any rank has work",
@@ -47,14 +47,14 @@ RULES: tuple[Rule, ...] = (
         "joins the DP sync SUM all-reduce of [has_unfinished, pending_pause]; the wave ends when it reports "
         "no unfinished work and no partial pause, rank 0 then emits wave_complete and every rank advances "
         "current_wave.",
-        "reference s5; vLLM PR #21617",
+        "vLLM 0.32 v1/engine/core.py:2328-2427; vLLM PR #21617",
     ),
     Rule(
         "Waves start from the coordinator",
         "START_DP_WAVE(wave, exclude) re-arms a rank unless it is excluded or the wave is older than its "
         "current wave. An ADD stamped with a newer wave is adopted; an ADD stamped with an older wave on an "
         "idle UNPAUSED rank re-arms it and sends start_wave to the coordinator, which wakes every peer.",
-        "reference s5; vLLM PR #37024",
+        "vLLM 0.32 v1/engine/core.py:2234-2248, 2281-2299; vLLM PR #37024",
     ),
     Rule(
         "Phase 1: pause locally, keep honouring waves",
@@ -81,7 +81,7 @@ RULES: tuple[Rule, ...] = (
         "(none given: the version stays, as vLLM's; update_weight_version relabels it in any state, no "
         "transition). While verified or updating a rank never steps and drops "
         "START_DP_WAVE.",
-        "reference s2, s6; issue #36594",
+        "vLLM 0.32 v1/worker/gpu_worker.py:1507-1604; PR #39366; issue #36594",
     ),
     Rule(
         "Failure is a state",

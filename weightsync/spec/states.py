@@ -40,7 +40,7 @@ class RankState(StrEnum):
 
 
 class PauseState(IntEnum):
-    """vLLM's scheduler ``PauseState`` (reference section 4)."""
+    """vLLM's scheduler ``PauseState`` (vLLM 0.32 ``v1/core/sched/interface.py:24-35``)."""
 
     UNPAUSED = 0
     PAUSED_NEW = 1  # nothing new scheduled; running requests continue
@@ -48,14 +48,14 @@ class PauseState(IntEnum):
 
 
 class PauseMode(StrEnum):
-    """``pause_generation(mode=...)`` (reference section 4)."""
+    """``pause_generation(mode=...)`` (vLLM 0.32 ``v1/engine/async_llm.py:952-984``)."""
 
     ABORT = "abort"
     WAIT = "wait"
     KEEP = "keep"
 
 
-#: PauseState each mode sets (reference section 4 table).
+#: PauseState each mode sets (vLLM 0.32 ``v1/engine/core.py:2094``).
 PAUSE_STATE_OF_MODE: dict[PauseMode, PauseState] = {
     PauseMode.ABORT: PauseState.PAUSED_NEW,
     PauseMode.WAIT: PauseState.PAUSED_NEW,
@@ -122,19 +122,20 @@ class Collective(StrEnum):
 
 
 def admits_waiting(pause_state: PauseState) -> bool:
-    """Whether the scheduler may start waiting requests under ``pause_state``: only UNPAUSED (reference
-    section 4: PAUSED_NEW and PAUSED_ALL both hold new requests)."""
+    """Whether the scheduler may start waiting requests under ``pause_state``: only UNPAUSED (vLLM 0.32
+    ``v1/core/sched/scheduler.py:900, 916``: PAUSED_NEW and PAUSED_ALL both hold new requests)."""
     return pause_state is PauseState.UNPAUSED
 
 
 def advances_running(pause_state: PauseState) -> bool:
     """Whether the scheduler may advance running requests under ``pause_state``: all but PAUSED_ALL
-    (reference section 4: keep mode freezes them)."""
+    (vLLM 0.32 ``v1/core/sched/scheduler.py:615-617``: keep mode freezes them)."""
     return pause_state is not PauseState.PAUSED_ALL
 
 
 def schedulable(pause_state: PauseState, waiting: int, running: int) -> bool:
-    """Whether the scheduler has work it may schedule under ``pause_state`` (reference section 4).
+    """Whether the scheduler has work it may schedule under ``pause_state`` (vLLM 0.32
+    ``v1/core/sched/scheduler.py:615-617, 900-917``).
 
     UNPAUSED: waiting or running requests; PAUSED_NEW: running requests only; PAUSED_ALL: nothing.
     """
@@ -142,6 +143,7 @@ def schedulable(pause_state: PauseState, waiting: int, running: int) -> bool:
 
 
 def unfinished_for_sync(pause_state: PauseState, waiting: int, running: int) -> int:
-    """The has-unfinished contribution (0 or 1) to the DP sync all-reduce (reference section 4):
+    """The has-unfinished contribution (0 or 1) to the DP sync all-reduce (vLLM 0.32
+    ``v1/core/sched/scheduler.py:2803-2811``):
     unfinished work counts 0 under PAUSED_ALL and only running requests under PAUSED_NEW."""
     return 1 if schedulable(pause_state, waiting, running) else 0

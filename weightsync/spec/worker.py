@@ -1,4 +1,5 @@
-"""The worker-side weight-update machine: NoEngine -> Ready <-> Active (reference section 2).
+"""The worker-side weight-update machine: NoEngine -> Ready <-> Active (vLLM 0.32
+``v1/worker/gpu_worker.py:1477-1604``).
 
 Every worker of an engine runs every weight-transfer call. vLLM raises ``RuntimeError`` for illegal calls;
 weightsync raises :class:`~weightsync.spec.errors.LocalProtocolError` *before* any side effect, and the
@@ -93,6 +94,12 @@ def _t(
     return Transition(guard, target, updates, effects, rule)
 
 
+_V = "vLLM 0.32 v1/worker/gpu_worker.py:"
+R_START = _V + "1524-1548, distributed/weight_transfer/nccl_engine.py:159-165"
+R_UPDATE = _V + "1550-1585, distributed/weight_transfer/base.py:491-503"
+R_FINISH = _V + "1587-1604, distributed/weight_transfer/nccl_engine.py:167-173"
+R_SHUTDOWN = _V + "1617-1618"
+
 WORKER_TABLE: dict[tuple[WorkerState, WorkerEvent], tuple[Transition, ...]] = {
     (_W.NO_ENGINE, _E.CONFIGURE): (
         _t(ALWAYS, _W.READY, (), ("create_engine",), "vLLM WeightTransferConfig"),
@@ -103,14 +110,14 @@ WORKER_TABLE: dict[tuple[WorkerState, WorkerEvent], tuple[Transition, ...]] = {
             _W.READY,
             ("mark_initialized",),
             ("init_transfer_engine",),
-            "reference s2: unguarded re-init",
+            _V + "1484-1496: unguarded re-init",
         ),
     ),
     (_W.READY, _E.START): (
-        _t("initialized", _W.ACTIVE, ("begin_round",), ("initialize_layerwise_reload",), "reference s2"),
+        _t("initialized", _W.ACTIVE, ("begin_round",), ("initialize_layerwise_reload",), R_START),
     ),
     (_W.ACTIVE, _E.UPDATE): (
-        _t(ALWAYS, _W.ACTIVE, ("count_update",), ("receive_weights", "synchronize"), "reference s2"),
+        _t(ALWAYS, _W.ACTIVE, ("count_update",), ("receive_weights", "synchronize"), R_UPDATE),
     ),
     (_W.ACTIVE, _E.FINISH): (
         _t(
@@ -118,7 +125,7 @@ WORKER_TABLE: dict[tuple[WorkerState, WorkerEvent], tuple[Transition, ...]] = {
             _W.READY,
             ("end_round",),
             ("check_complete", "finalize_layerwise_reload", "bump_weight_version"),
-            "reference s2; version counter: weightsync (RFC #31848)",
+            R_FINISH + "; version counter: weightsync (RFC #31848)",
         ),
     ),
     # Failures (weightsync): a failed round leaves the worker ready for a new round, its weights marked
@@ -133,10 +140,10 @@ WORKER_TABLE: dict[tuple[WorkerState, WorkerEvent], tuple[Transition, ...]] = {
         _t(ALWAYS, _W.READY, ("drop_init",), ("close_transfer_group",), "weightsync: init failed"),
     ),
     (_W.NO_ENGINE, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), (), "weightsync"),),
-    (_W.READY, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "reference s2"),),
-    (_W.ACTIVE, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "reference s2"),),
+    (_W.READY, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), R_SHUTDOWN),),
+    (_W.ACTIVE, _E.SHUTDOWN): (_t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), R_SHUTDOWN),),
     (_W.ERROR, _E.SHUTDOWN): (
-        _t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "design s4: sticky until shutdown"),
+        _t(ALWAYS, _W.CLOSED, (), ("shutdown_engine",), "weightsync: sticky until shutdown (h11-style)"),
     ),
 }
 

@@ -1,6 +1,6 @@
 """Engine core of one DP rank: the busy loop that turns inputs into spec events and runs the table's effects.
 
-Loop (reference section 5, "Loop iteration"):
+Loop (vLLM 0.32 ``DPEngineCoreProc.run_busy_loop``, ``v1/engine/core.py:2328-2408``):
 
 1. Poll the rank's three input FIFOs -- front-end input (ADD, ABORT), controller input (utility calls) and
    the coordinator's wave socket (START_DP_WAVE) -- starting from a different one each iteration, so no
@@ -471,7 +471,7 @@ class EngineCore:
         except Exception as exc:
             # An illegal call leaves the machine in its sticky error state; a failed effect (timeout,
             # mismatch, incomplete update) leaves the rank out of lockstep. Either way the rank stops
-            # (design s4: no further weights move) and every pending call gets the error.
+            # (weightsync: no further weights move) and every pending call gets the error.
             if event is RankEvent.PAUSE and call in self._pending_pause:
                 self._pending_pause.remove(call)
             self._pending_calls.pop(call.call_id, None)

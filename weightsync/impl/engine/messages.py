@@ -1,7 +1,8 @@
 """Messages between the front-end client, the controller, the DP coordinator and the engine ranks.
 
-Every channel is one FIFO per (source, destination, socket) as in vLLM (reference section 5): the engine
-polls its front-end input, controller input and coordinator wave queues without an order between them.
+Every channel is one FIFO per (source, destination, socket) as in vLLM (0.32
+``v1/engine/core.py:1831-1931``): the engine polls its front-end input, controller input and coordinator
+wave queues without an order between them.
 All messages are small picklable dataclasses (no tensors), so they travel on ``multiprocessing`` queues.
 """
 
@@ -104,7 +105,7 @@ def request_error(request: object, vocab_size: int, max_positions: int) -> str |
 
 @dataclass(frozen=True)
 class AddMsg:
-    """ADD(request, wave): the front-end stamps its ``current_wave`` (reference s5)."""
+    """ADD(request, wave): the front-end stamps its ``current_wave`` (vLLM 0.32 ``core_client.py:1585``)."""
 
     request: Request
     wave: int

@@ -1,6 +1,6 @@
 """Scheduler of one engine rank: waiting/running queues, PauseState, continuous batching of the reference LM.
 
-Rules (reference section 4):
+Rules (vLLM 0.32 ``v1/core/sched/scheduler.py:615-617, 900-917``, ``v1/engine/core.py:2061-2103``):
 
 - What may be scheduled depends on :class:`~weightsync.spec.states.PauseState` through
   :func:`weightsync.spec.states.schedulable`: UNPAUSED schedules waiting and running requests, PAUSED_NEW

@@ -1,6 +1,6 @@
 """The engine's weight-transfer worker hook: the worker API, the factory lookup, and test weights.
 
-The engine drives any object with the worker API of reference section 2 (:class:`WeightWorker`). It is
+The engine drives any object with vLLM's worker API (:class:`WeightWorker`). It is
 created in the engine process by a factory named in :attr:`EngineConfig.transfer
 <weightsync.impl.engine.config.EngineConfig.transfer>` as ``"package.module:fn"`` with
 ``fn(model, dp_index) -> WeightWorker``. The real transports of :mod:`weightsync.impl.transfer` provide
@@ -28,7 +28,7 @@ IPC_WORKER = "weightsync.impl.transfer.worker:ipc_worker"
 
 
 class WeightWorker(Protocol):
-    """The worker-side weight-transfer API (vLLM names, reference section 2)."""
+    """The worker-side weight-transfer API (vLLM names, 0.32 ``v1/worker/gpu_worker.py:1484-1604``)."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
     def start_weight_update(self) -> None: ...

@@ -1,6 +1,6 @@
 """Weight-transfer engine base class, typed request parsing and the loadable-model protocol.
 
-Mirrors vLLM 0.32's ``vllm/distributed/weight_transfer/base.py`` (reference ``vllm-0.32.md`` section 2):
+Mirrors vLLM 0.32's ``vllm/distributed/weight_transfer/base.py`` (``base.py:332-518``):
 the request shapes of ``init_weight_transfer_engine`` (:class:`InitInfo`: vLLM's NCCL fields with the
 packing parameters, plus weightsync's optional :class:`InitExtras`) and ``update_weights``
 (:class:`UpdateInfo`: ``names``, ``dtype_names``, ``shapes``), built like vLLM's with ``cls(**dict)``
@@ -42,7 +42,7 @@ from weightsync.impl.transfer.tensors import (
 )
 from weightsync.spec.errors import WeightSyncError
 
-#: vLLM's defaults for the packed format (reference section 3): 1 GiB buffers, two of them.
+#: vLLM's defaults for the packed format (0.32 packed_tensor.py:15-16): 1 GiB buffers, two of them.
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
 #: Default deadline of the rendezvous when ``init_info`` has no ``timeout_s``, in seconds (vLLM's TCPStore
@@ -394,7 +394,8 @@ class UpdateInfo:
 
 
 class ParallelInfo(NamedTuple):
-    """Where a worker sits in its engine: the inputs of the transfer-rank formula (reference section 2).
+    """Where a worker sits in its engine: the inputs of the transfer-rank formula (vLLM 0.32
+    ``distributed/weight_transfer/nccl_common.py:193-201``).
 
     Attributes:
         dp_index: the engine's data-parallel *index* (not its DP rank, which dense models force to 0:

@@ -7,7 +7,7 @@ Rules:
    tensors, ``ProcessGroupGloo`` for CPU tensors, bound to the local address on the route to
    ``master_address`` (or ``GLOO_SOCKET_IFNAME``'s interfaces: :func:`gloo_device_choice`), so ranks on
    different hosts (or network namespaces) reach each other. ``torch.distributed``'s default group is
-   never initialised or used (vLLM's stateless group, reference section 2).
+   never initialised or used (vLLM's stateless group, 0.32 ``nccl_common.py:139-159``).
 2. **Ranks.** Engine workers use ``rank_offset + dp_index * (tp*pp) + local_rank`` (vLLM PR #36940).
 3. **One update.** Wire agreement, then per bucket: status exchange, broadcast, unpack into views, load
    (``rounds`` rules 1-3). Bucket boundaries come from ``packing.plan_buckets`` on both sides.

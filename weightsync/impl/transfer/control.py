@@ -3,8 +3,8 @@
 Rules:
 
 1. The trainer is transfer rank 0 and hosts a ``torch.distributed.TCPStore`` at
-   ``master_address:master_port``; engine workers connect as clients (reference section 2). The default
-   process group is never touched.
+   ``master_address:master_port``; engine workers connect as clients (vLLM 0.32
+   ``nccl_common.py:139-159``). The default process group is never touched.
 2. Every value written to the store is UTF-8 JSON, and every value read is parsed with ``json.loads``:
    nothing received from the network is unpickled (vLLM refuses pickled IPC handles unless
    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).

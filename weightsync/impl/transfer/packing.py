@@ -1,6 +1,6 @@
 """The packed transfer format: a deterministic bucket partition, uint8 packing, reusable buffers, digests.
 
-Rules (reference section 3, with weightsync's deviations marked):
+Rules (vLLM 0.32 ``distributed/weight_transfer/packed_tensor.py``, with weightsync's deviations marked):
 
 1. A tensor's payload is ``prod(shape) * itemsize`` bytes of its contiguous form.
 2. Tensors are placed in order into buckets of capacity ``B = packed_buffer_size_bytes`` with
@@ -20,7 +20,7 @@ Rules (reference section 3, with weightsync's deviations marked):
    tensor starting at an :data:`ALIGN`-aligned offset in order), :func:`contiguous_run` returns that
    storage range and the sender moves it as is, without packing. The bytes on the wire are the same as
    packing would produce, except padding bytes (never read).
-8. **vLLM's layout** (``layout="vllm"``, reference vllm-0.32 section 2, ``vllm/distributed/weight_transfer/
+8. **vLLM's layout** (``layout="vllm"``, vLLM 0.32 ``vllm/distributed/weight_transfer/
    packed_tensor.py:69-140``): rules 2-4 replaced by vLLM's NCCL packer, byte for byte: tensors are
    appended in order with **no alignment** and a bucket is closed right **after** the tensor that makes it
    exceed ``B`` (exceed-then-flush; a bucket may hold up to ``B`` plus its last tensor). A bucket whose

@@ -1,4 +1,5 @@
-"""``WeightTransferEngineFactory``: the backend registry, with vLLM's error semantics (reference section 2).
+"""``WeightTransferEngineFactory``: the backend registry, with vLLM's error semantics (vLLM 0.32
+``distributed/weight_transfer/factory.py:29-121``).
 
 - ``register_engine(name, module_path_or_cls, class_name=None)`` raises ``ValueError`` on a duplicate name
   or a module path without a class name.

@@ -103,7 +103,8 @@ class TensorMeta(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        """Payload size in bytes: ``prod(shape) * itemsize`` (reference section 3)."""
+        """Payload size in bytes: ``prod(shape) * itemsize`` (vLLM 0.32
+        ``distributed/weight_transfer/packed_tensor.py:107-124``)."""
         return self.numel * self.dtype.itemsize
 
 

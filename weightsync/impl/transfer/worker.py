@@ -4,8 +4,8 @@ Rules:
 
 1. **Order.** Every call first asks the spec's :class:`~weightsync.spec.worker.WorkerMachine` whether it is
    legal in the current state; an illegal call fires the machine, which raises ``LocalProtocolError`` and
-   moves to its sticky ``error`` state, before any side effect (reference section 2's table; vLLM raises
-   ``RuntimeError`` instead).
+   moves to its sticky ``error`` state, before any side effect (vLLM 0.32
+   ``v1/worker/gpu_worker.py:1477-1604`` raises ``RuntimeError`` instead).
 2. **Bad input** (a malformed ``init_info`` / ``update_info``, a list ``update_info`` without an entry for
    this worker) raises ``ValueError`` before the machine or the transport changes. In ``update_weights``
    the bad request is also vetoed in the round's wire agreement, so the trainer and the other workers fail
