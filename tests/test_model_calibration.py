@@ -1,4 +1,4 @@
-"""The explorer reproduces TLC's published figures for Lamport's TwoPhase commit (reference section 10)."""
+"""The explorer reproduces TLC's published figures for Lamport's TwoPhase commit."""
 
 from __future__ import annotations
 

@@ -161,7 +161,8 @@ def test_state_graph_graphml(tmp_path: Path) -> None:
 
 
 def test_vllm_032_resume_time_race_n2(capsys: pytest.CaptureFixture[str]) -> None:
-    """vLLM 0.32 as shipped: the resume-time race is still there (reference vllm-0.32.md s3.5)."""
+    """vLLM 0.32 as shipped: the resume-time race is still there (``v1/engine/core.py:2250-2273``: no rank
+    re-bases ``current_wave``)."""
     code = main(["check", "--variant", "vllm-0.32", "--ranks", "2", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 1 and out["verdict"] == "counterexample"
