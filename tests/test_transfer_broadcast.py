@@ -1,7 +1,7 @@
 """Multi-process tests of the broadcast transport (gloo on 127.0.0.1): trainer rank 0 + engine workers.
 
-Acceptance 1-3 of issue 3 for the broadcast backend, and the data-plane scenarios of the reference's
-section 9 (B1, B4, B5 / TRL PR #7104, B17).
+Acceptance 1-3 of issue 3 for the broadcast backend, and the public data-plane bugs it guards against
+(a trainer/engine wire mismatch hanging silently, TRL PR #7104 and SkyRL PR #2114; a failed peer; a timeout).
 """
 
 from __future__ import annotations

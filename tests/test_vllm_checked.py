@@ -167,7 +167,7 @@ def test_second_start_is_refused_and_never_reaches_vllm(rig: Rig) -> None:
     with pytest.raises(LocalProtocolError, match="start_weight_update is illegal in state updating"):
         eng.start_weight_update()
     with pytest.raises(LocalProtocolError, match="resume is illegal in state updating"):
-        eng.resume()  # vLLM would resume serving on half-loaded weights (reference s3 item 7)
+        eng.resume()  # vLLM would resume serving on half-loaded weights (vLLM 0.32 resumes unconditionally, v1/engine/core.py:951-953)
     assert rig.counter.controller() == before and len(rig.adapter.transitions) == records
     new = perturbed_state(s.hf, seed=22, scale=0.5)
     rig.trainer.update(new)  # the rest of the round through the checked client

