@@ -20,17 +20,6 @@ class ClientGuard:
     keys) to the trainer's ``init_info``.
     """
 
-    _WATCHED = frozenset(
-        {
-            "pause",
-            "resume",
-            "init_weight_transfer_engine",
-            "start_weight_update",
-            "update_weights",
-            "finish_weight_update",
-        }
-    )
-
     def __init__(self, client: Any, timeout: float | None = None) -> None:
         self.client = client
         self.timeout = timeout

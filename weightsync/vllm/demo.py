@@ -11,9 +11,11 @@ vLLM's public ``WeightTransferTrainerFactory.trainer_init(init_info, client=...,
 
 One step: the engines sample a rollout batch (``prompts_per_step`` x ``group_size``, temperature 1, the
 sampled tokens' log-probabilities), the trainer takes one optimizer step; then the sync, with the next
-batch's requests already in flight: ``pause_generation(mode=...)``, a weightsync round
-(``start_weight_update`` / ``update_weights`` / ``finish_weight_update(weight_version="step-N")``), then
-``resume_generation()``. Checks after every sync (the result's ``syncs``):
+batch's requests already in flight: the spec's controller cycle as
+:func:`~weightsync.impl.engine.controller.update_round` runs it (``pause_generation(mode=...)``, a weightsync
+round: ``start_weight_update`` / the trainer's ``update_weights`` /
+``finish_weight_update(weight_version="step-N")``, then ``resume_generation()``; a failed call follows the
+table's ``one_round`` policy). Checks after every sync (the result's ``syncs``):
 
 - greedy tokens of the probe prompts on every DP rank equal the trainer's (``greedy_equal``);
 - vLLM's prompt log-probabilities within ``1e-4`` of the trainer's float32 log-softmax (``max_logprob_diff``);
@@ -191,6 +193,7 @@ def _run(
     from vllm import SamplingParams
 
     from weightsync.demo.trainer import Trainer, TrainerConfig, probe_prompt_tokens
+    from weightsync.impl.engine.controller import update_round
     from weightsync.vllm.checked import checked_async_llm
     from weightsync.vllm.models import checkpoint_state
     from weightsync.vllm.serving import connect_trainer, start_async_llm
@@ -299,9 +302,9 @@ def _run(
             ts = time.monotonic()
             in_flight = sum(1 for f in pending if not f.done())
             version = f"step-{step}"
-            checked.pause(cfg.mode)
-            trainer_tr.send_weights(checkpoint_state(model), weight_version=version)
-            checked.resume()
+            # the round is the spec's controller cycle (update_round: pause -> start -> the trainer's
+            # update_weights -> finish(version) -> resume, and its failure policy), through CheckedEngine
+            update_round(checked, trainer_tr, checkpoint_state(model), mode=cfg.mode, weight_version=version)
             rec = check(version)
             rec["in_flight"] = in_flight
             rec["seconds"] = round(time.monotonic() - ts, 3)

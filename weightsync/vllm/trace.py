@@ -49,19 +49,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from weightsync.spec.collectives import CALL_FAIL_PHASE, outcome_args, reduce_values
-from weightsync.spec.controller import CALL_EVENT
+from weightsync.spec.collectives import CALL_FAIL_PHASE, DONE_EVENT, outcome_args, reduce_values
+from weightsync.spec.controller import CALL_EVENT, PHASE_CALL, TRAINER_COLLECTIVE, Phase
 from weightsync.spec.states import PauseState, RankEvent, schedulable
 
 #: vLLM's variables that the table has under the same name (compared by replay)
 OBSERVED = ("engines_running", "current_wave", "pending_pause", "ignore_start_dp_wave", "pause_state")
-#: weight-transfer call -> (its event, the event that follows on success)
+#: weight-transfer call (those with a ``transfer_failed`` phase) -> the event that follows on success: the
+#: completion of the transfer collective the call enters with the trainer (spec TRAINER_COLLECTIVE), the
+#: workers' outcome ``finish_done`` for the finish, none for the start
 _DONE_OF_CALL: dict[str, RankEvent | None] = {
-    "init_weight_transfer_engine": RankEvent.TRANSFER_INIT_DONE,
-    "start_weight_update": None,
-    "update_weights": RankEvent.WEIGHT_BROADCAST_DONE,
-    "finish_weight_update": RankEvent.FINISH_DONE,
+    call: DONE_EVENT[str(TRAINER_COLLECTIVE[p].value)] if p in TRAINER_COLLECTIVE else None
+    for p, call in PHASE_CALL.items()
+    if CALL_EVENT[call] in CALL_FAIL_PHASE
 }
+_DONE_OF_CALL[PHASE_CALL[Phase.FINISH]] = RankEvent.FINISH_DONE
 WEIGHT_CALLS: dict[str, tuple[RankEvent, RankEvent | None]] = {
     call: (CALL_EVENT[call], done) for call, done in _DONE_OF_CALL.items()
 }
@@ -185,9 +187,7 @@ def to_replay_trace(
                 kind = colls[r][where[1]][0]
                 if (r, where[1]) not in outcome:
                     break  # a collective the peers never completed (the trace's end)
-                event = {"dp_sync": "dp_sync_done", "dp_step": "dp_step_done"}.get(
-                    kind, "resume_barrier_done"
-                )
+                event = DONE_EVENT[kind].value
                 args = dict(outcome[(r, where[1])])
                 if kind != "resume_barrier":
                     v = rec["vllm"]

@@ -22,10 +22,32 @@ from weightsync.impl.engine.messages import (
     WaveComplete,
 )
 from weightsync.impl.models.sampling import SamplingParams
+from weightsync.spec.controller import (
+    PHASE_CALL,
+    TRAINER_COLLECTIVE,
+    CtrlVars,
+    Phase,
+    Policy,
+    controller_event,
+    controller_next,
+    controller_table,
+)
 from weightsync.spec.errors import TransferTimeoutError
+from weightsync.spec.states import Collective
 
-#: The controller's cycle, in order (the model's controller phases).
-CYCLE = ("pause", "start_weight_update", "update_weights", "finish_weight_update", "resume")
+#: The controller phase of each call name (the inverse of the spec's :data:`PHASE_CALL`).
+PHASE_OF_CALL: dict[str, Phase] = {c: Phase(p) for p, c in PHASE_CALL.items()}
+#: The controller table's arguments for completing the schedule's cycle (:meth:`ScheduleDriver.finish_cycle`):
+#: the reference controller's policy (``update_round``'s), the one cycle the schedule began, no extra calls.
+CYCLE_ARGS: dict[str, Any] = {
+    "policy": Policy.ONE_ROUND,
+    "cycles": 1,
+    "requests_sent": 1,
+    "stray_resume": False,
+    "repeat_resume": False,
+    "pause_during_update": False,
+    "resume_during_update": False,
+}
 Channel = tuple[int, str]
 
 
@@ -273,16 +295,16 @@ class ScheduleDriver:
         return ""
 
     def start_call(self, method: str) -> None:
+        """The controller's call ``method`` (a :data:`PHASE_CALL` name) in the background: pause and resume
+        through the client's own calls, the weight calls fanned out (``update_weights`` with the round's
+        update info)."""
         c, t = self.c, 3 * self.timeout_s
-        fn: Callable[[], Any]
-        if method == "pause":
-            fn = lambda: c.pause(self.mode, clear_cache=self.clear_cache, timeout=t)  # noqa: E731
-        elif method == "resume":
-            fn = lambda: c.resume(timeout=t)  # noqa: E731
-        elif method == "update_weights":
-            fn = lambda: c.fan_out(method, t, update_info=self.uinfo)  # noqa: E731
-        else:
-            fn = lambda: c.fan_out(method, t)  # noqa: E731
+        own: dict[Phase, Callable[[], Any]] = {
+            Phase.PAUSE: lambda: c.pause(self.mode, clear_cache=self.clear_cache, timeout=t),
+            Phase.RESUME: lambda: c.resume(timeout=t),
+            Phase.UPDATE: lambda: c.fan_out(method, t, update_info=self.uinfo),
+        }
+        fn = own.get(PHASE_OF_CALL[method], lambda: c.fan_out(method, t))
         self.call = self.background(fn, "controller")
         self.phase = method
 
@@ -409,24 +431,31 @@ class ScheduleDriver:
         c.release_all()
 
     def finish_cycle(self) -> None:
-        """The controller completes its cycle from where the schedule left it (each call after the
-        previous one returned; a real controller stops at a failed call)."""
-        rest = list(CYCLE[CYCLE.index(self.phase) + 1 :]) if self.phase in CYCLE else []
-        if rest:
-            self.say("the controller completes its cycle: " + " -> ".join(rest))
+        """The controller completes its cycle from where the schedule left it: the spec's controller table
+        (:mod:`weightsync.spec.controller`, policy ``one_round``, as
+        :func:`~weightsync.impl.engine.controller.update_round` runs it) from the phase of the schedule's
+        last call, each call after the previous one returned; a call that has not returned is ``WAITING``
+        (no row: the controller stops), one that raised is ``FAILED`` (the table's failure rows)."""
+        table = controller_table()  # this client's pause and resume are its own calls, whatever the variant
+        start = CtrlVars(state=PHASE_OF_CALL.get(self.phase, Phase.IDLE), cycles_started=1)
 
         def cycle() -> None:
-            for m in rest:
+            v = start
+            while True:
                 prev = self.call
                 if prev is not None:
                     prev.join(3 * self.timeout_s + 5)
-                    if prev.is_alive() or "controller" in self.errors:
-                        return
-                self.start_call(m)
-                if m == "update_weights":
+                answered = prev is None or not prev.is_alive()
+                event = controller_event(v.phase, answered, "controller" in self.errors)
+                nxt = controller_next(table, v, event, CYCLE_ARGS)
+                if nxt is None or nxt[0].effects != ("fan_out",):
+                    return  # the controller waits, or the table's round is over (end_round / raise_*)
+                _, v = nxt
+                call = PHASE_CALL[v.phase]
+                self.say(f"the controller completes its cycle: {call}")
+                self.start_call(call)
+                if TRAINER_COLLECTIVE.get(v.phase) is Collective.WEIGHT_BROADCAST:
                     self.start_trainer()
-            if self.call is not None:
-                self.call.join(3 * self.timeout_s + 5)
 
         self.cycle = self.background(cycle, "controller")
 
@@ -467,7 +496,8 @@ def _ch(ch: Channel) -> str:
 
 
 __all__ = [
-    "CYCLE",
+    "CYCLE_ARGS",
+    "PHASE_OF_CALL",
     "TIMEOUT",
     "Channel",
     "ModelEnd",

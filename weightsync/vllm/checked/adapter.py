@@ -11,33 +11,32 @@ from typing import Any
 
 from weightsync.impl.checked import vars_to_dict
 from weightsync.impl.engine.messages import RankRecord, RelabelRecord, TransitionRecord
+from weightsync.spec.collectives import (
+    CALL_FAIL_PHASE,
+    COLLECTIVES,
+    DONE_EVENT,
+    DP_KINDS,
+    ENTER_EFFECT,
+    contribution,
+    outcome_args,
+    reduce_values,
+)
+from weightsync.spec.controller import CALL_EVENT
 from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
 from weightsync.spec.rank import DEFAULT_VARIANT, RankMachine, relabel_weight_version
 from weightsync.spec.states import (
+    Collective,
     PauseMode,
     PauseState,
     RankEvent,
     RankState,
     schedulable,
-    unfinished_for_sync,
 )
 
-#: DP collectives (numbered by ``coll_seq``) and the completion event of every collective the table enters
-DP_KINDS = frozenset({"dp_step", "dp_sync", "resume_barrier"})
-DONE_OF_KIND = {
-    "dp_step": RankEvent.DP_STEP_DONE,
-    "dp_sync": RankEvent.DP_SYNC_DONE,
-    "resume_barrier": RankEvent.RESUME_BARRIER_DONE,
-    "weight_broadcast": RankEvent.WEIGHT_BROADCAST_DONE,
-    "transfer_init": RankEvent.TRANSFER_INIT_DONE,
-}
-#: the ``phase`` argument of ``transfer_failed`` for each weight call
-PHASE_OF = {
-    RankEvent.INIT_TRANSFER: "init",
-    RankEvent.START_UPDATE: "start",
-    RankEvent.UPDATE_WEIGHTS: "update",
-    RankEvent.FINISH_UPDATE: "finish",
-}
+#: the vLLM call of each controller-call event (the inverse of the spec's :data:`CALL_EVENT`)
+CALL_OF_EVENT: dict[RankEvent, str] = {e: c for c, e in CALL_EVENT.items()}
+#: the rank-table effect of a resume that enters the resume barrier (else the resume is a local no-op)
+ENTER_RESUME_BARRIER = COLLECTIVES[Collective.RESUME_BARRIER].enter
 DEFAULT_TIMEOUT_S = 300.0
 
 #: per-rank front-end counts ``(waiting, running)``; ``(-1, -1)`` when not observable
@@ -174,7 +173,7 @@ class VLLMAdapter:
         before = vars_to_dict(m.vars)
         fired = m.fire(event, **args)
         tr = fired.transition
-        coll = next((e[len("enter_") :] for e in tr.effects if e.startswith("enter_")), "")
+        coll = next((ENTER_EFFECT[e] for e in tr.effects if e in ENTER_EFFECT), "")
         rec = TransitionRecord(
             r,
             self.rank_seq[r],
@@ -253,7 +252,7 @@ class VLLMAdapter:
                 args = {"has_work": self._has_work(m, counts[r]), **outcome}
                 if kind == "resume_barrier":
                     args = dict(outcome)
-                self._fire(r, DONE_OF_KIND[kind], args, counts[r])
+                self._fire(r, DONE_EVENT[kind], args, counts[r])
         states = [
             f"rank {r}: {m.state.value} {m.vars.collective or ''}".strip()
             for r, m in enumerate(self.machines)
@@ -268,22 +267,21 @@ class VLLMAdapter:
         return schedulable(PauseState(m.vars.pause_state), c[0], c[1])
 
     def _outcome(self, kind: str, counts: list[Counts]) -> dict[str, int]:
-        """The all-reduce outcome of ``kind`` from the members' states and counts (the table's arithmetic)."""
-        unfinished = [
-            0 if c[0] < 0 else unfinished_for_sync(PauseState(m.vars.pause_state), c[0], c[1])
+        """The all-reduce outcome of ``kind`` from the members' states and counts: the spec's contributions
+        and reduction (:mod:`weightsync.spec.collectives`); an unknown count contributes no unfinished work
+        (a returned pause: nothing schedulable, the inference of :meth:`_has_work`)."""
+        contributions = [
+            contribution(
+                kind,
+                PauseState(m.vars.pause_state),
+                max(0, c[0]),
+                max(0, c[1]),
+                bool(m.vars.pending_pause),
+                int(m.vars.current_wave),
+            )
             for m, c in zip(self.machines, counts, strict=True)
         ]
-        if kind == "dp_sync":
-            return {
-                "sum_unfinished": sum(unfinished),
-                "sum_pending_pause": sum(1 for m in self.machines if m.vars.pending_pause),
-            }
-        if kind == "resume_barrier":
-            return {
-                "max_unfinished": max(unfinished),
-                "max_wave": max(m.vars.current_wave for m in self.machines),
-            }
-        return {}
+        return dict(outcome_args(kind, reduce_values(kind, contributions)))
 
     # ------------------------------------------------------------------ the engine-client API
     def pause(
@@ -330,7 +328,7 @@ class VLLMAdapter:
             probe: list[dict[str, Any]] = [{}] * self.dp_size
             effects = self._preflight(RankEvent.RESUME, probe)
             self._refuse_if_failed(RankEvent.RESUME, probe, effects)
-            if not any("enter_resume_barrier" in e for e in effects):
+            if not any(ENTER_RESUME_BARRIER in e for e in effects):
                 counts = [self._counts(u) for u in self._unfinished(t)]
                 for r in range(self.dp_size):
                     self._fire(r, RankEvent.RESUME, {}, counts[r])
@@ -354,9 +352,12 @@ class VLLMAdapter:
         event: RankEvent,
         payload: Any,
         timeout: float | None,
-        done: RankEvent | None,
-        done_args: dict[str, Any],
+        outcome: tuple[RankEvent, dict[str, Any]] | None = None,
     ) -> None:
+        """Rules 1-2 for the weight call ``event``; once vLLM returned, the call's row on every rank, then
+        the completion (:data:`~weightsync.spec.collectives.DONE_EVENT`) of the collective that row entered
+        (the table's, e.g. ``weight_broadcast``), then ``outcome`` (the workers' outcome event and its
+        arguments: a finish's ``finish_done``)."""
         t = self.timeout_s if timeout is None else float(timeout)
         with self._lock:
             probe: list[dict[str, Any]] = [{}] * self.dp_size
@@ -374,13 +375,16 @@ class VLLMAdapter:
             with self._lock:
                 for r in range(self.dp_size):
                     self._fire(r, event, {}, counts[r])
-                    err = {"phase": PHASE_OF[event], "error": f"{type(exc).__name__}: {exc}"}
+                    err = {"phase": CALL_FAIL_PHASE[event], "error": f"{type(exc).__name__}: {exc}"}
                     self._fire(r, RankEvent.TRANSFER_FAILED, err, counts[r])
             raise
         with self._lock:
-            for r in range(self.dp_size):
-                self._fire(r, event, {}, counts[r])
-            if done is not None:
+            entered = [self._fire(r, event, {}, counts[r]).collective for r in range(self.dp_size)]
+            for r, kind in enumerate(entered):
+                if kind:
+                    self._fire(r, DONE_EVENT[kind], {}, counts[r])
+            if outcome is not None:
+                done, done_args = outcome
                 for r in range(self.dp_size):
                     self._fire(r, done, dict(done_args), counts[r])
 
@@ -391,7 +395,7 @@ class VLLMAdapter:
             LocalProtocolError: illegal on some rank (vLLM not called).
             VLLMCallError or vLLM's exception: the engines failed (recorded as ``transfer_failed``).
         """
-        self._weight_call(RankEvent.INIT_TRANSFER, init_info, timeout, RankEvent.TRANSFER_INIT_DONE, {})
+        self._weight_call(RankEvent.INIT_TRANSFER, init_info, timeout)
 
     def start_weight_update(self, *, timeout: float | None = None) -> None:
         """vLLM's ``start_weight_update()`` (checkpoint format: vLLM 0.32 has no other).
@@ -399,7 +403,7 @@ class VLLMAdapter:
         Raises:
             LocalProtocolError: illegal on some rank, e.g. a second start (vLLM not called).
         """
-        self._weight_call(RankEvent.START_UPDATE, None, timeout, None, {})
+        self._weight_call(RankEvent.START_UPDATE, None, timeout)
 
     def update_weights(
         self, update_info: dict[str, Any] | list[dict[str, Any]], *, timeout: float | None = None
@@ -410,7 +414,7 @@ class VLLMAdapter:
         Raises:
             LocalProtocolError: illegal on some rank, e.g. while serving (vLLM not called).
         """
-        self._weight_call(RankEvent.UPDATE_WEIGHTS, update_info, timeout, RankEvent.WEIGHT_BROADCAST_DONE, {})
+        self._weight_call(RankEvent.UPDATE_WEIGHTS, update_info, timeout)
 
     def finish_weight_update(
         self, weight_version: str | None = None, *, monotonic: bool = False, timeout: float | None = None
@@ -430,7 +434,9 @@ class VLLMAdapter:
                 f"finish_weight_update: weight_version must be a str or None, got {weight_version!r}"
             )
         done_args = {"weight_version": weight_version, "monotonic": False}
-        self._weight_call(RankEvent.FINISH_UPDATE, weight_version, timeout, RankEvent.FINISH_DONE, done_args)
+        self._weight_call(
+            RankEvent.FINISH_UPDATE, weight_version, timeout, (RankEvent.FINISH_DONE, done_args)
+        )
         self._observe_version("finish_weight_update")
 
     def update_weight_version(self, new_version: str, *, timeout: float | None = None) -> None:
@@ -485,10 +491,9 @@ class VLLMAdapter:
 
 
 __all__ = [
+    "CALL_OF_EVENT",
     "DEFAULT_TIMEOUT_S",
-    "DONE_OF_KIND",
-    "DP_KINDS",
-    "PHASE_OF",
+    "ENTER_RESUME_BARRIER",
     "UNKNOWN",
     "Counts",
     "VLLMAdapter",

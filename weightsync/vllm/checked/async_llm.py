@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from weightsync.spec.states import RankEvent
-from weightsync.vllm.checked.adapter import DEFAULT_TIMEOUT_S, VLLMAdapter
+from weightsync.vllm.checked.adapter import CALL_OF_EVENT, DEFAULT_TIMEOUT_S, VLLMAdapter
 
 T = TypeVar("T")
 
@@ -108,17 +108,15 @@ class AsyncLLMAdapter(VLLMAdapter):
             WeightTransferUpdateRequest,
         )
 
-        llm = self.llm
-        if event is RankEvent.INIT_TRANSFER:
-            self._run(llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=payload)), timeout)
-        elif event is RankEvent.START_UPDATE:
-            self._run(llm.start_weight_update(), timeout)
-        elif event is RankEvent.UPDATE_WEIGHTS:
-            self._run(llm.update_weights(WeightTransferUpdateRequest(update_info=payload)), timeout)
-        elif event is RankEvent.FINISH_UPDATE:
-            self._run(llm.finish_weight_update(weight_version=payload), timeout)
-        else:  # pragma: no cover - internal
-            raise AssertionError(event)
+        # vLLM 0.32's arguments of each weight call (``v1/engine/async_llm.py:1315-1355``); the method is the
+        # spec's call name of the event
+        vllm_args: dict[RankEvent, Callable[[], tuple[Any, ...]]] = {
+            RankEvent.INIT_TRANSFER: lambda: (WeightTransferInitRequest(init_info=payload),),
+            RankEvent.START_UPDATE: lambda: (),
+            RankEvent.UPDATE_WEIGHTS: lambda: (WeightTransferUpdateRequest(update_info=payload),),
+            RankEvent.FINISH_UPDATE: lambda: (payload,),
+        }
+        self._run(getattr(self.llm, CALL_OF_EVENT[event])(*vllm_args[event]()), timeout)
 
 
 __all__ = ["AsyncLLMAdapter"]

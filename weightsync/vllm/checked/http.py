@@ -9,7 +9,16 @@ import urllib.request
 from typing import Any
 
 from weightsync.spec.states import RankEvent
-from weightsync.vllm.checked.adapter import DEFAULT_TIMEOUT_S, VLLMAdapter, VLLMCallError
+from weightsync.vllm.checked.adapter import CALL_OF_EVENT, DEFAULT_TIMEOUT_S, VLLMAdapter, VLLMCallError
+
+#: The JSON field that carries each weight call's payload (``entrypoints/rl/online/api_router.py``; the
+#: route is the spec's call name of the event; None: no body)
+BODY_FIELD: dict[RankEvent, str | None] = {
+    RankEvent.INIT_TRANSFER: "init_info",
+    RankEvent.START_UPDATE: None,
+    RankEvent.UPDATE_WEIGHTS: "update_info",
+    RankEvent.FINISH_UPDATE: "weight_version",
+}
 
 
 class HTTPServerAdapter(VLLMAdapter):
@@ -81,16 +90,9 @@ class HTTPServerAdapter(VLLMAdapter):
         self._request("POST", "/update_weight_version", {"new_version": new_version}, timeout)
 
     def _vllm_call(self, event: RankEvent, payload: Any, timeout: float) -> None:
-        if event is RankEvent.INIT_TRANSFER:
-            self._request("POST", "/init_weight_transfer_engine", {"init_info": payload}, timeout)
-        elif event is RankEvent.START_UPDATE:
-            self._request("POST", "/start_weight_update", None, timeout)
-        elif event is RankEvent.UPDATE_WEIGHTS:
-            self._request("POST", "/update_weights", {"update_info": payload}, timeout)
-        elif event is RankEvent.FINISH_UPDATE:
-            self._request("POST", "/finish_weight_update", {"weight_version": payload}, timeout)
-        else:  # pragma: no cover - internal
-            raise AssertionError(event)
+        field = BODY_FIELD[event]
+        body = None if field is None else {field: payload}
+        self._request("POST", f"/{CALL_OF_EVENT[event]}", body, timeout)
 
 
-__all__ = ["HTTPServerAdapter"]
+__all__ = ["BODY_FIELD", "HTTPServerAdapter"]
