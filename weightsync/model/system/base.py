@@ -88,7 +88,9 @@ class ModelBase:
         self.ctrl_table = controller_table(self.variant.pause_in_front_end)
         self.ctrl_policy = Policy.RECOVER
         self._ctrl_cache: dict[tuple[Any, ...], tuple[tuple[str, str, Ctrl], ...]] = {}
-        self._front_cache: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[int, bool, bool]]] = {}
+        # the front-end's table by (believed wave, believed running, gated, event, args): the row's effects
+        # and the new (believed wave, believed running, gated), None if unchanged
+        self._front_cache: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[int, bool, bool] | None]] = {}
         self._coord_cache: dict[tuple[Any, ...], tuple[Coordinator, tuple[tuple[int, int], ...]]] = {}
         # non-vacuity witnesses, set while exploring
         self.seen_all_verified = False
@@ -148,16 +150,20 @@ class ModelBase:
 
     def _front(self, front: FrontEnd, event: FrontEvent, **args: Any) -> tuple[tuple[str, ...], FrontEnd]:
         """The front-end's table (spec/front_end.py) on ``event``: the row's effects and the new
-        :class:`FrontEnd` (``next_request`` and ``client_aborted`` unchanged)."""
+        :class:`FrontEnd` (``next_request`` and ``client_aborted`` unchanged; ``front`` itself when the row
+        changes nothing)."""
         believed_wave, believed_running, gated = front.believed_wave, front.believed_running, front.gated
         key = (believed_wave, believed_running, gated, event, *args.values())  # each call site: one fixed set
         r = self._front_cache.get(key)
         if r is None:
             state = FrontState.RUNNING if believed_running else FrontState.IDLE
             tr, after = front_end_fire(FrontVars(state, believed_wave, gated), event, args)
-            r = (tr.effects, (after.current_wave, after.engines_running, after.gated))
+            changed = (after.current_wave, after.engines_running, after.gated)
+            r = (tr.effects, None if changed == (believed_wave, believed_running, gated) else changed)
             self._front_cache[key] = r
-        effects, (believed_wave, believed_running, gated) = r
+        effects, new = r
+        if new is None:
+            return effects, front
         return effects, _new_tuple(
-            FrontEnd, (believed_wave, believed_running, front.next_request, gated, front.client_aborted)
+            FrontEnd, (new[0], new[1], front.next_request, new[2], front.client_aborted)
         )
