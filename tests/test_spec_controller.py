@@ -81,9 +81,10 @@ def _answered(model: Model, s: G, fail: bool) -> G:
     """``s`` with every rank (and the trainer, where it joined) having answered the current call; with
     ``fail`` rank 0's answer is an error."""
     ranks = tuple(
-        r.with_status(FAILED_REPLY if fail and i == 0 else REPLIED, r.pz) for i, r in enumerate(s.ranks)
+        r.with_status(FAILED_REPLY if fail and i == 0 else REPLIED, r.pause_ghost)
+        for i, r in enumerate(s.ranks)
     )
-    trainer = (s.trainer[0], REPLIED) if s.trainer[1] else s.trainer
+    trainer = s.trainer._replace(status=REPLIED) if s.trainer.status else s.trainer
     return s._replace(ranks=ranks, trainer=trainer)
 
 
@@ -195,7 +196,9 @@ def test_the_models_controller_offers_exactly_the_rows_whose_guards_hold(
             )
             want = [
                 (tr.effects[0], PHASE_CALL.get(after.phase, ""), after)
-                for tr, after in controller_choices(table, _ctrl_vars(s), ev, model._ctrl_args(s.front[2]))
+                for tr, after in controller_choices(
+                    table, _ctrl_vars(s), ev, model._ctrl_args(s.front.next_request)
+                )
             ]
             got = [(label, _ctrl_vars(t)) for label, t in out]
             assert [after for *_, after in want] == [v for _, v in got]

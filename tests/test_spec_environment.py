@@ -221,7 +221,7 @@ def test_model_and_client_front_end_agree_on_random_sequences() -> None:
     keep the same belief. Requests the gate holds: the client sends them when the gate opens, the model
     sends them then (it does not create them earlier)."""
     from weightsync.impl.engine.messages import Stats, TransitionRecord
-    from weightsync.model.system.state import _Work
+    from weightsync.model.system.state import _ScratchState
     from weightsync.spec.front_end import FrontEvent
     from weightsync.spec.states import RankEvent, RankState
 
@@ -243,10 +243,10 @@ def test_model_and_client_front_end_agree_on_random_sequences() -> None:
         want: list[tuple[str, int, Any, int]] = []
         if k == 0:  # a client request for a random rank
             i = rng.randrange(N)
-            req = s.front[2]
+            req = s.front.next_request
             if "hold_request" in m._front(s.front, FrontEvent.SEND_REQUEST, target=i)[0]:
                 held.append(i)
-                s = s._replace(front=(*s.front[:2], s.front[2] + 1, *s.front[3:]))  # the request exists
+                s = s._replace(front=s.front._replace(next_request=req + 1))  # the request exists
             else:
                 s, want = model_send(s, i)
             fe.c._submit(i, req)
@@ -259,18 +259,18 @@ def test_model_and_client_front_end_agree_on_random_sequences() -> None:
             ev = FrontEvent.GATE if k == 2 else FrontEvent.UNGATE
             key = (RankState.RUNNING, RankEvent.PAUSE) if k == 2 else (RankState.VERIFIED, RankEvent.RESUME)
             row = m.table[key][0]
-            w = _Work(s)
+            scratch = _ScratchState(s)
             for eff in row.effects:  # the model runs the row's front-end effects (its replies: no call here)
                 if eff.startswith("front_end_"):
-                    m._effect(w, 0, eff, s.ranks[0].vars, -1)
-            s = w.freeze()
+                    m._effect(scratch, 0, eff, s.ranks[0].vars, -1)
+            s = scratch.freeze()
             if ev is FrontEvent.UNGATE:
-                first = s.front[2] - len(held)
+                first = s.front.next_request - len(held)
                 for j, i in enumerate(held):  # the model sends the held requests now, in order
-                    nxt = s.front[2]
-                    s = s._replace(front=(*s.front[:2], first + j, *s.front[3:]))
+                    next_request = s.front.next_request
+                    s = s._replace(front=s.front._replace(next_request=first + j))
                     s, out = model_send(s, i)
-                    s = s._replace(front=(*s.front[:2], nxt, *s.front[3:]))
+                    s = s._replace(front=s.front._replace(next_request=next_request))
                     want += out
                 held = []
             rec = TransitionRecord(0, 0, key[1].value, {}, {}, {}, row.guard, row.effects, "", 0, 0.0, 0, 0)
@@ -278,6 +278,6 @@ def test_model_and_client_front_end_agree_on_random_sequences() -> None:
         got, fe.sent[:] = list(fe.sent), []
         assert got == want, f"event {k}: client sent {got}, model {want}"
         belief = (fe.c.front.current_wave, fe.c.front.engines_running, fe.c.front.gated)
-        assert belief == (s.front[0], s.front[1], s.front[3])
+        assert belief == (s.front.believed_wave, s.front.believed_running, s.front.gated)
         kinds.add(f"{k}:{len(want)}")
     assert len(kinds) >= 6, kinds

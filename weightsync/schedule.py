@@ -277,14 +277,14 @@ def action(model: Model, step: int, lab: list[Any], text: str, s: G, t: G, engin
         fired = fired_events(model, s, lab, t)
     except ValueError as exc:
         raise ValueError(f"step {step}: {exc}") from None
-    a = Action(step, lab, text, kind, coord=(int(t.coord[0]), bool(t.coord[1])))
+    a = Action(step, lab, text, kind, coord=(int(t.coord.current_wave), bool(t.coord.engines_running)))
     for i, ev, extra in fired:
         tr, after = model.fire(i, s.ranks[i].vars, ev, extra)  # no row: illegal, the rank -> error
         a.fired.append((i, ev.value, tr.guard if tr is not None else ILLEGAL, plain_vars(after)))
     a.vars_after = {i: plain_vars(r.vars) for i, r in enumerate(t.ranks)}
     a.blocked_after = {i: r.blocked for i, r in enumerate(t.ranks)}
-    a.front = (int(t.front[0]), bool(t.front[1]))
-    a.trainer = str(t.trainer[0])
+    a.front = (int(t.front.believed_wave), bool(t.front.believed_running))
+    a.trainer = str(t.trainer.blocked)
     if engine == "reference":
         a.channels = channels(model, t)
         _reference(model, a, lab, s, t)
@@ -314,8 +314,9 @@ def _reference(model: Model, a: Action, lab: list[Any], s: G, t: G) -> None:
         a.arg = str(lab[1])
     elif kind == "done":
         a.arg = str(lab[1])
-    if t.trainer[0] and t.trainer[0] != s.trainer[0] and t.trainer[0] != "weight_broadcast":
-        raise ValueError(f"step {a.step}: the trainer entering {t.trainer[0]} is not driven")
+    entered = t.trainer.blocked
+    if entered and entered != s.trainer.blocked and entered != "weight_broadcast":
+        raise ValueError(f"step {a.step}: the trainer entering {entered} is not driven")
 
 
 def _vllm(model: Model, a: Action, lab: list[Any], s: G, t: G) -> None:
@@ -323,7 +324,7 @@ def _vllm(model: Model, a: Action, lab: list[Any], s: G, t: G) -> None:
     step = a.step
     if kind == "send":
         a.kind, a.rank = "add", int(lab[1])
-        a.arg = {"first_req": not bool(s.front[1])}
+        a.arg = {"first_req": not bool(s.front.believed_running)}
     elif kind == "fan":
         if int(lab[2]) >= 0:
             raise ValueError(f"step {step}: a fan-out to one rank ({lab!r}) is not driven on vLLM")
@@ -386,7 +387,7 @@ def _vllm(model: Model, a: Action, lab: list[Any], s: G, t: G) -> None:
             a.arg = str(s.ranks[src].outq[0][0])
     elif kind == "refresh":
         a.kind = "refresh"
-        a.coord = (int(s.coord[0]), bool(s.coord[1]))
+        a.coord = (int(s.coord.current_wave), bool(s.coord.engines_running))
     else:
         raise ValueError(f"step {step}: label {lab!r} is not driven on vLLM")
 
@@ -405,9 +406,9 @@ def final_state(model: Model, labels: list[Any]) -> FinalState:
         {i: r.blocked for i, r in enumerate(end.ranks)},
         {i: plain_vars(r.vars) for i, r in enumerate(end.ranks)},
         channels(model, end) if model.config.channels == "per-socket" else {},
-        str(end.trainer[0]),
+        str(end.trainer.blocked),
         not model.successors(end),
-        int(end.front[2]),
+        int(end.front.next_request),
     )
 
 

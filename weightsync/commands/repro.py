@@ -86,9 +86,9 @@ def repro(args: argparse.Namespace) -> int:
             args.variant,
             plan,
             mode=args.mode,
-            clear_cache=buggy.clear,
-            tokens=buggy.T,
-            sync_interval=buggy.K,
+            clear_cache=buggy.clear_cache,
+            tokens=buggy.tokens,
+            sync_interval=buggy.sync_interval,
             timeout_s=timeout,
             log=progress(args),
         )

@@ -416,8 +416,8 @@ def counterexample_record(
 def violation_text(model: Model, prop: str, s: G) -> str:
     """One line describing how ``s`` violates ``prop``."""
     blocked = [f"rank {i} in {r.blocked}" for i, r in enumerate(s.ranks) if r.blocked]
-    if s.trainer[0]:
-        blocked.append(f"trainer in {s.trainer[0]}")
+    if s.trainer.blocked:
+        blocked.append(f"trainer in {s.trainer.blocked}")
     states = ", ".join(f"rank {i} {r.vars.state.value}" for i, r in enumerate(s.ranks))
     if prop == "no_one_sided_collective":
         return f"one-sided collective: no transition enabled; blocked: {', '.join(blocked)}; {states}"

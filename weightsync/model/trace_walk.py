@@ -463,7 +463,9 @@ class _Walker:
         t = self.successor(label, st)
         after = rec["after"]
         if t.coord != (after["current_wave"], after["state"] == CoordState.RUNNING.value):
-            raise _Mismatch(st, f"coordinator after {got}: engine {after}, model (wave, running) = {t.coord}")
+            raise _Mismatch(
+                st, f"coordinator after {got}: engine {after}, model (wave, running) = {tuple(t.coord)}"
+            )
         f = self.fifo["wave"]
         for j in range(self.m.n):
             new = [m for m in t.ranks[j].inq[f][len(self.s.ranks[j].inq[f]) :]]
@@ -476,7 +478,7 @@ class _Walker:
         rec = st.records[0]
         if rec["event"] == "send_request":
             i = int(rec["target"])
-            nxt = self.s.front[2]
+            nxt = self.s.front.next_request
             self.requests[rec["req"]] = nxt
             label: Label = ("send", i)
             t = self.successor(label, st)
@@ -494,7 +496,7 @@ class _Walker:
         if rec["event"] != "stats":
             raise _Mismatch(st, f"front-end event {rec['event']!r} is not walked (front-end-pause gate)")
         stats = (rec["wave"], rec["running"])
-        if stats == tuple(self.s.front[:2]):
+        if stats == (self.s.front.believed_wave, self.s.front.believed_running):
             return  # a refresh that changes nothing (a self-loop)
         if stats == self.s.coord:
             t = self.successor(("refresh",), st)
@@ -532,7 +534,7 @@ class _Walker:
         raise _Mismatch(
             st,
             f"front-end adopted stats {stats}; the coordinator never held them since the front-end's last step "
-            f"(it holds {self.s.coord})",
+            f"(it holds {tuple(self.s.coord)})",
         )
 
     # -- controller
@@ -603,8 +605,10 @@ def _state_lines(s: G) -> list[str]:
             f"blocked={rk.blocked or '-'} waiting={len(rk.waiting)} running={len(rk.running)} inputs={list(rk.inq)} "
             f"to_coord={list(rk.outq)}"
         )
-    out.append(f"coordinator: (current_wave, engines_running)={s.coord} inputs={list(s.coord_q)}")
-    out.append(f"front-end: believed (wave, running)={s.front[:2]} next_request={s.front[2]}")
+    out.append(f"coordinator: (current_wave, engines_running)={tuple(s.coord)} inputs={list(s.coord_q)}")
+    front = s.front
+    believed = (front.believed_wave, front.believed_running)
+    out.append(f"front-end: believed (wave, running)={believed} next_request={front.next_request}")
     out.append(
         f"controller: phase={s.ctrl.phase} cycles_started={s.ctrl.cycles_started} rounds={s.ctrl.update_rounds}"
     )

@@ -32,12 +32,13 @@ utility calls share one FIFO per rank (vLLM 0.32 with one API server: one ROUTER
 input thread polls both sockets, ``v1/engine/core.py:1831-1931``), the coordinator's inputs as under
 per-socket. ``ordered``: one FIFO per destination for everything sent to it, and atomic fan-outs.
 
-The global state is a plain tuple (see :class:`G`); everything in it is hashable.
+The global state is a tree of NamedTuples (see :class:`GlobalState`, alias ``G``); everything in it is hashable.
 
 The package, by concern (:class:`Model` combines the parts as mixins; every name is re-exported here):
 
 - :mod:`~weightsync.model.system.state`: the constants, :class:`Bounds`, :class:`Config`, :class:`Rank`,
-  :class:`Ctrl`, :class:`G` and the scratch copy a successor is built in;
+  :class:`Ctrl`, :class:`Coordinator`, :class:`FrontEnd`, :class:`Trainer`, :class:`GlobalState` (``G``) and
+  the scratch copy a successor is built in;
 - :mod:`~weightsync.model.system.base`: configuration, the initial state and the table lookups;
 - :mod:`~weightsync.model.system.effects`: the rank transitions and the interpretation of the effects;
 - :mod:`~weightsync.model.system.environment`: coordinator, front-end, controller, trainer and channel moves;
@@ -76,16 +77,21 @@ from weightsync.model.system.state import (
     SENT,
     SPURIOUS,
     START,
+    TRAINER_IDLE,
     TRANSFER_KINDS,
     UPDATE,
     X_PAUSE,
     X_RESUME,
     Bounds,
     Config,
+    Coordinator,
     Ctrl,
+    FrontEnd,
     G,
+    GlobalState,
     Label,
     Rank,
+    Trainer,
 )
 from weightsync.model.system.steps import Step, describe, fmt_msg, message_event
 
@@ -116,18 +122,23 @@ __all__ = [
     "SENT",
     "SPURIOUS",
     "START",
+    "TRAINER_IDLE",
     "TRANSFER_KINDS",
     "UPDATE",
     "X_PAUSE",
     "X_RESUME",
     "Bounds",
     "Config",
+    "Coordinator",
     "Ctrl",
+    "FrontEnd",
     "G",
+    "GlobalState",
     "Label",
     "Model",
     "Rank",
     "Step",
+    "Trainer",
     "describe",
     "fmt_msg",
     "message_event",

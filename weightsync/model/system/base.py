@@ -5,7 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from weightsync.model.system.state import CHANNEL_FIFOS, CHANNELS, IDLE, NOT_SENT, Config, Ctrl, G, Rank
+from weightsync.model.system.state import (
+    CHANNEL_FIFOS,
+    CHANNELS,
+    IDLE,
+    NOT_SENT,
+    TRAINER_IDLE,
+    Config,
+    Coordinator,
+    Ctrl,
+    FrontEnd,
+    GlobalState,
+    Rank,
+    _new_tuple,
+)
 from weightsync.spec.controller import Policy, controller_table
 from weightsync.spec.coordinator import coordinator_table
 from weightsync.spec.front_end import FrontEvent, FrontState, FrontVars, front_end_fire
@@ -46,13 +59,13 @@ class ModelBase:
         self.updates = updates if updates is not None else UPDATES
         self.n = config.ranks
         self.ordered = config.channels == "ordered"
-        self.nq, self.f_add, self.f_ctrl, self.f_wave = CHANNEL_FIFOS[config.channels]
+        self.n_fifos, self.f_add, self.f_ctrl, self.f_wave = CHANNEL_FIFOS[config.channels]
         self.mode = PauseMode(config.mode)
-        self.K = b.sync_interval
-        self.T = b.tokens
-        self.R = b.requests
-        self.C = b.cycles
-        self.clear = b.clear_cache
+        self.sync_interval = b.sync_interval
+        self.tokens = b.tokens
+        self.requests = b.requests
+        self.cycles = b.cycles
+        self.clear_cache = b.clear_cache
         self.client_aborts = b.client_aborts
         self.init_transfer = b.init_transfer
         self.stray_resume = b.stray_resume
@@ -65,7 +78,7 @@ class ModelBase:
         if b.failures < 0:
             raise ValueError(f"bad bounds {b}: failures must be >= 0")
         self._cache: dict[tuple[Any, ...], tuple[Transition | None, RankVars]] = {}
-        self._wcache: dict[tuple[WorkerVars, WorkerEvent], WorkerVars] = {}
+        self._worker_cache: dict[tuple[WorkerVars, WorkerEvent], WorkerVars] = {}
         # the DP coordinator's table (spec/coordinator.py) for this variant, and its firings by input
         self.coord_table = coordinator_table(
             self.variant.coordinator_latches, self.variant.first_req_exclusion
@@ -75,25 +88,27 @@ class ModelBase:
         self.ctrl_table = controller_table(self.variant.pause_in_front_end)
         self.ctrl_policy = Policy.RECOVER
         self._ctrl_cache: dict[tuple[Any, ...], tuple[tuple[str, str, Ctrl], ...]] = {}
-        self._front_cache: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[int, bool, bool]]] = {}
-        self._coord_cache: dict[tuple[Any, ...], tuple[tuple[int, bool], tuple[tuple[int, int], ...]]] = {}
+        # the front-end's table by (believed wave, believed running, gated, event, args): the row's effects
+        # and the new (believed wave, believed running, gated), None if unchanged
+        self._front_cache: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[int, bool, bool] | None]] = {}
+        self._coord_cache: dict[tuple[Any, ...], tuple[Coordinator, tuple[tuple[int, int], ...]]] = {}
         # non-vacuity witnesses, set while exploring
         self.seen_all_verified = False
         self.seen_update_with_wave_in_flight = False
 
     # ------------------------------------------------------------------ state construction
 
-    def initial(self) -> G:
+    def initial(self) -> GlobalState:
         """Every rank running and idle, wave 0, no messages, controller idle, no request sent."""
-        wk = WorkerVars(WorkerState.READY, initialized=not self.init_transfer)
-        r = Rank(RankVars(), "", (), (), ((),) * self.nq, (), NOT_SENT, 0, wk)
-        return G(
-            (r,) * self.n,
+        worker = WorkerVars(WorkerState.READY, initialized=not self.init_transfer)
+        rank = Rank(RankVars(), "", (), (), ((),) * self.n_fifos, (), NOT_SENT, 0, worker)
+        return GlobalState(
+            (rank,) * self.n,
             ((),),
-            (0, False),
-            (0, False, 0, False, ()),
+            Coordinator(current_wave=0, engines_running=False),
+            FrontEnd(believed_wave=0, believed_running=False, next_request=0, gated=False, client_aborted=()),
             Ctrl(IDLE, 0, 0, not self.init_transfer, False, False, 0, False, 0),
-            ("", NOT_SENT),
+            TRAINER_IDLE,
             (),
             (),
         )
@@ -108,7 +123,7 @@ class ModelBase:
         key = (v, event, i, extra)
         r = self._cache.get(key)
         if r is None:
-            args: dict[str, Any] = {"rank": i, "dp_size": self.n, "sync_interval": self.K}
+            args: dict[str, Any] = {"rank": i, "dp_size": self.n, "sync_interval": self.sync_interval}
             args.update(extra)
             tr = select(self.table, v, event, args, self.guards)
             if tr is None:
@@ -122,7 +137,7 @@ class ModelBase:
         """Fire ``event`` on a rank's worker machine (:data:`weightsync.spec.worker.WORKER_TABLE`); an
         illegal call leaves it in ``error``."""
         key = (wv, event)
-        r = self._wcache.get(key)
+        r = self._worker_cache.get(key)
         if r is None:
             tr = select_transition(WORKER_TABLE, wv.state, event, wv, {}, WORKER_GUARDS)
             r = (
@@ -130,20 +145,25 @@ class ModelBase:
                 if tr is None
                 else apply_transition(wv, tr, {}, WORKER_UPDATES)
             )
-            self._wcache[key] = r
+            self._worker_cache[key] = r
         return r
 
-    def _front(
-        self, front: tuple[Any, ...], event: FrontEvent, **args: Any
-    ) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    def _front(self, front: FrontEnd, event: FrontEvent, **args: Any) -> tuple[tuple[str, ...], FrontEnd]:
         """The front-end's table (spec/front_end.py) on ``event``: the row's effects and the new
-        ``front`` tuple (``next_request`` and ``client_aborted`` unchanged)."""
-        key = (front[0], front[1], front[3], event, *args.values())  # each call site passes one fixed set
+        :class:`FrontEnd` (``next_request`` and ``client_aborted`` unchanged; ``front`` itself when the row
+        changes nothing)."""
+        believed_wave, believed_running, gated = front.believed_wave, front.believed_running, front.gated
+        key = (believed_wave, believed_running, gated, event, *args.values())  # each call site: one fixed set
         r = self._front_cache.get(key)
         if r is None:
-            before = FrontVars(FrontState.RUNNING if front[1] else FrontState.IDLE, front[0], front[3])
-            tr, after = front_end_fire(before, event, args)
-            r = (tr.effects, (after.current_wave, after.engines_running, after.gated))
+            state = FrontState.RUNNING if believed_running else FrontState.IDLE
+            tr, after = front_end_fire(FrontVars(state, believed_wave, gated), event, args)
+            changed = (after.current_wave, after.engines_running, after.gated)
+            r = (tr.effects, None if changed == (believed_wave, believed_running, gated) else changed)
             self._front_cache[key] = r
-        effects, (bw, brun, gated) = r
-        return effects, (bw, brun, front[2], gated, front[4])
+        effects, new = r
+        if new is None:
+            return effects, front
+        return effects, _new_tuple(
+            FrontEnd, (new[0], new[1], front.next_request, new[2], front.client_aborted)
+        )

@@ -21,10 +21,12 @@ from weightsync.model.system.state import (
     SENT,
     SPURIOUS,
     TRANSFER_KINDS,
-    G,
+    GlobalState,
     Label,
     Rank,
-    _Work,
+    Trainer,
+    _new_tuple,
+    _ScratchState,
 )
 from weightsync.spec.collectives import OUTCOME_KINDS, contribution, outcome_args, reduce_values
 from weightsync.spec.front_end import RANK_EFFECT_EVENT
@@ -64,159 +66,166 @@ def collective_args(ranks: tuple[Rank, ...], kind: str) -> tuple[tuple[str, Any]
 class RankEffects(ModelBase):
     """The rank transitions of :class:`Model` and the interpretation of the table's effects."""
 
-    def _has_work(self, rk: Rank) -> bool:
-        return schedulable(rk.vars.pause_state, len(rk.waiting), len(rk.running))
+    def _has_work(self, rank: Rank) -> bool:
+        return schedulable(rank.vars.pause_state, len(rank.waiting), len(rank.running))
 
-    def _timeouts(self, s: G, out: list[tuple[Label, G]]) -> None:
+    def _timeouts(self, s: GlobalState, out: list[tuple[Label, GlobalState]]) -> None:
         """A member of a weight-transfer collective that can never complete times out (weightsync: every
         collective has a timeout that becomes an error): some rank is ``failed`` outside it (it refuses the
         call), or the trainer timed out of it. Each member times out on its own."""
         ranks = s.ranks
         for k in TRANSFER_KINDS:
             in_k = [i for i, r in enumerate(ranks) if r.blocked == k]
-            trainer_in = s.trainer[0] == k
+            trainer_in = s.trainer.blocked == k
             if not in_k and not trainer_in:
                 continue
             stuck = any(r.vars.state is RankState.FAILED and r.blocked != k for r in ranks) or (
-                not trainer_in and s.trainer[1] == FAILED_REPLY
+                not trainer_in and s.trainer.status == FAILED_REPLY
             )
             if not stuck:
                 continue
             for i in in_k:
                 out.append((("timeout", i, k), self._timeout(s, i, k)))
             if trainer_in:
-                out.append((("timeout", -1, k), s._replace(trainer=("", FAILED_REPLY))))
+                out.append((("timeout", -1, k), s._replace(trainer=Trainer("", FAILED_REPLY))))
 
-    def _timeout(self, s: G, i: int, kind: str) -> G:
-        w = _Work(s)
-        rk = w.ranks[i]._replace(blocked="")
-        w.ranks[i] = rk
-        self._nested(w, i, RankEvent.TRANSFER_FAILED, (("phase", FAIL_PHASE[kind]),))
-        return w.freeze()
+    def _timeout(self, s: GlobalState, i: int, kind: str) -> GlobalState:
+        scratch = _ScratchState(s)
+        rank = scratch.ranks[i]._replace(blocked="")
+        scratch.ranks[i] = rank
+        self._nested(scratch, i, RankEvent.TRANSFER_FAILED, (("phase", FAIL_PHASE[kind]),))
+        return scratch.freeze()
 
-    def _nested(self, w: _Work, i: int, event: RankEvent, extra: tuple[tuple[str, Any], ...]) -> None:
+    def _nested(
+        self, scratch: _ScratchState, i: int, event: RankEvent, extra: tuple[tuple[str, Any], ...]
+    ) -> None:
         """Fire an outcome event on rank ``i`` inside a successor being built, and interpret its effects."""
-        rk = w.ranks[i]
-        before = rk.vars
+        rank = scratch.ranks[i]
+        before = rank.vars
         tr, after = self.fire(i, before, event, extra)
-        w.ranks[i] = rk._replace(vars=after)
+        scratch.ranks[i] = rank._replace(vars=after)
         if tr is not None:
             for eff in tr.effects:
-                self._effect(w, i, eff, before, -1)
+                self._effect(scratch, i, eff, before, -1)
 
-    def _recv(self, s: G, i: int, f: int, fail: bool = False) -> G:
-        rk = s.ranks[i]
-        q = rk.inq[f]
+    def _recv(self, s: GlobalState, i: int, f: int, fail: bool = False) -> GlobalState:
+        rank = s.ranks[i]
+        q = rank.inq[f]
         msg = q[0]
-        inq = (*rk.inq[:f], q[1:], *rk.inq[f + 1 :])
-        rk = Rank(rk[0], rk[1], rk[2], rk[3], inq, rk[5], rk[6], rk[7], rk[8], rk[9])
+        inq = (*rank.inq[:f], q[1:], *rank.inq[f + 1 :])
+        rank = rank.with_inq(inq)
         kind = msg[0]
         if kind == "ADD":
-            return self._rank_event(s, i, rk, RankEvent.ADD, (("wave", msg[2]),), req=msg[1])
+            return self._rank_event(s, i, rank, RankEvent.ADD, (("wave", msg[2]),), req=msg[1])
         if kind == "ABORT":
-            return self._rank_event(s, i, rk, RankEvent.ABORT, (), req=msg[1])
+            return self._rank_event(s, i, rank, RankEvent.ABORT, (), req=msg[1])
         if kind == "W":
             return self._rank_event(
-                s, i, rk, RankEvent.START_DP_WAVE, (("exclude", msg[2]), ("wave", msg[1]))
+                s, i, rank, RankEvent.START_DP_WAVE, (("exclude", msg[2]), ("wave", msg[1]))
             )
         call = msg[1]
         ev = CALL_EVENT[call]
-        extra = self.call_extra(rk, ev)
+        extra = self.call_extra(rank, ev)
         untracked = msg[2] == RETRY
         if self.track_owed:
-            rk = self._owe(i, rk, ev, extra, untracked)
+            rank = self._owe(i, rank, ev, extra, untracked)
         elif ev is RankEvent.PAUSE:
-            rk = rk.with_status(rk.status, 1)
+            rank = rank.with_status(rank.status, 1)
         elif ev is RankEvent.RESUME:
-            rk = rk.with_status(rk.status, 0)
-        return self._rank_event(s, i, rk, ev, extra, fail=fail, untracked=untracked, arg=msg[2])
+            rank = rank.with_status(rank.status, 0)
+        return self._rank_event(s, i, rank, ev, extra, fail=fail, untracked=untracked, arg=msg[2])
 
-    def call_extra(self, rk: Rank, ev: RankEvent) -> tuple[tuple[str, Any], ...]:
-        """The event arguments of a controller call ``ev`` received by a rank whose slice is ``rk``."""
+    def call_extra(self, rank: Rank, ev: RankEvent) -> tuple[tuple[str, Any], ...]:
+        """The event arguments of a controller call ``ev`` received by a rank whose slice is ``rank``."""
         if ev is RankEvent.PAUSE:
-            return (("clear_cache", self.clear), ("mode", self.mode), ("running", len(rk.running)))
+            return (("clear_cache", self.clear_cache), ("mode", self.mode), ("running", len(rank.running)))
         if self.worker_args and ev is not RankEvent.RESUME:
-            return (("worker", rk.worker.state.value), ("worker_initialized", rk.worker.initialized))
+            return (("worker", rank.worker.state.value), ("worker_initialized", rank.worker.initialized))
         return ()
 
     def _owe(
-        self, i: int, rk: Rank, ev: RankEvent, extra: tuple[tuple[str, Any], ...], untracked: bool
+        self, i: int, rank: Rank, ev: RankEvent, extra: tuple[tuple[str, Any], ...], untracked: bool
     ) -> Rank:
         """(``untracked_replies``) The pause ghost and the owed replies when rank ``i`` receives a controller
         call: a refused call changes neither; an accepted pause starts the pause ghost (an untracked one
         keeps a pause already in effect), an accepted resume ends it; an untracked pause or resume whose
         reply is deferred (to the pause's completion, or the resume barrier's) is owed."""
         if ev not in (RankEvent.PAUSE, RankEvent.RESUME):
-            return rk
-        tr, _ = self.fire(i, rk.vars, ev, extra)
+            return rank
+        tr, _ = self.fire(i, rank.vars, ev, extra)
         if tr is None or "refuse" in tr.effects:
-            return rk
+            return rank
         if ev is RankEvent.PAUSE:
-            rk = rk._replace(pz=1 if not untracked or rk.pz == 0 else rk.pz)
+            rank = rank._replace(
+                pause_ghost=1 if not untracked or rank.pause_ghost == 0 else rank.pause_ghost
+            )
         else:
-            rk = rk._replace(pz=0)
+            rank = rank._replace(pause_ghost=0)
         if untracked and not _IMMEDIATE_REPLIES & set(tr.effects):
-            rk = rk._replace(owed=rk.owed | (OWE_PAUSE if ev is RankEvent.PAUSE else OWE_RESUME))
-        return rk
+            rank = rank._replace(owed=rank.owed | (OWE_PAUSE if ev is RankEvent.PAUSE else OWE_RESUME))
+        return rank
 
-    def _step(self, s: G, i: int) -> G | None:
-        rk = s.ranks[i]
-        extra = (("has_work", self._has_work(rk)),)
-        tr, after = self.fire(i, rk.vars, RankEvent.STEP, extra)
-        if tr is not None and not tr.effects and after == rk.vars:
+    def _step(self, s: GlobalState, i: int) -> GlobalState | None:
+        rank = s.ranks[i]
+        extra = (("has_work", self._has_work(rank)),)
+        tr, after = self.fire(i, rank.vars, RankEvent.STEP, extra)
+        if tr is not None and not tr.effects and after == rank.vars:
             return None  # an idle loop pass changes nothing
-        t = self._rank_event(s, i, rk, RankEvent.STEP, extra)
+        t = self._rank_event(s, i, rank, RankEvent.STEP, extra)
         return None if t == s else t
 
     def _rank_event(
         self,
-        s: G,
+        s: GlobalState,
         i: int,
-        rk: Rank,
+        rank: Rank,
         event: RankEvent,
         extra: tuple[tuple[str, Any], ...],
         req: int = -1,
         fail: bool = False,
         untracked: bool = False,
         arg: int = 0,
-    ) -> G:
-        """Fire ``event`` on rank ``i`` (whose slice is already ``rk``) and interpret the effects.
+    ) -> GlobalState:
+        """Fire ``event`` on rank ``i`` (whose slice is already ``rank``) and interpret the effects.
 
         ``fail``: the first failable worker operation among the effects raises (TRANSFER_FAILED fires
         instead of the rest); ``untracked``: the call's replies are not counted (a retried resume);
         ``arg``: the controller message's argument (the version a finish carries)."""
-        before = rk.vars
+        before = rank.vars
         tr, after = self.fire(i, before, event, extra)
-        rk = Rank(after, rk[1], rk[2], rk[3], rk[4], rk[5], rk[6], rk[7], rk[8], rk[9])
+        rank = rank.with_vars(after)
         if tr is None or not tr.effects:
-            ranks = (*s.ranks[:i], rk, *s.ranks[i + 1 :])
-            return G(ranks, s[1], s[2], s[3], s[4], s[5], s[6], s[7])
-        w = _Work(s)
-        w.ranks[i] = rk
-        w.untracked = untracked
+            return s.with_ranks((*s.ranks[:i], rank, *s.ranks[i + 1 :]))
+        scratch = _ScratchState(s)
+        scratch.ranks[i] = rank
+        scratch.untracked = untracked
         for eff in tr.effects:
-            self._effect(w, i, eff, before, req)
+            self._effect(scratch, i, eff, before, req)
             if eff in FAILABLE_EFFECTS:
                 if fail:
-                    c = w.ctrl
-                    w.ctrl = c._replace(failures_used=c.failures_used + 1)
-                    self._nested(w, i, RankEvent.TRANSFER_FAILED, (("phase", FAIL_PHASE[eff]),))
+                    c = scratch.ctrl
+                    scratch.ctrl = c._replace(failures_used=c.failures_used + 1)
+                    self._nested(scratch, i, RankEvent.TRANSFER_FAILED, (("phase", FAIL_PHASE[eff]),))
                     break
                 if eff == "finish_weight_update":
-                    self._nested(w, i, RankEvent.FINISH_DONE, (("monotonic", False), ("weight_version", arg)))
-        return w.freeze()
+                    self._nested(
+                        scratch, i, RankEvent.FINISH_DONE, (("monotonic", False), ("weight_version", arg))
+                    )
+        return scratch.freeze()
 
-    def _effect(self, w: _Work, i: int, eff: str, before: RankVars, req: int) -> None:
+    def _effect(self, scratch: _ScratchState, i: int, eff: str, before: RankVars, req: int) -> None:
         if eff in EFFECT_RANKS and not effect_acts_on(eff, i):
             return
-        rk = w.ranks[i]
+        rank = scratch.ranks[i]
         if eff == "queue_request":
-            w.ranks[i] = rk.with_queues(tuple(sorted((*rk.waiting, (req, self.T)))), rk.running)
+            scratch.ranks[i] = rank.with_queues(
+                tuple(sorted((*rank.waiting, (req, self.tokens)))), rank.running
+            )
         elif eff == "execute_step":
-            ps = rk.vars.pause_state
-            waiting, running = rk.waiting, rk.running
+            ps = rank.vars.pause_state
+            waiting, running = rank.waiting, rank.running
             if admits_waiting(ps) and waiting:
-                kv = int(rk.vars.weight_version)  # the model's versions are round numbers
+                kv = int(rank.vars.weight_version)  # the model's versions are round numbers
                 running = tuple(sorted(running + tuple((r, left, kv) for r, left in waiting)))
                 waiting = ()
             if advances_running(ps) and running:
@@ -225,95 +234,96 @@ class RankEffects(ModelBase):
                     if left > 1:
                         keep.append((r, left - 1, kv))
                     else:
-                        w.done.append(r)
+                        scratch.done.append(r)
                 running = tuple(keep)
-            w.ranks[i] = rk.with_queues(waiting, running)
+            scratch.ranks[i] = rank.with_queues(waiting, running)
         elif eff in ENTER_EFFECT or eff in WORKER_EVENT_OF_EFFECT:
             if eff in ENTER_EFFECT:
-                rk = rk._replace(blocked=ENTER_EFFECT[eff])
+                rank = rank._replace(blocked=ENTER_EFFECT[eff])
             if eff in WORKER_EVENT_OF_EFFECT:
-                rk = rk._replace(worker=self.worker_fire(rk.worker, WORKER_EVENT_OF_EFFECT[eff]))
-            w.ranks[i] = rk
+                rank = rank._replace(worker=self.worker_fire(rank.worker, WORKER_EVENT_OF_EFFECT[eff]))
+            scratch.ranks[i] = rank
         elif eff in ("reply", "reply_pause", "reply_resume"):
-            pz = 2 if eff == "reply_pause" and rk.pz == 1 else rk.pz
-            if w.untracked:
-                status = rk.status
+            pause_ghost = 2 if eff == "reply_pause" and rank.pause_ghost == 1 else rank.pause_ghost
+            if scratch.untracked:
+                status = rank.status
             elif self.track_owed and eff != "reply":
-                rk = self._owed_reply(w, rk, eff)
-                status = rk.status
+                rank = self._owed_reply(scratch, rank, eff)
+                status = rank.status
             else:
-                status = REPLIED if rk.status == SENT else SPURIOUS
-            w.ranks[i] = rk.with_status(status, pz)
+                status = REPLIED if rank.status == SENT else SPURIOUS
+            scratch.ranks[i] = rank.with_status(status, pause_ghost)
         elif eff in ("reply_failure", "refuse"):
-            if not w.untracked:
-                w.ranks[i] = rk._replace(status=FAILED_REPLY if rk.status == SENT else SPURIOUS)
+            if not scratch.untracked:
+                scratch.ranks[i] = rank._replace(status=FAILED_REPLY if rank.status == SENT else SPURIOUS)
         elif eff == "abort_requests":
-            w.aborted.extend([r for r, _ in rk.waiting] + [r[0] for r in rk.running])
-            w.ranks[i] = rk._replace(waiting=(), running=())
+            scratch.aborted.extend([r for r, _ in rank.waiting] + [r[0] for r in rank.running])
+            scratch.ranks[i] = rank._replace(waiting=(), running=())
         elif eff == "abort_request":
-            waiting = tuple(q for q in rk.waiting if q[0] != req)
-            running = tuple(q for q in rk.running if q[0] != req)
-            if len(waiting) + len(running) < len(rk.waiting) + len(rk.running):
-                w.aborted.append(req)
-                w.ranks[i] = rk._replace(waiting=waiting, running=running)
+            waiting = tuple(q for q in rank.waiting if q[0] != req)
+            running = tuple(q for q in rank.running if q[0] != req)
+            if len(waiting) + len(running) < len(rank.waiting) + len(rank.running):
+                scratch.aborted.append(req)
+                scratch.ranks[i] = rank._replace(waiting=waiting, running=running)
         elif eff == "clear_cache":
-            if rk.vars.clear_cache and rk.running:
-                pre = tuple((r, left) for r, left, _ in rk.running)
-                w.ranks[i] = rk._replace(waiting=tuple(sorted(rk.waiting + pre)), running=())
+            if rank.vars.clear_cache and rank.running:
+                pre = tuple((r, left) for r, left, _ in rank.running)
+                scratch.ranks[i] = rank._replace(waiting=tuple(sorted(rank.waiting + pre)), running=())
         elif eff == "emit_wave_complete":  # the wave that ended: the one before the new current_wave
-            self._to_coord(w, i, ("wave_complete", rk.vars.current_wave - 1, i))
+            self._to_coord(scratch, i, ("wave_complete", rank.vars.current_wave - 1, i))
         elif eff == "emit_start_wave":
-            self._to_coord(w, i, ("start_wave", rk.vars.current_wave, i))
+            self._to_coord(scratch, i, ("start_wave", rank.vars.current_wave, i))
         elif eff in RANK_EFFECT_EVENT:  # the front-end's gate; held requests are sent only after ungate
-            w.front = self._front(w.front, RANK_EFFECT_EVENT[eff])[1]
+            scratch.front = self._front(scratch.front, RANK_EFFECT_EVENT[eff])[1]
         else:  # pragma: no cover - a table naming an effect the model does not know
             raise ValueError(f"unknown effect {eff!r}")
 
-    def _owed_reply(self, w: _Work, rk: Rank, eff: str) -> Rank:
+    def _owed_reply(self, scratch: _ScratchState, rank: Rank, eff: str) -> Rank:
         """(``untracked_replies``) A deferred pause or resume reply. A resume barrier belongs to the resume
         that started it: an owed untracked one (a rank takes one resume at a time), else the tracked one. A
         pause's completion resolves every pause the rank took: the owed untracked one, and the tracked one
         if the controller's pause reached the rank (not still queued)."""
         if eff == "reply_resume":
-            if rk.owed & OWE_RESUME:
-                return rk._replace(owed=rk.owed & ~OWE_RESUME)
-            return rk._replace(status=REPLIED if rk.status == SENT else SPURIOUS)
+            if rank.owed & OWE_RESUME:
+                return rank._replace(owed=rank.owed & ~OWE_RESUME)
+            return rank._replace(status=REPLIED if rank.status == SENT else SPURIOUS)
         tracked = (
-            rk.status == SENT
-            and w.ctrl.phase == PAUSE
-            and not any(m[0] == "U" and m[1] == "pause" and m[2] != RETRY for m in rk.inq[self.f_ctrl])
+            rank.status == SENT
+            and scratch.ctrl.phase == PAUSE
+            and not any(m[0] == "U" and m[1] == "pause" and m[2] != RETRY for m in rank.inq[self.f_ctrl])
         )
-        if rk.owed & OWE_PAUSE:
-            return rk._replace(owed=rk.owed & ~OWE_PAUSE, status=REPLIED if tracked else rk.status)
-        return rk._replace(status=REPLIED if rk.status == SENT else SPURIOUS)
+        if rank.owed & OWE_PAUSE:
+            return rank._replace(owed=rank.owed & ~OWE_PAUSE, status=REPLIED if tracked else rank.status)
+        return rank._replace(status=REPLIED if rank.status == SENT else SPURIOUS)
 
-    def _to_coord(self, w: _Work, i: int, msg: tuple[Any, ...]) -> None:
+    def _to_coord(self, scratch: _ScratchState, i: int, msg: tuple[Any, ...]) -> None:
         if self.ordered:
-            w.coord_q = ((*w.coord_q[0], msg),)
+            scratch.coord_q = ((*scratch.coord_q[0], msg),)
         else:
-            rk = w.ranks[i]
-            w.ranks[i] = rk.with_outq((*rk.outq, msg))
+            rank = scratch.ranks[i]
+            scratch.ranks[i] = rank.with_outq((*rank.outq, msg))
 
-    def _complete(self, s: G, kind: str, fail: bool = False) -> G:
+    def _complete(self, s: GlobalState, kind: str, fail: bool = False) -> GlobalState:
         """The joint completion of collective ``kind``: the outcome event fires on every member; with
         ``fail`` (a transfer collective only) it fails on every member (TRANSFER_FAILED) and the trainer."""
         ranks = s.ranks
         ev = RankEvent.TRANSFER_FAILED if fail else DONE_EVENT[kind]
         common = (("phase", FAIL_PHASE[kind]),) if fail else collective_args(ranks, kind)
-        w = _Work(s)
+        scratch = _ScratchState(s)
         for i in range(self.n):
-            rk = w.ranks[i]._replace(blocked="")
-            w.ranks[i] = rk
-            before = rk.vars
-            extra = (("has_work", self._has_work(rk)), *common)
+            rank = scratch.ranks[i]._replace(blocked="")
+            scratch.ranks[i] = rank
+            before = rank.vars
+            extra = (("has_work", self._has_work(rank)), *common)
             tr, after = self.fire(i, before, ev, extra)
-            w.ranks[i] = rk._replace(vars=after)
+            scratch.ranks[i] = rank._replace(vars=after)
             if tr is not None:
                 for eff in tr.effects:
-                    self._effect(w, i, eff, before, -1)
+                    self._effect(scratch, i, eff, before, -1)
         if kind in TRANSFER_KINDS:
-            w.trainer = ("", (FAILED_REPLY if fail else REPLIED) if w.trainer[1] == SENT else SPURIOUS)
+            status = (FAILED_REPLY if fail else REPLIED) if scratch.trainer.status == SENT else SPURIOUS
+            scratch.trainer = _new_tuple(Trainer, ("", status))
         if fail:
-            c = w.ctrl
-            w.ctrl = c._replace(failures_used=c.failures_used + 1)
-        return w.freeze()
+            c = scratch.ctrl
+            scratch.ctrl = c._replace(failures_used=c.failures_used + 1)
+        return scratch.freeze()

@@ -15,10 +15,15 @@ from weightsync.model.system.state import (
     REPLIED,
     RETRY,
     SENT,
+    TRAINER_IDLE,
+    Coordinator,
     Ctrl,
-    G,
+    FrontEnd,
+    GlobalState,
     Label,
-    _Work,
+    Trainer,
+    _new_tuple,
+    _ScratchState,
 )
 from weightsync.spec.controller import (
     TRAINER_COLLECTIVE,
@@ -47,75 +52,81 @@ class Environment(RankEffects):
 
     # -- coordinator (vLLM DPCoordinator, reference section 5)
 
-    def _coord_recv(self, s: G, src: int, f: int) -> G:
-        w = _Work(s)
+    def _coord_recv(self, s: GlobalState, src: int, f: int) -> GlobalState:
+        scratch = _ScratchState(s)
         if src < 0:
-            q = w.coord_q[f]
+            q = scratch.coord_q[f]
             msg = q[0]
-            w.coord_q = (*w.coord_q[:f], q[1:], *w.coord_q[f + 1 :])
+            scratch.coord_q = (*scratch.coord_q[:f], q[1:], *scratch.coord_q[f + 1 :])
         else:
-            rk = w.ranks[src]
-            msg = rk.outq[0]
-            w.ranks[src] = rk.with_outq(rk.outq[1:])
-        key = (w.coord, msg)
+            rank = scratch.ranks[src]
+            msg = rank.outq[0]
+            scratch.ranks[src] = rank.with_outq(rank.outq[1:])
+        key = (scratch.coord, msg)
         r = self._coord_cache.get(key)
         if r is None:
-            wave, running = w.coord
+            coord = scratch.coord
             ev = CoordEvent(msg[0])
             args = dict(zip(MESSAGE_FIELDS[ev], msg[1:], strict=True))
-            before = CoordVars(CoordState.RUNNING if running else CoordState.IDLE, wave)
-            fired = coordinator_fire(self.coord_table, before, ev, args)
-            r = ((fired.after.current_wave, fired.after.engines_running), fired.broadcasts)
+            state = CoordState.RUNNING if coord.engines_running else CoordState.IDLE
+            fired = coordinator_fire(self.coord_table, CoordVars(state, coord.current_wave), ev, args)
+            r = (Coordinator(fired.after.current_wave, fired.after.engines_running), fired.broadcasts)
             self._coord_cache[key] = r
-        w.coord = r[0]
+        scratch.coord = r[0]
         for wave, exclude in r[1]:
-            self._broadcast(w, wave, exclude)
-        return w.freeze()
+            self._broadcast(scratch, wave, exclude)
+        return scratch.freeze()
 
-    def _broadcast(self, w: _Work, wave: int, exclude: int) -> None:
+    def _broadcast(self, scratch: _ScratchState, wave: int, exclude: int) -> None:
         f = self.f_wave
         for i in range(self.n):
-            rk = w.ranks[i]
-            q = rk.inq[f]
-            w.ranks[i] = rk.with_inq((*rk.inq[:f], (*q, ("W", wave, exclude)), *rk.inq[f + 1 :]))
+            rank = scratch.ranks[i]
+            q = rank.inq[f]
+            scratch.ranks[i] = rank.with_inq((*rank.inq[:f], (*q, ("W", wave, exclude)), *rank.inq[f + 1 :]))
 
     # -- front-end
 
-    def _send_request(self, s: G, i: int) -> G:
+    def _send_request(self, s: GlobalState, i: int) -> GlobalState:
         """The client sends request ``next_request`` to rank ``i`` through the front-end's table (the
         caller offers this only when the row does not hold it)."""
         effects, front = self._front(s.front, FrontEvent.SEND_REQUEST, target=i)
-        bw, nxt = s.front[0], s.front[2]
-        w = _Work(s)
+        wave, request = s.front.believed_wave, s.front.next_request
+        scratch = _ScratchState(s)
         if "send_add" in effects:
             f = self.f_add
-            rk = w.ranks[i]
-            w.ranks[i] = rk.with_inq((*rk.inq[:f], (*rk.inq[f], ("ADD", nxt, bw)), *rk.inq[f + 1 :]))
+            rank = scratch.ranks[i]
+            scratch.ranks[i] = rank.with_inq(
+                (*rank.inq[:f], (*rank.inq[f], ("ADD", request, wave)), *rank.inq[f + 1 :])
+            )
         if "send_first_req" in effects:
-            w.coord_q = ((*w.coord_q[0], ("FIRST_REQ", i, bw)),)
-        w.front = (front[0], front[1], nxt + 1, front[3], front[4])
-        return w.freeze()
+            scratch.coord_q = ((*scratch.coord_q[0], ("FIRST_REQ", i, wave)),)
+        scratch.front = _new_tuple(
+            FrontEnd,
+            (front.believed_wave, front.believed_running, request + 1, front.gated, front.client_aborted),
+        )
+        return scratch.freeze()
 
-    def _holder(self, s: G, r: int) -> int:
+    def _holder(self, s: GlobalState, r: int) -> int:
         """The rank request ``r`` was sent to, while it is still there (queued ADD, waiting or running)."""
-        for i, rk in enumerate(s.ranks):
-            if any(q[0] == r for q in rk.waiting) or any(q[0] == r for q in rk.running):
+        for i, rank in enumerate(s.ranks):
+            if any(q[0] == r for q in rank.waiting) or any(q[0] == r for q in rank.running):
                 return i
-            if any(m[0] == "ADD" and m[1] == r for q in rk.inq for m in q):
+            if any(m[0] == "ADD" and m[1] == r for q in rank.inq for m in q):
                 return i
         return -1
 
-    def _send_abort(self, s: G, i: int, r: int) -> G:
+    def _send_abort(self, s: GlobalState, i: int, r: int) -> GlobalState:
         """The client aborts request ``r``: the front-end sends ABORT(r) on rank ``i``'s input socket."""
-        w = _Work(s)
+        scratch = _ScratchState(s)
         f = self.f_add
-        rk = w.ranks[i]
-        w.ranks[i] = rk._replace(inq=(*rk.inq[:f], (*rk.inq[f], ("ABORT", r)), *rk.inq[f + 1 :]))
-        bw, brun, nxt, gated, cab = s.front
-        w.front = (bw, brun, nxt, gated, tuple(sorted((*cab, r))))
-        return w.freeze()
+        rank = scratch.ranks[i]
+        scratch.ranks[i] = rank._replace(
+            inq=(*rank.inq[:f], (*rank.inq[f], ("ABORT", r)), *rank.inq[f + 1 :])
+        )
+        scratch.front = s.front._replace(client_aborted=tuple(sorted((*s.front.client_aborted, r))))
+        return scratch.freeze()
 
-    def _init_holds_front(self, s: G) -> bool:
+    def _init_holds_front(self, s: GlobalState) -> bool:
         """An orchestrator that initialises the transfer engine before serving holds requests until the
         init returned (:func:`weightsync.spec.controller.init_holds_requests`)."""
         c = s.ctrl
@@ -123,16 +134,16 @@ class Environment(RankEffects):
 
     # -- controller and trainer
 
-    def _all_replied(self, s: G, phase: int) -> bool:
+    def _all_replied(self, s: GlobalState, phase: int) -> bool:
         if not all(r.status in (REPLIED, FAILED_REPLY) for r in s.ranks):
             return False
-        return phase not in TRAINER_COLLECTIVE or s.trainer[1] in (REPLIED, FAILED_REPLY)
+        return phase not in TRAINER_COLLECTIVE or s.trainer.status in (REPLIED, FAILED_REPLY)
 
-    def _phase_failed(self, s: G) -> bool:
+    def _phase_failed(self, s: GlobalState) -> bool:
         """Some rank (or the trainer) answered the current phase's call with an error."""
-        return any(r.status == FAILED_REPLY for r in s.ranks) or s.trainer[1] == FAILED_REPLY
+        return any(r.status == FAILED_REPLY for r in s.ranks) or s.trainer.status == FAILED_REPLY
 
-    def _controller(self, s: G, out: list[tuple[Label, G]]) -> None:
+    def _controller(self, s: GlobalState, out: list[tuple[Label, GlobalState]]) -> None:
         """The RL controller (reference s9): every row of the controller table
         (:func:`weightsync.spec.controller.controller_table`) whose guard holds for the outcome of the
         current phase's call, under the model's policy (``recover``: :mod:`weightsync.spec.controller`).
@@ -142,10 +153,11 @@ class Environment(RankEffects):
         c = s.ctrl
         answered = self._all_replied(s, c.phase)
         ev = controller_event(c.phase, answered, answered and self._phase_failed(s))
-        key = (c, ev, s.front[2] == 0)
+        requests_sent = s.front.next_request
+        key = (c, ev, requests_sent == 0)
         moves = self._ctrl_cache.get(key)
         if moves is None:
-            moves = self._ctrl_moves(c, ev, s.front[2])
+            moves = self._ctrl_moves(c, ev, requests_sent)
             self._ctrl_cache[key] = moves
         # The controller's fan-out is atomic under both channel semantics: only the controller writes the
         # controller->rank FIFOs, so sending to every rank at once and letting each rank receive at its
@@ -195,7 +207,7 @@ class Environment(RankEffects):
         """The controller table's arguments: the model's policy and bounds."""
         return {
             "policy": self.ctrl_policy,
-            "cycles": self.C,
+            "cycles": self.cycles,
             "requests_sent": requests_sent,
             "stray_resume": self.stray_resume,
             "repeat_resume": self.repeat_resume,
@@ -203,22 +215,22 @@ class Environment(RankEffects):
             "resume_during_update": self.resume_during_update,
         }
 
-    def _retry(self, s: G, ctrl: Ctrl, call: str = "resume") -> G:
+    def _retry(self, s: GlobalState, ctrl: Ctrl, call: str = "resume") -> GlobalState:
         """Send ``call`` to every rank (behind whatever each rank's controller FIFO holds), untracked."""
-        w = _Work(s)
-        w.ctrl = ctrl
-        w.untracked = True
+        scratch = _ScratchState(s)
+        scratch.ctrl = ctrl
+        scratch.untracked = True
         f = self.f_ctrl
         for i in range(self.n):
-            if not self._deliver_now(w, i, call):
-                rk = w.ranks[i]
-                w.ranks[i] = rk._replace(
-                    inq=(*rk.inq[:f], (*rk.inq[f], ("U", call, RETRY)), *rk.inq[f + 1 :])
+            if not self._deliver_now(scratch, i, call):
+                rank = scratch.ranks[i]
+                scratch.ranks[i] = rank._replace(
+                    inq=(*rank.inq[:f], (*rank.inq[f], ("U", call, RETRY)), *rank.inq[f + 1 :])
                 )
-        w.untracked = False
-        return w.freeze()
+        scratch.untracked = False
+        return scratch.freeze()
 
-    def _deliver_now(self, w: _Work, i: int, call: str, queued: bool = False) -> bool:
+    def _deliver_now(self, scratch: _ScratchState, i: int, call: str, queued: bool = False) -> bool:
         """Reduction: a resume sent to a rank that will take it as a no-op whenever it arrives is received
         at once. It applies when the rank is not blocked, nothing is queued before the call (its
         controller FIFO, or its only FIFO under ``ordered``), and the table has a single unguarded row for
@@ -229,10 +241,10 @@ class Environment(RankEffects):
         a mutant of that row is still seen (mutation equivalence)."""
         if call != "resume":
             return False
-        rk = w.ranks[i]
-        if rk.blocked or (not queued and rk.inq[self.f_ctrl]):
+        rank = scratch.ranks[i]
+        if rank.blocked or (not queued and rank.inq[self.f_ctrl]):
             return False
-        v = rk.vars
+        v = rank.vars
         rows = self.table.get((v.state, RankEvent.RESUME), ())
         if len(rows) != 1:
             return False
@@ -242,55 +254,57 @@ class Environment(RankEffects):
         tr, after = self.fire(i, v, RankEvent.RESUME, ())
         if tr is None or after != v:
             return False
-        w.ranks[i] = rk.with_status(rk.status, 0)
+        scratch.ranks[i] = rank.with_status(rank.status, 0)
         for eff in tr.effects:
-            self._effect(w, i, eff, v, -1)
+            self._effect(scratch, i, eff, v, -1)
         return True
 
     def _fan_out(
         self,
-        s: G,
+        s: GlobalState,
         ctrl: Ctrl,
         target: int | None,
         new_phase: bool,
         trainer: bool = False,
-    ) -> G:
+    ) -> GlobalState:
         """Send the call of ``ctrl``'s phase to rank ``target`` (None: every rank at once, ``ordered``
         channels), or let the trainer join the weight-transfer collective (``trainer=True``)."""
-        w = _Work(s)
+        scratch = _ScratchState(s)
         phase = ctrl.phase
         call = PHASE_CALL[phase]
         f = self.f_ctrl
         if new_phase:
             for i in range(self.n):
-                w.ranks[i] = w.ranks[i].with_status(NOT_SENT, w.ranks[i].pz)
-            w.trainer = ("", NOT_SENT)
-        w.ctrl = ctrl
+                scratch.ranks[i] = scratch.ranks[i].with_status(NOT_SENT, scratch.ranks[i].pause_ghost)
+            scratch.trainer = TRAINER_IDLE
+        scratch.ctrl = ctrl
         targets = [] if trainer else (list(range(self.n)) if target is None else [target])
         arg = call_version(phase, ctrl.update_rounds)  # finish carries the version
         for i in targets:
-            rk = w.ranks[i].with_status(SENT, w.ranks[i].pz)
-            w.ranks[i] = rk
-            if not self._deliver_now(w, i, call):
-                w.ranks[i] = rk.with_inq((*rk.inq[:f], (*rk.inq[f], ("U", call, arg)), *rk.inq[f + 1 :]))
+            rank = scratch.ranks[i].with_status(SENT, scratch.ranks[i].pause_ghost)
+            scratch.ranks[i] = rank
+            if not self._deliver_now(scratch, i, call):
+                scratch.ranks[i] = rank.with_inq(
+                    (*rank.inq[:f], (*rank.inq[f], ("U", call, arg)), *rank.inq[f + 1 :])
+                )
         if phase in TRAINER_COLLECTIVE and (trainer or target is None):
-            w.trainer = (TRAINER_COLLECTIVE[phase].value, SENT)
-        return w.freeze()
+            scratch.trainer = _new_tuple(Trainer, (TRAINER_COLLECTIVE[phase].value, SENT))
+        return scratch.freeze()
 
-    def _front_end_call(self, s: G, phase: int, ctrl: Ctrl) -> G:
+    def _front_end_call(self, s: GlobalState, phase: int, ctrl: Ctrl) -> GlobalState:
         """front-end-pause: the API front-end applies pause/resume to every rank machine at once."""
-        w = _Work(s)
-        w.ctrl = ctrl
-        w.trainer = ("", NOT_SENT)
+        scratch = _ScratchState(s)
+        scratch.ctrl = ctrl
+        scratch.trainer = TRAINER_IDLE
         ev = CALL_EVENT[PHASE_CALL[phase]]
         for i in range(self.n):
-            rk = w.ranks[i]._replace(status=SENT, pz=1 if ev is RankEvent.PAUSE else 0)
-            w.ranks[i] = rk
-            extra = self.call_extra(rk, ev)
-            before = rk.vars
+            rank = scratch.ranks[i]._replace(status=SENT, pause_ghost=1 if ev is RankEvent.PAUSE else 0)
+            scratch.ranks[i] = rank
+            extra = self.call_extra(rank, ev)
+            before = rank.vars
             tr, after = self.fire(i, before, ev, extra)
-            w.ranks[i] = rk._replace(vars=after)
+            scratch.ranks[i] = rank._replace(vars=after)
             if tr is not None:
                 for eff in tr.effects:
-                    self._effect(w, i, eff, before, -1)
-        return w.freeze()
+                    self._effect(scratch, i, eff, before, -1)
+        return scratch.freeze()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from weightsync.model.system.properties import Properties
-from weightsync.model.system.state import DP_KINDS, RETRY, TRANSFER_KINDS, G, Label, _Work
+from weightsync.model.system.state import DP_KINDS, RETRY, TRANSFER_KINDS, GlobalState, Label, _ScratchState
 from weightsync.model.system.symmetry import Symmetry
 from weightsync.spec.front_end import FrontEvent
 from weightsync.spec.states import RankState
@@ -25,18 +25,18 @@ class Model(Properties, Symmetry):
         updates: update registry (default :data:`weightsync.spec.rank.UPDATES`).
     """
 
-    def successors(self, s: G) -> list[tuple[Label, G]]:
+    def successors(self, s: GlobalState) -> list[tuple[Label, GlobalState]]:
         """Every enabled transition of ``s`` as ``(label, next_state)``, in a deterministic order:
         rank inputs and steps (rank by rank), collective completions, the coordinator, the front-end,
         the controller and the trainer. Transitions that change nothing (an idle loop pass) are omitted."""
-        out: list[tuple[Label, G]] = []
+        out: list[tuple[Label, GlobalState]] = []
         n = self.n
         ranks = s.ranks
         for i in range(n):
-            rk = ranks[i]
-            if rk.blocked or rk.vars.state is RankState.ERROR:
+            rank = ranks[i]
+            if rank.blocked or rank.vars.state is RankState.ERROR:
                 continue
-            for f, q in enumerate(rk.inq):
+            for f, q in enumerate(rank.inq):
                 if q:
                     out.append((("recv", i, f), self._recv(s, i, f)))
                     if (
@@ -45,7 +45,7 @@ class Model(Properties, Symmetry):
                         and q[0][1] in ("start_weight_update", "finish_weight_update")
                         and (
                             self.worker_args
-                            or rk.vars.state in (RankState.VERIFIED, RankState.FAILED, RankState.UPDATING)
+                            or rank.vars.state in (RankState.VERIFIED, RankState.FAILED, RankState.UPDATING)
                         )
                     ):
                         out.append((("recv", i, f, "fail"), self._recv(s, i, f, fail=True)))
@@ -57,7 +57,7 @@ class Model(Properties, Symmetry):
         if (
             k0
             and all(r.blocked == k0 for r in ranks)
-            and (k0 in DP_KINDS or (k0 in TRANSFER_KINDS and s.trainer[0] == k0))
+            and (k0 in DP_KINDS or (k0 in TRANSFER_KINDS and s.trainer.blocked == k0))
         ):
             out.append((("done", k0), self._complete(s, k0)))
             if k0 in TRANSFER_KINDS and s.ctrl.failures_used < self.failures:
@@ -72,18 +72,22 @@ class Model(Properties, Symmetry):
                 if ranks[i].outq:
                     out.append((("coord", i, 0), self._coord_recv(s, i, 0)))
         # front-end
-        bw, brun, nxt = s.front[:3]
-        cab = s.front[4]
-        if nxt < self.R and not self._init_holds_front(s):
+        front, coord = s.front, s.coord
+        next_request = front.next_request
+        if next_request < self.requests and not self._init_holds_front(s):
             for i in range(n):
-                if "hold_request" not in self._front(s.front, FrontEvent.SEND_REQUEST, target=i)[0]:
+                if "hold_request" not in self._front(front, FrontEvent.SEND_REQUEST, target=i)[0]:
                     out.append((("send", i), self._send_request(s, i)))
-        if (bw, brun) != s.coord:  # the stats refresh (a refresh that changes nothing is a self-loop)
-            _, front = self._front(s.front, FrontEvent.STATS, wave=s.coord[0], running=s.coord[1])
-            out.append((("refresh",), s._replace(front=front)))
-        if len(cab) < self.client_aborts:
-            for r in range(nxt):
-                if r not in cab and r not in s.done and r not in s.aborted:
+        # the stats refresh (a refresh that changes nothing is a self-loop)
+        if front.believed_wave != coord.current_wave or front.believed_running != coord.engines_running:
+            _, refreshed = self._front(
+                front, FrontEvent.STATS, wave=coord.current_wave, running=coord.engines_running
+            )
+            out.append((("refresh",), s._replace(front=refreshed)))
+        client_aborted = front.client_aborted
+        if len(client_aborted) < self.client_aborts:
+            for r in range(next_request):
+                if r not in client_aborted and r not in s.done and r not in s.aborted:
                     i = self._holder(s, r)
                     if i >= 0:
                         out.append((("abort", i, r), self._send_abort(s, i, r)))
@@ -93,29 +97,29 @@ class Model(Properties, Symmetry):
             return [(label, self._settle(t)) for label, t in out]
         return out
 
-    def _settle(self, s: G) -> G:
+    def _settle(self, s: GlobalState) -> GlobalState:
         """Reduction (with stray or repeated resumes only): a resume at the head of a rank's controller FIFO
         that the rank takes as a no-op (see :meth:`_deliver_now`) is received at once. It is independent
         of every other transition (it changes no rank variable, and no other transition can change which
         row it takes: the rank leaves its state only through a later controller call, queued behind it),
         so exploring it first loses no reachable state other than those that differ only in the
         controller's view of that reply."""
-        w: _Work | None = None
+        scratch: _ScratchState | None = None
         for i in range(self.n):
             while True:
-                rk = (w.ranks if w is not None else s.ranks)[i]
+                rank = (scratch.ranks if scratch is not None else s.ranks)[i]
                 f = self.f_ctrl
-                q = rk.inq[f]
-                if rk.blocked or not q or q[0][0] != "U" or q[0][1] != "resume":
+                q = rank.inq[f]
+                if rank.blocked or not q or q[0][0] != "U" or q[0][1] != "resume":
                     break
-                if w is None:
-                    w = _Work(s)
-                w.untracked = q[0][2] == RETRY
-                w.ranks[i] = rk.with_inq((*rk.inq[:f], q[1:], *rk.inq[f + 1 :]))
-                if not self._deliver_now(w, i, "resume", queued=True):
-                    w.ranks[i] = rk
+                if scratch is None:
+                    scratch = _ScratchState(s)
+                scratch.untracked = q[0][2] == RETRY
+                scratch.ranks[i] = rank.with_inq((*rank.inq[:f], q[1:], *rank.inq[f + 1 :]))
+                if not self._deliver_now(scratch, i, "resume", queued=True):
+                    scratch.ranks[i] = rank
                     break
-        if w is None:
+        if scratch is None:
             return s
-        w.untracked = False
-        return w.freeze()
+        scratch.untracked = False
+        return scratch.freeze()

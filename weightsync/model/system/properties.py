@@ -12,7 +12,7 @@ from weightsync.model.system.state import (
     SENT,
     SPURIOUS,
     TRANSFER_KINDS,
-    G,
+    GlobalState,
     Label,
 )
 from weightsync.spec.states import PauseMode, PauseState, RankState, admits_waiting, advances_running
@@ -22,7 +22,7 @@ from weightsync.spec.worker import WorkerState
 class Properties(Environment):
     """The property checks of :class:`Model` (see :data:`weightsync.model.check.PROPERTIES`)."""
 
-    def invariant(self, s: G) -> list[str]:
+    def invariant(self, s: GlobalState) -> list[str]:
         """Names of the state properties ``s`` violates (see :data:`weightsync.model.check.PROPERTIES`)."""
         bad: list[str] = []
         ranks = s.ranks
@@ -34,7 +34,7 @@ class Properties(Environment):
                 r.vars.state is RankState.ERROR or r.status == SPURIOUS or r.worker.state is WorkerState.ERROR
                 for r in ranks
             )
-            or s.trainer[1] == SPURIOUS
+            or s.trainer.status == SPURIOUS
         ):
             bad.append("phase_bracketing")
         if not self._conserved(s):
@@ -46,31 +46,32 @@ class Properties(Environment):
                 bad.append("version_agreement")
         if not self._coordinator_belief_right(s):
             bad.append("coordinator_belief")
-        if self.mode is PauseMode.ABORT and any(r.pz == 2 and r.running for r in ranks):
+        if self.mode is PauseMode.ABORT and any(r.pause_ghost == 2 and r.running for r in ranks):
             bad.append("mode_semantics")
         if not self.seen_all_verified and all(r.vars.state is RankState.VERIFIED for r in ranks):
             self.seen_all_verified = True
         return bad
 
-    def _coordinator_belief_right(self, s: G) -> bool:
+    def _coordinator_belief_right(self, s: GlobalState) -> bool:
         """Once the engines are idle and nothing is in flight (no message, no collective, no outstanding
         call), the coordinator's ``(current_wave, engines_running)`` equals the ranks' (vLLM 0.32
         ``v1/engine/coordinator.py:363-375``: the belief comes only from the engines' own reports)."""
-        if s.coord[1] is False and all(r.vars.current_wave == s.coord[0] for r in s.ranks):
+        coord = s.coord
+        if coord.engines_running is False and all(r.vars.current_wave == coord.current_wave for r in s.ranks):
             return True
-        if any(s.coord_q) or s.trainer[0]:
+        if any(s.coord_q) or s.trainer.blocked:
             return True
-        w0 = s.ranks[0].vars.current_wave
+        wave0 = s.ranks[0].vars.current_wave
         for r in s.ranks:
             v = r.vars
             if r.blocked or any(r.inq) or r.outq or r.waiting or r.running or r.status == SENT:
                 return True
-            if v.state is not RankState.RUNNING or v.engines_running or v.current_wave != w0:
+            if v.state is not RankState.RUNNING or v.engines_running or v.current_wave != wave0:
                 return True
         return False
 
-    def _conserved(self, s: G) -> bool:
-        nxt = s.front[2]
+    def _conserved(self, s: GlobalState) -> bool:
+        sent = s.front.next_request
         seen = [*s.done, *s.aborted]
         for r in s.ranks:
             seen += [q[0] for q in r.waiting]
@@ -78,14 +79,20 @@ class Properties(Environment):
             for f in r.inq:
                 if f:
                     seen += [m[1] for m in f if m[0] == "ADD"]
-        if len(seen) != nxt or (nxt > 1 and sorted(seen) != list(range(nxt))) or (nxt == 1 and seen[0] != 0):
+        if (
+            len(seen) != sent
+            or (sent > 1 and sorted(seen) != list(range(sent)))
+            or (sent == 1 and seen[0] != 0)
+        ):
             return False
         if self.mode is PauseMode.ABORT:
             return True
-        cab = s.front[4]
-        return all(r in cab for r in s.aborted)  # keep and wait abort nothing the client did not abort
+        client_aborted = s.front.client_aborted
+        return all(
+            r in client_aborted for r in s.aborted
+        )  # keep and wait abort nothing the client did not abort
 
-    def edge_check(self, s: G, label: Label, t: G) -> list[str]:
+    def edge_check(self, s: GlobalState, label: Label, t: GlobalState) -> list[str]:
         """Transition properties: quiescence (no rank steps or enters a DP collective while another rank
         is inside a weight-transfer collective; issue #36594, PR #39366), plus the non-vacuity witness
         'an update completes while a START_DP_WAVE is in flight'."""
@@ -109,23 +116,23 @@ class Properties(Environment):
             self.seen_update_with_wave_in_flight = True
         return []
 
-    def _step_check(self, s: G, i: int, t: G) -> list[str]:
+    def _step_check(self, s: GlobalState, i: int, t: GlobalState) -> list[str]:
         """Properties of one loop step of rank ``i``: tokens_exactly_once, pause_gating, mode_semantics,
         no_stale_kv (see :data:`weightsync.model.check.PROPERTIES`)."""
-        rb, ra = s.ranks[i], t.ranks[i]
-        if not rb.waiting and not rb.running:
+        before, after = s.ranks[i], t.ranks[i]
+        if not before.waiting and not before.running:
             return []
         newdone = set(t.done) - set(s.done)
-        left0 = {q[0]: q[1] for q in rb.waiting}
-        left0.update((q[0], q[1]) for q in rb.running)
-        left1 = {q[0]: q[1] for q in ra.waiting}
-        left1.update((q[0], q[1]) for q in ra.running)
+        left0 = {q[0]: q[1] for q in before.waiting}
+        left0.update((q[0], q[1]) for q in before.running)
+        left1 = {q[0]: q[1] for q in after.waiting}
+        left1.update((q[0], q[1]) for q in after.running)
         left1.update((r, 0) for r in newdone)
-        ps = rb.vars.pause_state
-        sched = {q[0] for q in rb.waiting if admits_waiting(ps)} | {
-            q[0] for q in rb.running if advances_running(ps)
+        ps = before.vars.pause_state
+        sched = {q[0] for q in before.waiting if admits_waiting(ps)} | {
+            q[0] for q in before.running if advances_running(ps)
         }
-        ran = ra.blocked in DP_KINDS  # the step ran a forward (it entered the DP collective)
+        ran = after.blocked in DP_KINDS  # the step ran a forward (it entered the DP collective)
         bad: list[str] = []
         for r, left in left0.items():
             want = left - 1 if ran and r in sched else left
@@ -133,31 +140,38 @@ class Properties(Environment):
                 bad.append("tokens_exactly_once")
                 break
         advanced = {r for r, left in left0.items() if left1.get(r, -1) != left}
-        started = {q[0] for q in rb.waiting if any(x[0] == q[0] for x in ra.running) or q[0] in newdone}
-        frozen = rb.pz == 2 or (rb.pz == 1 and self.mode is PauseMode.KEEP)
-        if (rb.pz and started) or (advanced and frozen):
+        started = {
+            q[0] for q in before.waiting if any(x[0] == q[0] for x in after.running) or q[0] in newdone
+        }
+        pause_ghost = before.pause_ghost
+        frozen = pause_ghost == 2 or (pause_ghost == 1 and self.mode is PauseMode.KEEP)
+        if (pause_ghost and started) or (advanced and frozen):
             bad.append("pause_gating")
-        if advanced and rb.pz and self.mode is PauseMode.ABORT:
+        if advanced and pause_ghost and self.mode is PauseMode.ABORT:
             bad.append("mode_semantics")
-        if self.clear and any(q[0] in advanced and q[2] != rb.vars.weight_version for q in rb.running):
+        if self.clear_cache and any(
+            q[0] in advanced and q[2] != before.vars.weight_version for q in before.running
+        ):
             bad.append("no_stale_kv")
         if advanced and (
-            rb.worker.partial or rb.worker.state is WorkerState.ACTIVE or rb.vars.state is RankState.FAILED
+            before.worker.partial
+            or before.worker.state is WorkerState.ACTIVE
+            or before.vars.state is RankState.FAILED
         ):
             bad.append("no_partial_serving")
         return bad
 
-    def is_end(self, s: G) -> bool:
+    def is_end(self, s: GlobalState) -> bool:
         """A legitimate end: the controller finished its cycles, every request was sent and finished (or
         aborted), all channels are empty, nobody is blocked, and every rank is running and unpaused."""
         phase, started = s.ctrl.phase, s.ctrl.cycles_started
-        if started != self.C or not (phase == IDLE or self._all_replied(s, phase)):
+        if started != self.cycles or not (phase == IDLE or self._all_replied(s, phase)):
             return False
         if phase not in (IDLE, RESUME):
             return False
-        if s.front[2] != self.R or len(s.done) + len(s.aborted) != self.R:
+        if s.front.next_request != self.requests or len(s.done) + len(s.aborted) != self.requests:
             return False
-        if any(s.coord_q) or s.trainer[0]:
+        if any(s.coord_q) or s.trainer.blocked:
             return False
         for r in s.ranks:
             if r.blocked or any(r.inq) or r.outq or r.waiting or r.running:
@@ -166,24 +180,24 @@ class Properties(Environment):
                 return False
         return True
 
-    def terminal_check(self, s: G) -> list[str]:
+    def terminal_check(self, s: GlobalState) -> list[str]:
         """A state without successors that is not a legitimate end: 'no_one_sided_collective' when some
         rank is blocked in a collective there, else 'no_deadlock'."""
         if self.is_end(s):
             return []
-        if any(r.blocked for r in s.ranks) or s.trainer[0]:
+        if any(r.blocked for r in s.ranks) or s.trainer.blocked:
             return ["no_one_sided_collective"]
         return ["no_deadlock"]
 
     # progress goals (reverse reachability)
-    def goal_pause(self, s: G) -> bool:
+    def goal_pause(self, s: GlobalState) -> bool:
         """No pause outstanding: the controller is not waiting for a pause reply."""
         return s.ctrl.phase != PAUSE or self._all_replied(s, PAUSE)
 
-    def goal_resume(self, s: G) -> bool:
+    def goal_resume(self, s: GlobalState) -> bool:
         """No resume outstanding."""
         return s.ctrl.phase != RESUME or self._all_replied(s, RESUME)
 
-    def goal_requests(self, s: G) -> bool:
+    def goal_requests(self, s: GlobalState) -> bool:
         """Every admitted request finished or was aborted."""
-        return len(s.done) + len(s.aborted) == s.front[2]
+        return len(s.done) + len(s.aborted) == s.front.next_request

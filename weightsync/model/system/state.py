@@ -1,5 +1,7 @@
 """The model's state: the constants, :class:`Bounds`, :class:`Config`, one rank's slice (:class:`Rank`), the
-controller's (:class:`Ctrl`), the global state (:class:`G`) and its mutable scratch copy (:class:`_Work`)."""
+controller's (:class:`Ctrl`), the coordinator's (:class:`Coordinator`), the front-end's (:class:`FrontEnd`), the
+trainer's (:class:`Trainer`), the global state (:class:`GlobalState`, alias ``G``) and its mutable scratch copy
+(:class:`_ScratchState`)."""
 
 from __future__ import annotations
 
@@ -109,7 +111,7 @@ class Rank(NamedTuple):
         inq: input FIFOs (per-socket: ADD, controller, wave; ordered: one).
         outq: FIFO to the coordinator (per-socket only; ordered mode uses the coordinator's single FIFO).
         status: the controller's current call to this rank: 0 not sent, 1 sent, 2 replied, 3 spurious reply.
-        pz: ghost for the pause properties: 0 no pause in effect, 1 the rank received pause (and no resume
+        pause_ghost: ghost for the pause properties: 0 no pause in effect, 1 the rank received pause (and no resume
             since), 2 its pause reply was sent.
         worker: the rank's worker-side weight-update machine (:mod:`weightsync.spec.worker`), driven by
             the table's ``start_weight_update`` / ``finish_weight_update`` / ``enter_weight_broadcast`` /
@@ -129,11 +131,17 @@ class Rank(NamedTuple):
     inq: tuple[tuple[tuple[Any, ...], ...], ...]
     outq: tuple[tuple[Any, ...], ...]
     status: int
-    pz: int
+    pause_ghost: int
     worker: WorkerVars
     owed: int = 0
 
     # Field setters for the successor function's hot paths (``_replace`` is several times slower).
+    def with_vars(self, rank_vars: RankVars) -> Rank:
+        """This slice with protocol variables ``rank_vars``."""
+        return _new_rank(
+            Rank, (rank_vars, self[1], self[2], self[3], self[4], self[5], self[6], self[7], self[8], self[9])
+        )
+
     def with_inq(self, inq: tuple[tuple[tuple[Any, ...], ...], ...]) -> Rank:
         """This slice with input FIFOs ``inq``."""
         return _new_rank(
@@ -148,10 +156,11 @@ class Rank(NamedTuple):
             Rank, (self[0], self[1], waiting, running, self[4], self[5], self[6], self[7], self[8], self[9])
         )
 
-    def with_status(self, status: int, pz: int) -> Rank:
-        """This slice with controller-call status ``status`` and pause ghost ``pz``."""
+    def with_status(self, status: int, pause_ghost: int) -> Rank:
+        """This slice with controller-call status ``status`` and pause ghost ``pause_ghost``."""
         return _new_rank(
-            Rank, (self[0], self[1], self[2], self[3], self[4], self[5], status, pz, self[8], self[9])
+            Rank,
+            (self[0], self[1], self[2], self[3], self[4], self[5], status, pause_ghost, self[8], self[9]),
         )
 
     def with_outq(self, outq: tuple[tuple[Any, ...], ...]) -> Rank:
@@ -160,12 +169,22 @@ class Rank(NamedTuple):
             Rank, (self[0], self[1], self[2], self[3], self[4], outq, self[6], self[7], self[8], self[9])
         )
 
+    def with_fifos(
+        self, inq: tuple[tuple[tuple[Any, ...], ...], ...], outq: tuple[tuple[Any, ...], ...]
+    ) -> Rank:
+        """This slice with input FIFOs ``inq`` and the FIFO to the coordinator ``outq``."""
+        return _new_rank(
+            Rank, (self[0], self[1], self[2], self[3], inq, outq, self[6], self[7], self[8], self[9])
+        )
 
-_new_rank = tuple.__new__
+
+#: ``tuple.__new__``: builds a NamedTuple from a tuple of its fields without the generated ``__new__``'s
+#: Python-level call (the successor function's hot paths).
+_new_rank = _new_tuple = tuple.__new__
 
 
 class Ctrl(NamedTuple):
-    """The RL controller's state (see :class:`G`): the spec's :class:`~weightsync.spec.controller.CtrlVars`
+    """The RL controller's state (see :class:`GlobalState`): the spec's :class:`~weightsync.spec.controller.CtrlVars`
     plus the model's failure-injection counter, advanced only by the controller table.
 
     Attributes:
@@ -196,45 +215,93 @@ class Ctrl(NamedTuple):
 OWE_PAUSE, OWE_RESUME = 1, 2
 
 
-class G(NamedTuple):
+class Coordinator(NamedTuple):
+    """The DP coordinator's state (vLLM's ``DPCoordinator``): the wave it believes current and whether it
+    believes the engines running."""
+
+    current_wave: int
+    engines_running: bool
+
+
+class FrontEnd(NamedTuple):
+    """The API front-end's state.
+
+    Attributes:
+        believed_wave: the wave it stamps requests with (its last stats refresh of the coordinator's).
+        believed_running: whether it believes the engines running (else a request also sends FIRST_REQ).
+        next_request: the id of the next request the client sends (= requests sent so far).
+        gated: it holds new requests (``front_end_gate`` .. ``front_end_ungate``).
+        client_aborted: the requests the client aborted, sorted.
+    """
+
+    believed_wave: int
+    believed_running: bool
+    next_request: int
+    gated: bool
+    client_aborted: tuple[int, ...]
+
+
+class Trainer(NamedTuple):
+    """The trainer's state: the weight-transfer collective it is blocked in (``""`` if none) and the status
+    of its part in the controller's current call (NOT_SENT, SENT, REPLIED, SPURIOUS, FAILED_REPLY)."""
+
+    blocked: str
+    status: int
+
+
+#: The trainer outside any collective with no call outstanding.
+TRAINER_IDLE = Trainer("", NOT_SENT)
+
+
+class GlobalState(NamedTuple):
     """Global state.
 
     Attributes:
         ranks: one :class:`Rank` per DP rank.
         coord_q: the coordinator's input FIFOs other than the ranks' (per-socket: FIRST_REQ from the
             front-end; ordered: the single FIFO of everything sent to the coordinator, with senders).
-        coord: ``(current_wave, engines_running)``.
-        front: ``(believed_wave, believed_running, next_request, gated, client_aborted)`` (the requests
-            the client aborted, sorted).
-        ctrl: ``(phase, cycles_started, update_rounds, transfer_initialised, stray_resume_used,
-            repeat_resume_used, failures_used, recovering, extra_used)``; ``update_rounds`` counts successful
-            rounds (a finish_weight_update fan-out every rank answered without error); ``recovering``: a
-            round failed and no round has succeeded since; ``extra_used``: bits X_PAUSE / X_RESUME.
-        trainer: ``(blocked, status)``.
+        coord: the coordinator's :class:`Coordinator`.
+        front: the front-end's :class:`FrontEnd`.
+        ctrl: the controller's :class:`Ctrl`.
+        trainer: the trainer's :class:`Trainer`.
         done: finished requests (sorted).
         aborted: aborted requests (sorted).
     """
 
     ranks: tuple[Rank, ...]
     coord_q: tuple[tuple[tuple[Any, ...], ...], ...]
-    coord: tuple[int, bool]
-    front: tuple[int, bool, int, bool, tuple[int, ...]]
+    coord: Coordinator
+    front: FrontEnd
     ctrl: Ctrl
-    trainer: tuple[str, int]
+    trainer: Trainer
     done: tuple[int, ...]
     aborted: tuple[int, ...]
+
+    def with_ranks(self, ranks: tuple[Rank, ...]) -> GlobalState:
+        """This state with rank slices ``ranks`` (a hot path: no ``_replace``)."""
+        return _new_tuple(GlobalState, (ranks, *self[1:]))
+
+    def with_ranks_and_coord_q(
+        self, ranks: tuple[Rank, ...], coord_q: tuple[tuple[tuple[Any, ...], ...], ...]
+    ) -> GlobalState:
+        """This state with rank slices ``ranks`` and coordinator FIFOs ``coord_q``."""
+        return _new_tuple(GlobalState, (ranks, coord_q, *self[2:]))
+
+
+#: The short name every importer uses.
+G = GlobalState
 
 
 #: A compact transition label; see :meth:`Model.describe` for the human form.
 Label = tuple[Any, ...]
 
 
-class _Work:
+class _ScratchState:
     """Mutable scratch copy of a global state used while building one successor."""
 
     __slots__ = ("aborted", "coord", "coord_q", "ctrl", "done", "front", "ranks", "trainer", "untracked")
 
-    def __init__(self, s: G) -> None:
+    def __init__(self, s: GlobalState) -> None:
         self.ranks = list(s.ranks)
         self.coord_q = s.coord_q
         self.coord = s.coord
@@ -245,10 +312,10 @@ class _Work:
         self.aborted = list(s.aborted)
         self.untracked = False
 
-    def freeze(self) -> G:
+    def freeze(self) -> GlobalState:
         done = self.done
         aborted = self.aborted
-        return G(
+        return GlobalState(
             tuple(self.ranks),
             self.coord_q,
             self.coord,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from weightsync.model.system.effects import collective_args
-from weightsync.model.system.state import CALL_EVENT, TRANSFER_KINDS, G, Label, Rank
+from weightsync.model.system.state import CALL_EVENT, TRANSFER_KINDS, GlobalState, Label, Rank
 from weightsync.spec.collectives import COLLECTIVES
 from weightsync.spec.states import Collective, PauseMode, RankEvent
 
@@ -60,9 +60,9 @@ def _lane_of_sender(m: tuple[Any, ...]) -> str:
 
 
 def message_event(
-    model: Model, rk: Rank, m: tuple[Any, ...]
+    model: Model, rank: Rank, m: tuple[Any, ...]
 ) -> tuple[RankEvent, tuple[tuple[str, Any], ...]]:
-    """The table event and its arguments when a rank whose slice is ``rk`` receives message ``m``."""
+    """The table event and its arguments when a rank whose slice is ``rank`` receives message ``m``."""
     if m[0] == "ADD":
         return RankEvent.ADD, (("wave", m[2]),)
     if m[0] == "ABORT":
@@ -70,7 +70,7 @@ def message_event(
     if m[0] == "W":
         return RankEvent.START_DP_WAVE, (("exclude", m[2]), ("wave", m[1]))
     ev = CALL_EVENT[m[1]]
-    return ev, model.call_extra(rk, ev)
+    return ev, model.call_extra(rank, ev)
 
 
 def _in_spec_order(kind: str, outcome: tuple[tuple[str, Any], ...]) -> list[tuple[str, Any]]:
@@ -79,7 +79,7 @@ def _in_spec_order(kind: str, outcome: tuple[tuple[str, Any], ...]) -> list[tupl
     return sorted(outcome, key=lambda nv: names.index(nv[0]))
 
 
-def describe(model: Model, s: G, label: Label, t: G) -> Step:
+def describe(model: Model, s: GlobalState, label: Label, t: GlobalState) -> Step:
     """The :class:`Step` record of the edge ``s --label--> t`` (a successor of ``model``)."""
     kind = label[0]
     mode = model.mode
@@ -109,8 +109,8 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
         return Step(f"rank {i}", "receives", fmt_msg(m, mode), d, _lane_of_sender(m), (f"rank {i}",))
     if kind == "step":
         i = label[1]
-        rk = s.ranks[i]
-        has = model._has_work(rk)
+        rank = s.ranks[i]
+        has = model._has_work(rank)
         d = rank_detail(i, RankEvent.STEP, (("has_work", has),))
         batch = "a real batch" if has else "a dummy batch"
         after = t.ranks[i]
@@ -131,35 +131,41 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
         src, f = label[1], label[2]
         m = s.coord_q[f][0] if src < 0 else s.ranks[src].outq[0]
         frm = "front-end" if m[0] == "FIRST_REQ" else f"rank {m[2]}"
-        w0, r0 = s.coord
-        w1, r1 = t.coord
+        wave0, running0 = s.coord
+        wave1, running1 = t.coord
         bc = [
             fmt_msg(q[-1], mode)
             for q, q0 in zip((r.inq[-1] for r in t.ranks), (r.inq[-1] for r in s.ranks), strict=True)
             if len(q) > len(q0)
         ]
-        if (w0, r0) == (w1, r1) and not bc:
-            d = f"ignored: current_wave={w0}, running={r0}"
+        if (wave0, running0) == (wave1, running1) and not bc:
+            d = f"ignored: current_wave={wave0}, running={running0}"
         else:
-            d = f"current_wave {w0}->{w1}, running {r0}->{r1}"
+            d = f"current_wave {wave0}->{wave1}, running {running0}->{running1}"
             if bc:
                 d += f"; broadcasts {bc[0]}"
         return Step("coordinator", "receives", fmt_msg(m, mode) + f" from {frm}", d, frm, ("coordinator",))
     if kind == "send":
         i = label[1]
-        bw, brun, nxt = s.front[:3]
-        d = f"stamped with believed wave {bw}"
-        if not brun:
-            d += f"; believes engines idle: FIRST_REQ(exclude={i}, wave={bw}) to the coordinator"
+        front = s.front
+        wave, request = front.believed_wave, front.next_request
+        d = f"stamped with believed wave {wave}"
+        if not front.believed_running:
+            d += f"; believes engines idle: FIRST_REQ(exclude={i}, wave={wave}) to the coordinator"
         return Step(
-            "front-end", "sends", f"ADD(req={nxt}, wave={bw}) to rank {i}", d, "front-end", (f"rank {i}",)
+            "front-end",
+            "sends",
+            f"ADD(req={request}, wave={wave}) to rank {i}",
+            d,
+            "front-end",
+            (f"rank {i}",),
         )
     if kind == "refresh":
         return Step(
             "front-end",
             "refreshes",
             "stats",
-            f"believes wave={s.coord[0]}, running={s.coord[1]}",
+            f"believes wave={s.coord.current_wave}, running={s.coord.engines_running}",
             "",
             ("front-end",),
         )
@@ -191,7 +197,7 @@ def describe(model: Model, s: G, label: Label, t: G) -> Step:
             tuple(f"rank {j}" for j in range(model.n)),
         )
     if kind == "trainer":
-        if t.trainer[0] == "transfer_init":
+        if t.trainer.blocked == "transfer_init":
             return Step("trainer", "enters", "transfer_init", "trainer_init", "", ("trainer",))
         return Step("trainer", "enters", "weight_broadcast", "trainer_send_weights", "", ("trainer",))
     if kind in ("retry", "extra"):

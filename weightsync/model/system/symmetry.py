@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from weightsync.model.system.base import ModelBase
-from weightsync.model.system.state import G, Rank
+from weightsync.model.system.state import GlobalState, Rank
 
 #: Messages to the coordinator whose last field is the sending rank.
 _SENDER_LAST = frozenset({"start_wave", "wave_complete"})
@@ -18,7 +18,7 @@ _RANK_NAMING = _SENDER_LAST | {"W", "FIRST_REQ"}
 class Symmetry(ModelBase):
     """Rank permutations and the canonical form of :class:`Model`."""
 
-    def canon(self, s: G) -> G:
+    def canon(self, s: GlobalState) -> GlobalState:
         """Canonical representative under permutations of ranks 1..N-1 (rank 0 emits wave_complete and
         reports the wave's start, so it stays fixed).
 
@@ -48,7 +48,7 @@ class Symmetry(ModelBase):
                 if a <= b:
                     return s
             if plain:
-                return G((ranks[0], r2, r1), *s[1:])
+                return s.with_ranks((ranks[0], r2, r1))
             return self._permute(s, (0, 2, 1))
         cheap = {j: _slice_key(ranks[j]) for j in range(1, n)}
         order = sorted(range(1, n), key=cheap.__getitem__)
@@ -62,7 +62,7 @@ class Symmetry(ModelBase):
         return self._permute(s, perm)
 
     @staticmethod
-    def _sym_key(s: G, j: int) -> tuple[Any, ...]:
+    def _sym_key(s: GlobalState, j: int) -> tuple[Any, ...]:
         """Every FIFO of the state as seen from rank ``j``, with rank ids relative to ``j`` (-2 is ``j``
         itself, 0 and negative values stay, any other rank is -3): ``j``'s own, rank 0's, the other ranks'
         (as a sorted tuple, so their indices do not matter) and the coordinator's. Used after
@@ -82,7 +82,7 @@ class Symmetry(ModelBase):
         refs = tuple(tuple(rmsg(m) for m in q) for q in s.coord_q)
         return (fifos(ranks[j]), fifos(ranks[0]), others, refs)
 
-    def permute(self, s: G, perm: Sequence[int]) -> G:
+    def permute(self, s: GlobalState, perm: Sequence[int]) -> GlobalState:
         """``s`` with rank ``i`` renamed ``perm[i]`` (``perm[0] == 0``): the rank slices move, and every
         message naming a rank is renamed (START_DP_WAVE's ``exclude``, FIRST_REQ's sender, the sender of
         ``start_wave`` / ``wave_complete``).
@@ -95,7 +95,7 @@ class Symmetry(ModelBase):
             raise ValueError(f"perm {list(perm)!r} is not a permutation of range({n}) fixing rank 0")
         return self._permute(s, perm)
 
-    def _permute(self, s: G, perm: Sequence[int]) -> G:
+    def _permute(self, s: GlobalState, perm: Sequence[int]) -> GlobalState:
         """:meth:`permute` without checking ``perm``."""
         n = self.n
 
@@ -111,9 +111,9 @@ class Symmetry(ModelBase):
         new_ranks: list[Rank | None] = [None] * n
         for old, r in enumerate(s.ranks):
             inq = tuple(fix_q(q) for q in r.inq)
-            new_ranks[perm[old]] = Rank(r[0], r[1], r[2], r[3], inq, fix_q(r.outq), r[6], r[7], r[8], r[9])
+            new_ranks[perm[old]] = r.with_fifos(inq, fix_q(r.outq))
         coord_q = tuple(fix_q(q) for q in s.coord_q)
-        return G(tuple(r for r in new_ranks if r is not None), coord_q, *s[2:])
+        return s.with_ranks_and_coord_q(tuple(r for r in new_ranks if r is not None), coord_q)
 
 
 def _rename(m: tuple[Any, ...], f: Callable[[int], int]) -> tuple[Any, ...]:
@@ -126,7 +126,7 @@ def _rename(m: tuple[Any, ...], f: Callable[[int], int]) -> tuple[Any, ...]:
     return m
 
 
-def _names_a_rank(s: G) -> bool:
+def _names_a_rank(s: GlobalState) -> bool:
     """Some message in flight names a rank other than 0 (START_DP_WAVE's ``exclude``, FIRST_REQ's sender,
     the sender of ``start_wave`` / ``wave_complete``): only then does renaming ranks change a message."""
     naming = _RANK_NAMING
@@ -140,4 +140,4 @@ def _names_a_rank(s: G) -> bool:
 
 def _slice_key(r: Rank) -> tuple[Any, ...]:
     """The fields of a rank's slice that name no rank (the first part of the symmetry order)."""
-    return (r.vars, r.blocked, r.waiting, r.running, r.status, r.pz, r.worker, r.owed)
+    return (r.vars, r.blocked, r.waiting, r.running, r.status, r.pause_ghost, r.worker, r.owed)
