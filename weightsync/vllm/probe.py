@@ -48,7 +48,7 @@ probe (recorded ``held``) instead of reaching vLLM's handler; the utility call `
 by the driver to that engine: ``AsyncMPClient._call_utility_async(..., engine=...)``) hands the oldest one
 to vLLM's handler on the busy-loop thread, where vLLM would have handled it; ``weightsync_release_all``
 releases every held message and stops holding on that engine. This is how a schedule makes a
-rank take a START_DP_WAVE after its resume (reference ``vllm-0.32.md`` section 5: the engine input).
+rank take a START_DP_WAVE after its resume (vLLM 0.32 ``EngineCoreProc.process_input_sockets``, ``v1/engine/core.py:1831-1931``).
 """
 
 from __future__ import annotations

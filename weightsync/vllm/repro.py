@@ -25,7 +25,7 @@ model label                      driver action; observation that must follow
                                  model's
 ==============================  ==========================================================================
 
-Holding points (reference ``vllm-0.32.md`` section 5): the driver's per-rank input messages
+Holding points (vLLM 0.32): the driver's per-rank input messages
 (``AsyncMPClient._send_input_message``, ``core_client.py:1250``) and the front-end's FIRST_REQ
 (``DPAsyncMPClient.add_request_async``, ``core_client.py:1592``); the engines' coordinator input through the
 plugin's probe (:mod:`weightsync.vllm.probe`, ``WEIGHTSYNC_VLLM_HOLD=START_DP_WAVE``). Every observation is

@@ -2,8 +2,7 @@
 
 Each rank's protocol state is a :class:`~weightsync.spec.rank.RankVars` advanced *only* through
 :func:`weightsync.spec.rank.select` / :func:`~weightsync.spec.rank.apply` on the variant's table;
-:mod:`~weightsync.model.system.effects` interprets the table's *effects* symbolically (reference section 10,
-design.md section 3):
+:mod:`~weightsync.model.system.effects` interprets the table's *effects* symbolically:
 
 - ``queue_request`` / ``abort_requests`` / ``execute_step`` / ``clear_cache``: scheduler changes on the rank;
 - ``emit_start_wave`` / ``emit_wave_complete``: a message on the rank's socket to the DP coordinator;

@@ -50,7 +50,7 @@ _REPLIES = frozenset({"reply", "reply_resume"})
 class Environment(RankEffects):
     """The coordinator, front-end, controller and trainer transitions of :class:`Model`."""
 
-    # -- coordinator (vLLM DPCoordinator, reference section 5)
+    # -- coordinator (vLLM DPCoordinator, 0.32 v1/engine/coordinator.py:197-466)
 
     def _coord_recv(self, s: GlobalState, src: int, f: int) -> GlobalState:
         scratch = _ScratchState(s)
@@ -144,7 +144,7 @@ class Environment(RankEffects):
         return any(r.status == FAILED_REPLY for r in s.ranks) or s.trainer.status == FAILED_REPLY
 
     def _controller(self, s: GlobalState, out: list[tuple[Label, GlobalState]]) -> None:
-        """The RL controller (reference s9): every row of the controller table
+        """The RL controller (vLLM 0.32 AsyncLLM, v1/engine/async_llm.py:952-992, 1315-1363): every row of the controller table
         (:func:`weightsync.spec.controller.controller_table`) whose guard holds for the outcome of the
         current phase's call, under the model's policy (``recover``: :mod:`weightsync.spec.controller`).
         Each row's effect is the move: a fan-out of its target phase's call (``fan_out``), the front-end

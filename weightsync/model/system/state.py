@@ -54,12 +54,12 @@ class Bounds(NamedTuple):
         tokens: steps each request needs to finish (>= 2 lets keep mode freeze a request mid-generation).
         clear_cache: the pause's ``clear_cache`` argument (vLLM default True).
         client_aborts: client ABORTs the front-end may send (each for one request it sent, to the rank it
-            sent it to; reference s5). 0 in the default proofs.
+            sent it to; vLLM 0.32 v1/engine/core.py:1685-1686). 0 in the default proofs.
         init_transfer: the controller calls ``init_weight_transfer_engine`` once (joined by the trainer),
             either before the first request (the front-end waits for it) or lazily in the first cycle
             between pause and start; when False the transfer engine is assumed initialised at start.
         stray_resume: the controller may issue one ``resume`` that no pause preceded (an orchestrator's
-            ``finally`` path, reference s9 prime-rl), when idle or after a completed resume, with requests
+            ``finally`` path, as prime-rl's resume in ``finally``), when idle or after a completed resume, with requests
             arriving at any point around it.
         repeat_resume: the controller may re-send ``resume`` to every rank once while its first resume is
             still outstanding (a client-side retry, or a second controller); those replies are not counted.

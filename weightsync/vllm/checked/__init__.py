@@ -4,10 +4,11 @@ and derive the per-rank table transitions that vLLM itself never reports.
 
 Use :func:`checked_async_llm` (or :func:`checked_http`): every controller call (``pause``, ``resume``,
 ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``, ``finish_weight_update``) is
-checked against the table of every DP rank before it reaches vLLM. vLLM has no gate of its own (reference
-``vllm-0.32.md`` section 3 item 7: ``collective_rpc`` runs in any state; a ``start_weight_update`` while
+checked against the table of every DP rank before it reaches vLLM. vLLM has no gate of its own (vLLM 0.32
+``v1/engine/core.py:1073-1080``: ``collective_rpc`` runs in any state; a ``start_weight_update`` while
 serving runs, and so does a resume in the middle of an update; only the worker, once the call has crossed
-into the engine, refuses an ``update_weights`` outside a round and a second start, by its own flag), so an
+into the engine, refuses an ``update_weights`` outside a round and a second start, by its own flag,
+``v1/worker/gpu_worker.py:1534-1538, 1566-1569``), so an
 illegal call -- ``update_weights`` while serving, ``start_weight_update`` twice -- raises
 :class:`~weightsync.spec.errors.LocalProtocolError` in this process and no message leaves it for vLLM.
 A :class:`~weightsync.impl.checked.CheckedEngine` is itself a vLLM ``VLLMWeightSyncClient``, so a trainer

@@ -11,6 +11,7 @@ from typing import Any
 
 from weightsync.impl.checked import vars_to_dict
 from weightsync.impl.engine.messages import RankRecord, RelabelRecord, TransitionRecord
+from weightsync.impl.engine.tracing import jsonable
 from weightsync.spec.collectives import (
     CALL_FAIL_PHASE,
     COLLECTIVES,
@@ -56,18 +57,6 @@ class VLLMCallError(RuntimeError):
         self.method = method
         self.detail = detail
         super().__init__(f"vLLM {method} failed: {detail}")
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, PauseMode):
-        return v.value
-    if isinstance(v, int | float | str | bool) or v is None:
-        return v
-    return repr(v)
 
 
 class VLLMAdapter:
@@ -178,7 +167,7 @@ class VLLMAdapter:
             r,
             self.rank_seq[r],
             event.value,
-            {k: _jsonable(v) for k, v in args.items()},
+            {k: jsonable(v) for k, v in args.items()},
             before,
             vars_to_dict(m.vars),
             tr.guard,
