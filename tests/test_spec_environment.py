@@ -17,7 +17,7 @@ import pytest
 
 from weightsync.impl.engine.coordinator import run_coordinator
 from weightsync.impl.engine.messages import FirstReq, StartWave, Stats, WaveComplete
-from weightsync.model.system import Bounds, Config, Model
+from weightsync.model.system import Bounds, Config, Coordinator, Model
 from weightsync.spec.coordinator import (
     CoordEvent,
     CoordState,
@@ -55,7 +55,7 @@ def random_messages(rng: random.Random, n: int) -> list[Any]:
 def model_step(m: Model, coord: tuple[int, bool], msg: Any) -> tuple[tuple[int, bool], list[tuple[int, int]]]:
     """The model's coordinator step on ``msg``: its new ``(current_wave, engines_running)`` and the
     START_DP_WAVE messages it put on the ranks' wave FIFOs (one per rank, so rank 0's)."""
-    s = m.initial()._replace(coord=coord)
+    s = m.initial()._replace(coord=Coordinator(*coord))
     if isinstance(msg, FirstReq):
         s = s._replace(coord_q=((("FIRST_REQ", msg.exclude, msg.wave),),))
         src = -1
