@@ -52,7 +52,7 @@ from weightsync.model.system import (
     Model,
     describe,
 )
-from weightsync.spec.collectives import contribution, outcome_args, reduce_values
+from weightsync.model.system.effects import collective_args
 from weightsync.spec.controller import front_end_answers
 from weightsync.spec.coordinator import CoordState
 from weightsync.spec.states import PauseMode, RankEvent
@@ -326,18 +326,7 @@ class _Walker:
     def check_outcome(self, kind: str, members: Sequence[EngineStep]) -> None:
         """Each member's completion carries the outcome the model computes from the members' states at
         entry (spec/collectives.py: contributions and reduction)."""
-        contributions = [
-            contribution(
-                kind,
-                r.vars.pause_state,
-                len(r.waiting),
-                len(r.running),
-                r.vars.pending_pause,
-                r.vars.current_wave,
-            )
-            for r in self.s.ranks
-        ]
-        want = dict(outcome_args(kind, reduce_values(kind, contributions)))
+        want = dict(collective_args(self.s.ranks, kind))
         for mem in members:
             first = mem.of("transition")[0]
             if first["event"] == RankEvent.TRANSFER_FAILED.value:

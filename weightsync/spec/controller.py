@@ -107,6 +107,17 @@ TRAINER_COLLECTIVE: dict[int, Collective] = {
 #: ``pause_generation(mode="abort", clear_cache=True)``; the rank table reads them as PAUSE's ``mode`` and
 #: ``clear_cache``).
 PAUSE_ARGS: dict[str, Any] = {"mode": "abort", "clear_cache": True}
+#: The table's arguments for one reference-controller cycle (``update_round``, the repro driver finishing a
+#: schedule's cycle): policy ``one_round``, one cycle, no extra calls.
+ONE_ROUND_ARGS: dict[str, Any] = {
+    "policy": Policy.ONE_ROUND,
+    "cycles": 1,
+    "requests_sent": 1,
+    "stray_resume": False,
+    "repeat_resume": False,
+    "pause_during_update": False,
+    "resume_during_update": False,
+}
 
 
 class CtrlVars(NamedTuple):

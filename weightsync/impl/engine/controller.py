@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from weightsync.spec.controller import (
+    ONE_ROUND_ARGS,
     PHASE_CALL,
     CtrlEvent,
     CtrlVars,
     Phase,
-    Policy,
     controller_next,
     controller_table,
 )
@@ -129,15 +129,7 @@ def update_round(
     """
     times = RoundTimes()
     table = controller_table()  # this client's pause and resume are its own calls, whatever the variant
-    args = {
-        "policy": Policy.ONE_ROUND,
-        "cycles": 1,
-        "requests_sent": 1,
-        "stray_resume": False,
-        "repeat_resume": False,
-        "pause_during_update": False,
-        "resume_during_update": False,
-    }
+    args = dict(ONE_ROUND_ARGS)
     calls: dict[Phase, Callable[[], None]] = {
         Phase.PAUSE: lambda: engine.pause(mode, clear_cache, timeout),
         Phase.START: lambda: engine.start_weight_update(timeout=timeout),

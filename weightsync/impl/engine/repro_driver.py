@@ -23,11 +23,11 @@ from weightsync.impl.engine.messages import (
 )
 from weightsync.impl.models.sampling import SamplingParams
 from weightsync.spec.controller import (
+    ONE_ROUND_ARGS,
     PHASE_CALL,
     TRAINER_COLLECTIVE,
     CtrlVars,
     Phase,
-    Policy,
     controller_event,
     controller_next,
     controller_table,
@@ -39,15 +39,7 @@ from weightsync.spec.states import Collective
 PHASE_OF_CALL: dict[str, Phase] = {c: Phase(p) for p, c in PHASE_CALL.items()}
 #: The controller table's arguments for completing the schedule's cycle (:meth:`ScheduleDriver.finish_cycle`):
 #: the reference controller's policy (``update_round``'s), the one cycle the schedule began, no extra calls.
-CYCLE_ARGS: dict[str, Any] = {
-    "policy": Policy.ONE_ROUND,
-    "cycles": 1,
-    "requests_sent": 1,
-    "stray_resume": False,
-    "repeat_resume": False,
-    "pause_during_update": False,
-    "resume_during_update": False,
-}
+CYCLE_ARGS: dict[str, Any] = ONE_ROUND_ARGS
 Channel = tuple[int, str]
 
 
