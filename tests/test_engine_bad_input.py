@@ -290,3 +290,22 @@ def test_world_size_disagreement_on_the_dp_cluster_fails_every_side_within_the_t
             assert errors[r] == f"WireMismatchError: {_ws_message(seen)}"
     finally:
         c.close()
+
+
+def test_a_raw_pause_with_a_bad_mode_or_argument_is_refused_and_changes_nothing(cluster: Cluster) -> None:
+    """A pause that skips the client's own check (a foreign controller) is refused by the rank with the
+    spec's ``call_args`` error, before the table sees it: the rank stays running, unharmed, and serves."""
+    c = cluster.client
+    with pytest.raises(
+        Exception, match=r"pause: mode='bogus' is no pause mode; use one of \['abort', 'wait', 'keep'\]"
+    ):
+        c.call_rank(0, "pause", mode="bogus").result(10.0)
+    with pytest.raises(Exception, match=r"pause takes no argument\(s\) \['drain'\]; its arguments are"):
+        c.call_rank(1, "pause", mode="keep", drain=True).result(10.0)
+    for r in (0, 1):
+        st = c.call_rank(r, "get_state").result(10.0)
+        assert (st["state"], st["pause_state"], st["pending_pause"]) == ("running", 0, False), (
+            st
+        )  # PauseState.UNPAUSED
+    assert c.add_request([1, 2], greedy(3)).wait(30).finish_reason == "length"
+    assert not c.failures

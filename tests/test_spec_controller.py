@@ -210,3 +210,27 @@ def test_the_models_controller_offers_exactly_the_rows_whose_guards_hold(
                 break
             s = rng.choice(nxt)[1]
     assert len(seen) > 5
+
+
+def test_call_args_are_vllms_pause_arguments_with_its_defaults_and_the_ranks_running_count() -> None:
+    """The one builder of a call's table arguments (engine, model, trace walker): vLLM 0.32's defaults
+    (``pause_generation(mode="abort", clear_cache=True)``), a precise error for a bad value or argument, and
+    no table argument for a weight-transfer call (its kwargs are the worker's payload)."""
+    from weightsync.spec.controller import CALL_ARGS, DEFERRED_REPLY, call_args
+    from weightsync.spec.rank_vars import EFFECTS
+    from weightsync.spec.states import PauseMode, RankEvent
+
+    assert call_args(RankEvent.PAUSE, {}, 3) == {"mode": PauseMode.ABORT, "clear_cache": True, "running": 3}
+    assert call_args(RankEvent.PAUSE, {"mode": "keep", "clear_cache": False}, 0) == {
+        "mode": PauseMode.KEEP,
+        "clear_cache": False,
+        "running": 0,
+    }
+    assert call_args(RankEvent.UPDATE_WEIGHTS, {"update_info": {"names": []}}, 2) == {}
+    with pytest.raises(
+        ValueError, match=r"^pause: mode='drain' is no pause mode; use one of \['abort', 'wait', 'keep'\]$"
+    ):
+        call_args(RankEvent.PAUSE, {"mode": "drain"}, 0)
+    with pytest.raises(ValueError, match=r"^pause takes no argument\(s\) \['running'\]"):
+        call_args(RankEvent.PAUSE, {"running": 5}, 0)  # read off the rank, never the caller's
+    assert set(CALL_ARGS) <= set(RankEvent) and all(eff in EFFECTS for eff in DEFERRED_REPLY.values())

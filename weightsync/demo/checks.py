@@ -24,6 +24,7 @@ from weightsync.demo.guard import ClientGuard
 from weightsync.demo.rl_task import EOS_ID
 from weightsync.spec.errors import WeightSyncError
 from weightsync.spec.rank import version_order
+from weightsync.spec.states import IN_FLIGHT_FINISH, PauseMode
 
 __all__ = ["demo_checks", "describe_failure", "kept_violations", "probe_diff", "torch_threads"]
 
@@ -64,9 +65,20 @@ def probe_diff(
     return worst, equal
 
 
+def aborts_in_flight(mode: str) -> bool:
+    """Whether pause mode ``mode`` may finish a request in flight as aborted (spec ``IN_FLIGHT_FINISH``:
+    ``abort``); under the others (``wait``, ``keep``) every request in flight runs to its own end.
+
+    Raises:
+        ValueError: ``mode`` is no pause mode.
+    """
+    return "abort" in IN_FLIGHT_FINISH[PauseMode(mode)]
+
+
 def kept_violations(streams: Sequence[Any], max_new_tokens: int) -> int:
-    """Keep mode: the finished requests of ``streams`` that did not end with their full length (or EOS), were
-    aborted, or whose tokens' versions are not monotone (old version before the sync, new one after)."""
+    """A mode that keeps requests in flight (:func:`aborts_in_flight` False): the finished requests of
+    ``streams`` that did not end with their full length (or EOS), were aborted, or whose tokens' versions
+    are not monotone (old version before the sync, new one after)."""
     bad = 0
     for s in streams:
         if not s.done.is_set():
@@ -98,7 +110,7 @@ def demo_checks(
         "no_lost_requests": lost == 0,
         "weight_versions_agree": versions_ok,
         "logits_match": bool(rs) and (all(r.logits_equal for r in rs) if exact else True),
-        "kept_requests_finished": kept_bad == 0 and (cfg.mode != "keep" or aborted == 0),
+        "kept_requests_finished": kept_bad == 0 and (aborts_in_flight(cfg.mode) or aborted == 0),
         "checker_clean": not violations,
     }
 

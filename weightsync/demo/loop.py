@@ -56,7 +56,14 @@ from typing import Any
 
 import torch
 
-from weightsync.demo.checks import demo_checks, describe_failure, kept_violations, probe_diff, torch_threads
+from weightsync.demo.checks import (
+    aborts_in_flight,
+    demo_checks,
+    describe_failure,
+    kept_violations,
+    probe_diff,
+    torch_threads,
+)
 from weightsync.demo.config import TRANSPORTS, DemoConfig, DemoUsageError, SyncRecord
 from weightsync.demo.guard import ClientGuard
 from weightsync.demo.rl_task import EOS_ID, DigitPatternTask, Prompt, Sample
@@ -266,8 +273,9 @@ class _Run:
         return rec
 
     def _check_kept(self, b: _Batch | None) -> None:
-        """Keep mode: count the requests of ``b`` that did not finish properly (:func:`kept_violations`)."""
-        if b is not None and self.cfg.mode == "keep":
+        """A mode that keeps requests in flight (wait, keep): count the requests of ``b`` that did not finish
+        properly (:func:`kept_violations`)."""
+        if b is not None and not aborts_in_flight(self.cfg.mode):
             self.kept_bad += kept_violations(b.streams, self.task.max_new_tokens)
 
     # ------------------------------------------------------------------ the run

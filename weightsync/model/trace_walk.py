@@ -53,7 +53,7 @@ from weightsync.model.system import (
     describe,
 )
 from weightsync.model.system.effects import collective_args
-from weightsync.spec.controller import front_end_answers
+from weightsync.spec.controller import CALL_ARGS, front_end_answers
 from weightsync.spec.coordinator import CoordState
 from weightsync.spec.states import PauseMode, RankEvent
 
@@ -329,8 +329,8 @@ class _Walker:
         want = dict(collective_args(self.s.ranks, kind))
         for mem in members:
             first = mem.of("transition")[0]
-            if first["event"] == RankEvent.TRANSFER_FAILED.value:
-                continue  # compared through the variables (the model completes, the engine failed)
+            if first["event"] != DONE_EVENT[kind].value:
+                continue  # a failure carries no outcome: compared through the variables (check_rank)
             got = {k: first.get("args", {}).get(k) for k in want}
             if got != want:
                 raise _Mismatch(
@@ -365,7 +365,7 @@ class _Walker:
                     f"(PauseState {m_before.vars.pause_state.name}, {len(m_before.waiting)} waiting, "
                     f"{len(m_before.running)} running) gives {self.m._has_work(m_before)}",
                 )
-            if ev is RankEvent.PAUSE:
+            if ev in CALL_ARGS:  # the call's own arguments (spec call_args), as the model's rank has them
                 for key, val in self.m.call_extra(m_before, ev):
                     got = args.get(key)
                     want = val.value if hasattr(val, "value") else val

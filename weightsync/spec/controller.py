@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping
 from enum import IntEnum, StrEnum
 from typing import Any, NamedTuple
 
-from weightsync.spec.states import Collective, RankEvent
+from weightsync.spec.states import Collective, PauseMode, RankEvent
 from weightsync.spec.table import (
     ALWAYS,
     Transition,
@@ -107,6 +107,16 @@ TRAINER_COLLECTIVE: dict[int, Collective] = {
 #: ``pause_generation(mode="abort", clear_cache=True)``; the rank table reads them as PAUSE's ``mode`` and
 #: ``clear_cache``).
 PAUSE_ARGS: dict[str, Any] = {"mode": "abort", "clear_cache": True}
+#: The rank-table arguments each controller call carries (``spec/rank_vars.py``'s list): the call's own
+#: keyword arguments (:data:`PAUSE_ARGS`) and what the receiving rank reads off its scheduler when the call
+#: arrives (``running``: the requests ``wait`` must drain, ``v1/engine/core.py:2216-2273`` in vLLM 0.32).
+CALL_ARGS: dict[RankEvent, tuple[str, ...]] = {RankEvent.PAUSE: (*PAUSE_ARGS, "running")}
+#: The calls whose reply a later transition gives, by the effect that gives it: a pause returns once the rank
+#: paused (the ``reply_pause`` effect, which answers every pause still pending on the rank), not when it
+#: arrives: vLLM 0.32's ``pause_scheduler`` returns a Future that an idle-state callback completes once
+#: ``_pause_complete()`` holds (``v1/engine/core.py:2061-2103``; DP ranks: ``:2216``).
+DEFERRED_REPLY: dict[RankEvent, str] = {RankEvent.PAUSE: "reply_pause"}
+
 #: The table's arguments for one reference-controller cycle (``update_round``, the repro driver finishing a
 #: schedule's cycle): policy ``one_round``, one cycle, no extra calls.
 ONE_ROUND_ARGS: dict[str, Any] = {
@@ -118,6 +128,42 @@ ONE_ROUND_ARGS: dict[str, Any] = {
     "pause_during_update": False,
     "resume_during_update": False,
 }
+
+
+def call_args(event: RankEvent, kwargs: Mapping[str, Any], running: int) -> dict[str, Any]:
+    """The rank-table arguments of controller call ``event`` (:data:`CALL_ARGS`; none for a call not listed
+    there), from the call's keyword arguments ``kwargs`` (a missing one takes vLLM 0.32's default,
+    :data:`PAUSE_ARGS`) and the receiving rank's ``running`` (requests running there now). The engine, the
+    model and the trace walker build them here.
+
+    Raises:
+        ValueError: ``kwargs`` has an argument the call does not take, or a ``mode`` that is no
+            :class:`~weightsync.spec.states.PauseMode` (nothing has changed on the rank).
+    """
+    if event not in CALL_ARGS:
+        return {}  # a weight-transfer call: its keyword arguments are the worker's payload, no table's
+    names = CALL_ARGS[event]
+    unknown = sorted(set(kwargs) - (set(names) - {"running"}))
+    if unknown:
+        raise ValueError(
+            f"{event.value} takes no argument(s) {unknown}; its arguments are {list(PAUSE_ARGS)}"
+        )
+    out: dict[str, Any] = {}
+    for name in names:
+        if name == "running":
+            out[name] = int(running)
+        elif name == "mode":
+            mode = kwargs.get(name, PAUSE_ARGS[name])
+            try:
+                out[name] = PauseMode(mode)
+            except ValueError:
+                modes = [m.value for m in PauseMode]
+                raise ValueError(
+                    f"{event.value}: mode={mode!r} is no pause mode; use one of {modes}"
+                ) from None
+        else:
+            out[name] = bool(kwargs.get(name, PAUSE_ARGS[name]))
+    return out
 
 
 class CtrlVars(NamedTuple):
@@ -460,10 +506,12 @@ def controller_digest() -> str:
 
 
 __all__ = [
+    "CALL_ARGS",
     "CALL_EVENT",
     "CTRL_EFFECTS",
     "CTRL_GUARDS",
     "CTRL_UPDATES",
+    "DEFERRED_REPLY",
     "PAUSE_ARGS",
     "PHASE_CALL",
     "TRAINER_COLLECTIVE",
@@ -473,6 +521,7 @@ __all__ = [
     "CtrlVars",
     "Phase",
     "Policy",
+    "call_args",
     "call_version",
     "controller_choices",
     "controller_digest",

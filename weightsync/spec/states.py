@@ -61,6 +61,15 @@ PAUSE_STATE_OF_MODE: dict[PauseMode, PauseState] = {
     PauseMode.WAIT: PauseState.PAUSED_NEW,
     PauseMode.KEEP: PauseState.PAUSED_ALL,
 }
+#: How a request in flight when the pause arrives may finish, per mode (vLLM 0.32 ``pause_scheduler``,
+#: ``v1/engine/core.py:2061-2103``): ``abort`` finishes it at once as aborted (``FinishReason.ABORT``); ``wait``
+#: lets it run to its own end (``length`` or ``stop``) before the pause returns; ``keep`` freezes it under
+#: PAUSED_ALL and it runs to its own end after the resume. (vLLM's finish-reason strings.)
+IN_FLIGHT_FINISH: dict[PauseMode, frozenset[str]] = {
+    PauseMode.ABORT: frozenset({"length", "stop", "abort"}),
+    PauseMode.WAIT: frozenset({"length", "stop"}),
+    PauseMode.KEEP: frozenset({"length", "stop"}),
+}
 
 
 class RankEvent(StrEnum):

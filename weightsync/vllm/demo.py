@@ -48,6 +48,7 @@ import torch
 
 from weightsync.demo.rl_task import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, DigitPatternTask, Prompt, Sample
 from weightsync.spec.errors import WeightSyncError
+from weightsync.spec.states import IN_FLIGHT_FINISH, PauseMode
 from weightsync.vllm.serving import LoopThread
 
 MAX_LOGPROB_DIFF = 1e-4
@@ -324,9 +325,7 @@ def _run(
         if trainer_tr is not None:
             trainer_tr.shutdown()
         llm.shutdown()
-    lost = sum(1 for r in outcomes.values() if r not in ("length", "stop"))
-    if cfg.mode == "abort":
-        lost = sum(1 for r in outcomes.values() if r not in ("length", "stop", "abort"))
+    lost = sum(1 for r in outcomes.values() if r not in IN_FLIGHT_FINISH[PauseMode(cfg.mode)])
     every = [first, *syncs]
     return {
         "engine": "vllm",

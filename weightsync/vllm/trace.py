@@ -49,8 +49,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from weightsync.impl.engine.tracing import jsonable
 from weightsync.spec.collectives import CALL_FAIL_PHASE, DONE_EVENT, outcome_args, reduce_values
-from weightsync.spec.controller import CALL_EVENT, PHASE_CALL, TRAINER_COLLECTIVE, Phase
+from weightsync.spec.controller import CALL_EVENT, PHASE_CALL, TRAINER_COLLECTIVE, Phase, call_args
 from weightsync.spec.states import PauseState, RankEvent, schedulable
 
 #: vLLM's variables that the table has under the same name (compared by replay)
@@ -169,8 +170,9 @@ def to_replay_trace(
                 args = {"wave": rec["wave"], "exclude": _exclude(rec["exclude"])}
                 emit(t, {**base, "event": "START_DP_WAVE", "args": args, "observed": _obs(rec)})
             elif ev == "pause":
-                args = {"mode": rec["mode"], "clear_cache": rec["clear_cache"], "running": rec["running"]}
-                emit(t, {**base, "event": "pause", "args": args, "observed": _obs(rec)})
+                kw = {"mode": rec["mode"], "clear_cache": rec["clear_cache"]}
+                args = {k: jsonable(v) for k, v in call_args(RankEvent.PAUSE, kw, rec["running"]).items()}
+                emit(t, {**base, "event": RankEvent.PAUSE.value, "args": args, "observed": _obs(rec)})
             elif ev in ("resume", "step"):
                 line: dict[str, Any] = {**base, "event": ev, "args": {}, "observed_before": _obs(rec)}
                 if ev == "step":

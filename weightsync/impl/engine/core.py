@@ -52,10 +52,10 @@ from weightsync.impl.engine.messages import (
 from weightsync.impl.engine.records import INITIAL_WEIGHT_VERSION, record_line, trace_line, vars_dict
 from weightsync.impl.engine.tracing import StepTracer, jsonable, open_trace
 from weightsync.spec.collectives import ENTER_EFFECT, FAIL_PHASE, outcome_args
-from weightsync.spec.controller import CALL_EVENT, PAUSE_ARGS
+from weightsync.spec.controller import CALL_EVENT, DEFERRED_REPLY, call_args
 from weightsync.spec.errors import LocalProtocolError, PeerFailedError
 from weightsync.spec.rank import EFFECTS, RankMachine, effect_acts_on, relabel_weight_version
-from weightsync.spec.states import PauseMode, RankEvent
+from weightsync.spec.states import RankEvent
 from weightsync.spec.table import Fired
 
 #: The names of a rank's input sockets, in :meth:`EngineCore.poll`'s order (system trace ``recv.socket``).
@@ -107,7 +107,8 @@ class EngineCore:
         self.shutdown = False
         self._ctx_msg: Any = None  # the input being handled (AddMsg, AbortMsg, UtilityCall)
         self._ctx_call: UtilityCall | None = None
-        self._pending_pause: list[UtilityCall] = []
+        # calls whose reply a later transition's effect gives (spec DEFERRED_REPLY), by that effect
+        self._deferred: dict[str, list[UtilityCall]] = {eff: [] for eff in DEFERRED_REPLY.values()}
         self._pending_calls: dict[int, UtilityCall] = {}
         self._poll_start = 0
         self._trace_fd: int | None = None
@@ -117,30 +118,9 @@ class EngineCore:
             lambda: (len(self.sched.waiting), len(self.sched.running)),
         )
         self._depth = 0
+        # one method per effect of the table, named after it (``_<effect>``, spec/rank_vars.py EFFECTS)
         self.effects: dict[str, Callable[[Fired], None]] = {
-            "abort_requests": self._abort_requests,
-            "queue_request": self._queue_request,
-            "abort_request": self._abort_request,
-            "emit_start_wave": self._emit_start_wave,
-            "emit_wave_complete": self._emit_wave_complete,
-            "execute_step": self._execute_step,
-            "enter_dp_step": self._enter_dp_step,
-            "enter_dp_sync": self._enter_dp_sync,
-            "enter_resume_barrier": self._enter_resume_barrier,
-            "enter_weight_broadcast": self._enter_weight_broadcast,
-            "enter_transfer_init": self._enter_transfer_init,
-            "reply_pause": self._reply_pause,
-            "reply_resume": self._reply_resume,
-            "reply": self._reply,
-            "clear_cache": self._clear_cache,
-            "start_weight_update": self._start_weight_update,
-            "finish_weight_update": self._finish_weight_update,
-            "front_end_gate": self._noop,
-            "front_end_ungate": self._noop,
-            "fail_round": self._fail_round,
-            "fail_init": self._fail_init,
-            "reply_failure": self._reply_failure,
-            "refuse": self._refuse,
+            name: getattr(self, f"_{name}") for name in EFFECTS if hasattr(self, f"_{name}")
         }
         missing = set(EFFECTS) - set(self.effects)
         if missing:  # the table grew an effect this engine cannot run
@@ -249,8 +229,10 @@ class EngineCore:
             self.tracer.begin(completion=True)
 
     # ------------------------------------------------------------------ effects
-    def _noop(self, fired: Fired) -> None:
-        pass
+    def _front_end_gate(self, fired: Fired) -> None:
+        """The front-end's own gate (front-end-pause): the client's front-end table acts on it, not the rank."""
+
+    _front_end_ungate = _front_end_gate
 
     def _send_deltas(self, deltas: list[TokenDelta]) -> None:
         self.tracer.outputs(
@@ -358,8 +340,7 @@ class EngineCore:
         if call is None:
             return
         self._pending_calls.pop(call.call_id, None)
-        if call in self._pending_pause:
-            self._pending_pause.remove(call)
+        self._forget_deferred(call)
         self.q.out.put(
             UtilityReply(self.rank, call.call_id, None, f"{type(exc).__name__}: {exc}", type(exc).__name__)
         )
@@ -388,8 +369,13 @@ class EngineCore:
         self._pending_calls.pop(call.call_id, None)
         self.q.out.put(UtilityReply(self.rank, call.call_id, result))
 
+    def _forget_deferred(self, call: UtilityCall) -> None:
+        for pending in self._deferred.values():
+            if call in pending:
+                pending.remove(call)
+
     def _reply_pause(self, fired: Fired) -> None:
-        pending, self._pending_pause = self._pending_pause, []
+        pending, self._deferred["reply_pause"] = self._deferred["reply_pause"], []
         for call in pending:
             self._reply_to(call)
 
@@ -447,17 +433,15 @@ class EngineCore:
             etype = "ValueError" if event is None else "PeerFailedError"
             self.q.out.put(UtilityReply(self.rank, call.call_id, None, f"{etype}: {why}", etype))
             return
+        try:
+            args = call_args(event, call.kwargs, len(self.sched.running))
+        except ValueError as exc:  # bad arguments: refused before the table sees the call
+            self._reply_error(call, exc)
+            return
         self._ctx_call = call
         self._pending_calls[call.call_id] = call
-        if event is RankEvent.PAUSE:
-            self._pending_pause.append(call)
-        args: dict[str, Any] = {}
-        if event is RankEvent.PAUSE:
-            args = {
-                "mode": PauseMode(call.kwargs.get("mode", PAUSE_ARGS["mode"])),
-                "clear_cache": bool(call.kwargs.get("clear_cache", PAUSE_ARGS["clear_cache"])),
-                "running": len(self.sched.running),
-            }
+        if event in DEFERRED_REPLY:
+            self._deferred[DEFERRED_REPLY[event]].append(call)
         if self.machine.select(event, args) is None:
             # An illegal call is refused before it reaches the table: the caller gets the table's
             # LocalProtocolError and the rank stays unharmed (the machine does not enter `error`).
@@ -472,8 +456,7 @@ class EngineCore:
             # An illegal call leaves the machine in its sticky error state; a failed effect (timeout,
             # mismatch, incomplete update) leaves the rank out of lockstep. Either way the rank stops
             # (weightsync: no further weights move) and every pending call gets the error.
-            if event is RankEvent.PAUSE and call in self._pending_pause:
-                self._pending_pause.remove(call)
+            self._forget_deferred(call)
             self._pending_calls.pop(call.call_id, None)
             self.q.out.put(
                 UtilityReply(
@@ -555,7 +538,8 @@ class EngineCore:
                 UtilityReply(self.rank, call.call_id, None, self.failure.error, self.failure.error_type)
             )
         self._pending_calls.clear()
-        self._pending_pause.clear()
+        for pending in self._deferred.values():
+            pending.clear()
 
     # ------------------------------------------------------------------ loop
     def may_step(self) -> bool:

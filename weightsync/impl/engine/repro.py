@@ -313,6 +313,9 @@ def run_schedule(
         if p.end is not None:
             res.expected_ranks = {str(r): k for r, k in sorted(p.end.blocked.items())}
             res.expected_trainer = p.end.trainer
+        # the coordinator's first stats (published when it starts) must be in before the schedule: one that
+        # came late would pass for the acknowledgement of the first message a ``coord`` step releases
+        client.wait_for(lambda: client.coord_acks >= 1, start_timeout_s, "the coordinator's first stats")
         with client._lock:  # the schedule starts from quiet engines and a front-end in sync
             client.set_hold(True)
         run = ScheduleDriver(

@@ -28,7 +28,14 @@ from weightsync.model.system.state import (
     _new_tuple,
     _ScratchState,
 )
-from weightsync.spec.collectives import OUTCOME_KINDS, contribution, outcome_args, reduce_values
+from weightsync.spec.collectives import (
+    CALL_FAIL_PHASE,
+    OUTCOME_KINDS,
+    contribution,
+    outcome_args,
+    reduce_values,
+)
+from weightsync.spec.controller import CALL_ARGS, call_args
 from weightsync.spec.front_end import RANK_EFFECT_EVENT
 from weightsync.spec.rank import EFFECT_RANKS, RankVars, effect_acts_on
 from weightsync.spec.states import (
@@ -136,10 +143,14 @@ class RankEffects(ModelBase):
         return self._rank_event(s, i, rank, ev, extra, fail=fail, untracked=untracked, arg=msg[2])
 
     def call_extra(self, rank: Rank, ev: RankEvent) -> tuple[tuple[str, Any], ...]:
-        """The event arguments of a controller call ``ev`` received by a rank whose slice is ``rank``."""
-        if ev is RankEvent.PAUSE:
-            return (("clear_cache", self.clear_cache), ("mode", self.mode), ("running", len(rank.running)))
-        if self.worker_args and ev is not RankEvent.RESUME:
+        """The event arguments of a controller call ``ev`` received by a rank whose slice is ``rank``: the
+        spec's :func:`~weightsync.spec.controller.call_args` (the pause's ``mode``, ``clear_cache``,
+        ``running``) and, where the variant's worker flags decide, the worker's state for a weight-transfer
+        call (:data:`~weightsync.spec.collectives.CALL_FAIL_PHASE`'s calls, ``spec/rank_vars.py``)."""
+        if ev in CALL_ARGS:
+            args = call_args(ev, {"mode": self.mode, "clear_cache": self.clear_cache}, len(rank.running))
+            return tuple(sorted(args.items()))
+        if self.worker_args and ev in CALL_FAIL_PHASE:
             return (("worker", rank.worker.state.value), ("worker_initialized", rank.worker.initialized))
         return ()
 
