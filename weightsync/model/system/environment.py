@@ -300,11 +300,5 @@ class Environment(RankEffects):
         for i in range(self.n):
             rank = scratch.ranks[i]._replace(status=SENT, pause_ghost=1 if ev is RankEvent.PAUSE else 0)
             scratch.ranks[i] = rank
-            extra = self.call_extra(rank, ev)
-            before = rank.vars
-            tr, after = self.fire(i, before, ev, extra)
-            scratch.ranks[i] = rank._replace(vars=after)
-            if tr is not None:
-                for eff in tr.effects:
-                    self._effect(scratch, i, eff, before, -1)
+            self._nested(scratch, i, ev, self.call_extra(rank, ev))
         return scratch.freeze()
