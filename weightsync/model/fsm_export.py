@@ -14,8 +14,11 @@ from typing import Any
 
 from weightsync.spec.collectives import COLLECTIVES, collectives_digest
 from weightsync.spec.controller import (
+    CALL_ARGS,
     CALL_EVENT,
     CTRL_EFFECTS,
+    DEFERRED_REPLY,
+    PAUSE_ARGS,
     PHASE_CALL,
     TRAINER_COLLECTIVE,
     Phase,
@@ -26,7 +29,7 @@ from weightsync.spec.coordinator import coordinator_digest, coordinator_table
 from weightsync.spec.front_end import FRONT_END_TABLE, front_end_digest
 from weightsync.spec.rank import EFFECTS, VARIANTS, Variant, spec_digest
 from weightsync.spec.rules import RULES
-from weightsync.spec.states import LOCAL_CALLS, RankEvent, RankState
+from weightsync.spec.states import IN_FLIGHT_FINISH, LOCAL_CALLS, RankEvent, RankState
 from weightsync.spec.table import ALWAYS, Transition
 from weightsync.spec.worker import WORKER_TABLE, WorkerState
 
@@ -161,6 +164,16 @@ def _controller_markdown() -> list[str]:
             f"| {Phase(ph).name.lower()} | `{call}` | `{CALL_EVENT[call].value}` | "
             f"{f'`{joins.value}`' if joins else '-'} |"
         )
+    parts += ["", "Table arguments a call carries to the rank (`call_args`; defaults are vLLM 0.32's):", ""]
+    for ev, names in CALL_ARGS.items():
+        shown = [f"`{n}`={PAUSE_ARGS[n]!r}" if n in PAUSE_ARGS else f"`{n}` (the rank's)" for n in names]
+        parts.append(
+            f"- `{ev.value}`: {', '.join(shown)}; every other call: none (its kwargs are the worker's)"
+        )
+    parts += ["", "Replies a later transition gives (the call returns at that effect):", ""]
+    parts += [f"- `{ev.value}`: at `{eff}`" for ev, eff in DEFERRED_REPLY.items()]
+    parts += ["", "How a request in flight when the pause arrives may finish, per mode:", ""]
+    parts += [f"- `{m.value}`: {', '.join(sorted(r))}" for m, r in IN_FLIGHT_FINISH.items()]
     parts += ["", "Effects:", ""]
     parts += [f"- `{name}`: {doc}" for name, doc in CTRL_EFFECTS.items()]
     for fe, title in ((False, "every variant but front-end-pause"), (True, "front-end-pause")):
