@@ -116,6 +116,14 @@ CALL_ARGS: dict[RankEvent, tuple[str, ...]] = {RankEvent.PAUSE: (*PAUSE_ARGS, "r
 #: arrives: vLLM 0.32's ``pause_scheduler`` returns a Future that an idle-state callback completes once
 #: ``_pause_complete()`` holds (``v1/engine/core.py:2061-2103``; DP ranks: ``:2216``).
 DEFERRED_REPLY: dict[RankEvent, str] = {RankEvent.PAUSE: "reply_pause"}
+#: The worker operations (rank-table effects) whose success is a rank-table event of its own, with the call's
+#: keyword arguments that event carries and their defaults: ``finish_weight_update`` succeeds as
+#: ``finish_done(weight_version, monotonic)`` (vLLM 0.32 ``finish_weight_update(weight_version=None)``,
+#: ``v1/engine/async_llm.py:1351-1355``; ``monotonic`` is weightsync's opt-in guard). The others' success is
+#: the call's end (``start_weight_update``) or a collective's completion (``spec/collectives.py``).
+WORKER_OUTCOME: dict[str, tuple[RankEvent, dict[str, Any]]] = {
+    "finish_weight_update": (RankEvent.FINISH_DONE, {"weight_version": None, "monotonic": False}),
+}
 
 #: The table's arguments for one reference-controller cycle (``update_round``, the repro driver finishing a
 #: schedule's cycle): policy ``one_round``, one cycle, no extra calls.
@@ -164,6 +172,17 @@ def call_args(event: RankEvent, kwargs: Mapping[str, Any], running: int) -> dict
         else:
             out[name] = bool(kwargs.get(name, PAUSE_ARGS[name]))
     return out
+
+
+def worker_outcome(effect: str, kwargs: Mapping[str, Any]) -> tuple[RankEvent, dict[str, Any]]:
+    """The event (and its arguments, from the call's ``kwargs`` or :data:`WORKER_OUTCOME`'s defaults) that a
+    successful worker operation ``effect`` fires on its rank.
+
+    Raises:
+        KeyError: ``effect`` is not in :data:`WORKER_OUTCOME`.
+    """
+    event, defaults = WORKER_OUTCOME[effect]
+    return event, {k: kwargs.get(k, d) for k, d in defaults.items()}
 
 
 class CtrlVars(NamedTuple):
@@ -515,6 +534,7 @@ __all__ = [
     "PAUSE_ARGS",
     "PHASE_CALL",
     "TRAINER_COLLECTIVE",
+    "WORKER_OUTCOME",
     "X_PAUSE",
     "X_RESUME",
     "CtrlEvent",
@@ -530,4 +550,5 @@ __all__ = [
     "controller_table",
     "front_end_answers",
     "init_holds_requests",
+    "worker_outcome",
 ]

@@ -51,7 +51,14 @@ from typing import Any
 
 from weightsync.impl.engine.tracing import jsonable
 from weightsync.spec.collectives import CALL_FAIL_PHASE, DONE_EVENT, outcome_args, reduce_values
-from weightsync.spec.controller import CALL_EVENT, PHASE_CALL, TRAINER_COLLECTIVE, Phase, call_args
+from weightsync.spec.controller import (
+    CALL_EVENT,
+    PHASE_CALL,
+    TRAINER_COLLECTIVE,
+    WORKER_OUTCOME,
+    call_args,
+    worker_outcome,
+)
 from weightsync.spec.states import PauseState, RankEvent, schedulable
 
 #: vLLM's variables that the table has under the same name (compared by replay)
@@ -64,7 +71,7 @@ _DONE_OF_CALL: dict[str, RankEvent | None] = {
     for p, call in PHASE_CALL.items()
     if CALL_EVENT[call] in CALL_FAIL_PHASE
 }
-_DONE_OF_CALL[PHASE_CALL[Phase.FINISH]] = RankEvent.FINISH_DONE
+_DONE_OF_CALL.update({call: WORKER_OUTCOME[call][0] for call in _DONE_OF_CALL if call in WORKER_OUTCOME})
 WEIGHT_CALLS: dict[str, tuple[RankEvent, RankEvent | None]] = {
     call: (CALL_EVENT[call], done) for call, done in _DONE_OF_CALL.items()
 }
@@ -205,9 +212,8 @@ def to_replay_trace(
                     args = {"phase": PHASE[rec["method"]], "error": rec["error"]}
                     emit(t, {**base, "event": RankEvent.TRANSFER_FAILED.value, "args": args})
                 elif done is not None:
-                    args = (
-                        {"weight_version": None, "monotonic": False} if done is RankEvent.FINISH_DONE else {}
-                    )
+                    # the probe sees no version here (vLLM relabels after the finish): the defaults
+                    args = worker_outcome(rec["method"], {})[1] if rec["method"] in WORKER_OUTCOME else {}
                     emit(t, {**base, "event": done.value, "args": args, "observed": _obs(rec)})
     lines.sort(key=lambda x: (x[0], x[1]))
     p = Path(out)

@@ -52,7 +52,7 @@ from weightsync.impl.engine.messages import (
 from weightsync.impl.engine.records import INITIAL_WEIGHT_VERSION, record_line, trace_line, vars_dict
 from weightsync.impl.engine.tracing import StepTracer, jsonable, open_trace
 from weightsync.spec.collectives import ENTER_EFFECT, FAIL_PHASE, outcome_args
-from weightsync.spec.controller import CALL_EVENT, DEFERRED_REPLY, call_args
+from weightsync.spec.controller import CALL_EVENT, DEFERRED_REPLY, call_args, worker_outcome
 from weightsync.spec.errors import LocalProtocolError, PeerFailedError
 from weightsync.spec.rank import EFFECTS, RankMachine, effect_acts_on, relabel_weight_version
 from weightsync.spec.states import RankEvent
@@ -315,13 +315,9 @@ class EngineCore:
         self._transfer_op(FAIL_PHASE["start_weight_update"], self.worker.start_weight_update)
 
     def _finish_weight_update(self, fired: Fired) -> None:
-        kw = self._current_kwargs()
         self._transfer_op(FAIL_PHASE["finish_weight_update"], self.worker.finish_weight_update)
-        self.fire(
-            RankEvent.FINISH_DONE,
-            weight_version=kw.get("weight_version"),
-            monotonic=bool(kw.get("monotonic", False)),
-        )
+        event, args = worker_outcome("finish_weight_update", self._current_kwargs())
+        self.fire(event, **args)
 
     def _fail_round(self, fired: Fired) -> None:
         if not self._op_failed:  # no worker operation failed: the row itself (the monotonic guard) did

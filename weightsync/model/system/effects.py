@@ -35,7 +35,7 @@ from weightsync.spec.collectives import (
     outcome_args,
     reduce_values,
 )
-from weightsync.spec.controller import CALL_ARGS, call_args
+from weightsync.spec.controller import CALL_ARGS, WORKER_OUTCOME, call_args, worker_outcome
 from weightsync.spec.front_end import RANK_EFFECT_EVENT
 from weightsync.spec.rank import EFFECT_RANKS, RankVars, effect_acts_on
 from weightsync.spec.states import (
@@ -218,10 +218,9 @@ class RankEffects(ModelBase):
                     scratch.ctrl = c._replace(failures_used=c.failures_used + 1)
                     self._nested(scratch, i, RankEvent.TRANSFER_FAILED, (("phase", FAIL_PHASE[eff]),))
                     break
-                if eff == "finish_weight_update":
-                    self._nested(
-                        scratch, i, RankEvent.FINISH_DONE, (("monotonic", False), ("weight_version", arg))
-                    )
+                if eff in WORKER_OUTCOME:  # the worker's success is an event (the call's version: arg)
+                    ev, args = worker_outcome(eff, {"weight_version": arg})
+                    self._nested(scratch, i, ev, tuple(sorted(args.items())))
         return scratch.freeze()
 
     def _effect(self, scratch: _ScratchState, i: int, eff: str, before: RankVars, req: int) -> None:

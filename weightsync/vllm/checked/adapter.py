@@ -22,7 +22,7 @@ from weightsync.spec.collectives import (
     outcome_args,
     reduce_values,
 )
-from weightsync.spec.controller import CALL_EVENT
+from weightsync.spec.controller import CALL_EVENT, worker_outcome
 from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
 from weightsync.spec.rank import DEFAULT_VARIANT, RankMachine, relabel_weight_version
 from weightsync.spec.states import (
@@ -422,10 +422,8 @@ class VLLMAdapter:
             raise ValueError(
                 f"finish_weight_update: weight_version must be a str or None, got {weight_version!r}"
             )
-        done_args = {"weight_version": weight_version, "monotonic": False}
-        self._weight_call(
-            RankEvent.FINISH_UPDATE, weight_version, timeout, (RankEvent.FINISH_DONE, done_args)
-        )
+        done = worker_outcome("finish_weight_update", {"weight_version": weight_version})
+        self._weight_call(RankEvent.FINISH_UPDATE, weight_version, timeout, done)
         self._observe_version("finish_weight_update")
 
     def update_weight_version(self, new_version: str, *, timeout: float | None = None) -> None:
