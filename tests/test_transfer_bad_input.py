@@ -185,10 +185,10 @@ def engine_update_once(port: int, world: int, dp_index: int, info: dict[str, Any
 
 
 def trainer_send_times_out(port: int, world: int, info: dict[str, Any], floor_s: float | None) -> None:
-    from weightsync.impl.transfer import base
+    from weightsync.impl.transfer import request_info
 
     if floor_s is not None:  # a short floor so the sized default is reached quickly in a test
-        base.DEFAULT_ROUND_FLOOR_S = floor_s
+        request_info.DEFAULT_ROUND_FLOOR_S = floor_s
     tr = BroadcastTrainer(info)
     try:
         tr.send(iter(make_tensors(0)))

@@ -156,10 +156,14 @@ def _step_done_rows(
     }
 
 
-def _running_rows(stale_add_rearms: bool = True, mirror_start_wave: bool = False) -> Table:
-    rows = _serving_rows(_S.RUNNING, honour_waves=True, stale_add_rearms=stale_add_rearms, may_step=True)
-    rows.update(_step_done_rows(_S.RUNNING, mirror_start_wave=mirror_start_wave))
-    keep = _t("sync_keep_running", _S.RUNNING, ("leave_collective", "count_step"), (), R_WAVES)
+def _stepping_rows(
+    state: RankState, honour_waves: bool, stale_add_rearms: bool, mirror_start_wave: bool = False
+) -> Table:
+    """A state that serves and steps in waves: its serving rows, its step rows and its wave sync (keep
+    running, or stop and report the wave complete). ``mirror_start_wave``: as :func:`_step_done_rows`."""
+    rows = _serving_rows(state, honour_waves=honour_waves, stale_add_rearms=stale_add_rearms, may_step=True)
+    rows.update(_step_done_rows(state, mirror_start_wave=mirror_start_wave))
+    keep = _t("sync_keep_running", state, ("leave_collective", "count_step"), (), R_WAVES)
     mirror: tuple[Transition, ...] = ()
     if mirror_start_wave:
         # vLLM 0.32 checks the sync result first (engines_running), then the edge; a wave that stops at
@@ -167,18 +171,22 @@ def _running_rows(stale_add_rearms: bool = True, mirror_start_wave: bool = False
         mirror = (
             _t(
                 "sync_keep_running_first_rank0",
-                _S.RUNNING,
+                state,
                 ("leave_collective", "count_step", "mark_wave_started"),
                 ("emit_start_wave",),
                 R_MIRROR,
             ),
         )
-    rows[(_S.RUNNING, _E.DP_SYNC_DONE)] = (
+    rows[(state, _E.DP_SYNC_DONE)] = (
         *mirror,
         keep,
-        _t("sync_stop", _S.RUNNING, ("leave_collective", "end_wave"), ("emit_wave_complete",), R_WAVES),
+        _t("sync_stop", state, ("leave_collective", "end_wave"), ("emit_wave_complete",), R_WAVES),
     )
     return rows
+
+
+def _running_rows(stale_add_rearms: bool = True, mirror_start_wave: bool = False) -> Table:
+    return _stepping_rows(_S.RUNNING, True, stale_add_rearms, mirror_start_wave)
 
 
 def two_phase_table(epoch: bool, safe_resume: bool = False, mirror_start_wave: bool = False) -> Table:
@@ -324,12 +332,7 @@ def _engine_pause_table(ignore_waves_while_paused: bool) -> Table:
     rows.update(_step_done_rows(_S.PAUSED))
     # A paused (verified/updating) engine still honours START_DP_WAVE and steps when re-armed: issue #36594.
     for s in (_S.VERIFIED, _S.UPDATING):
-        rows.update(_serving_rows(s, honour_waves=honour, stale_add_rearms=False, may_step=True))
-        rows.update(_step_done_rows(s))
-        rows[(s, _E.DP_SYNC_DONE)] = (
-            _t("sync_keep_running", s, ("leave_collective", "count_step"), (), R_WAVES),
-            _t("sync_stop", s, ("leave_collective", "end_wave"), ("emit_wave_complete",), R_WAVES),
-        )
+        rows.update(_stepping_rows(s, honour_waves=honour, stale_add_rearms=False))
     rows.update(_transfer_rows())
     for s in (_S.VERIFIED, _S.PAUSING, _S.PAUSED):
         rows[(s, _E.RESUME)] = (_t(ALWAYS, _S.RUNNING, ("unpause",), ("reply_resume",), R_RESUME),)
@@ -344,12 +347,7 @@ def front_end_pause_table() -> Table:
         _t(ALWAYS, _S.VERIFIED, (), ("front_end_gate", "reply_pause"), "PR #28037: a flag in AsyncLLM"),
     )
     for s in (_S.VERIFIED, _S.UPDATING):
-        rows.update(_serving_rows(s, honour_waves=True, stale_add_rearms=True, may_step=True))
-        rows.update(_step_done_rows(s))
-        rows[(s, _E.DP_SYNC_DONE)] = (
-            _t("sync_keep_running", s, ("leave_collective", "count_step"), (), R_WAVES),
-            _t("sync_stop", s, ("leave_collective", "end_wave"), ("emit_wave_complete",), R_WAVES),
-        )
+        rows.update(_stepping_rows(s, honour_waves=True, stale_add_rearms=True))
     rows.update(_transfer_rows())
     rows[(_S.VERIFIED, _E.RESUME)] = (
         _t(ALWAYS, _S.RUNNING, (), ("front_end_ungate", "reply_resume"), "PR #28037"),

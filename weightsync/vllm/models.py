@@ -15,27 +15,29 @@ from typing import Any
 
 import torch
 
+#: The fields both tiny models share: a 512-word vocabulary, hidden size 128, 2 layers, 4 query heads over 2
+#: key/value heads (head dimension 32), 256 positions, untied embeddings, the tokenizer's special token ids
+#: and float32 weights.
+_TINY_FIELDS: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "torch_dtype": "float32",
+}
+
 
 def tiny_llama_config(**overrides: Any) -> Any:
     """The ``transformers.LlamaConfig`` of the tiny model (keyword arguments override fields)."""
     from transformers import LlamaConfig
 
-    kw: dict[str, Any] = {
-        "vocab_size": 512,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "torch_dtype": "float32",
-    }
-    kw.update(overrides)
-    return LlamaConfig(**kw)
+    return LlamaConfig(**{**_TINY_FIELDS, "intermediate_size": 256, **overrides})
 
 
 def tiny_mixtral_config(**overrides: Any) -> Any:
@@ -47,25 +49,8 @@ def tiny_mixtral_config(**overrides: Any) -> Any:
     """
     from transformers import MixtralConfig
 
-    kw: dict[str, Any] = {
-        "vocab_size": 512,
-        "hidden_size": 128,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "max_position_embeddings": 256,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "torch_dtype": "float32",
-    }
-    kw.update(overrides)
-    return MixtralConfig(**kw)
+    moe = {"intermediate_size": 128, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}
+    return MixtralConfig(**{**_TINY_FIELDS, **moe, **overrides})
 
 
 def save_word_tokenizer(out: pathlib.Path, vocab_size: int) -> None:

@@ -148,10 +148,21 @@ class CausalLM(nn.Module):
         cfg = self.config
         out: dict[str, tuple[str, nn.Parameter, int, int]] = {}
 
-        def whole(ckpt: str, kernel: str) -> None:
+        def param(kernel: str) -> nn.Parameter:
             p = self.get_parameter(kernel)
             assert isinstance(p, nn.Parameter)
+            return p
+
+        def whole(ckpt: str, kernel: str) -> None:
+            p = param(kernel)
             out[ckpt] = (kernel, p, 0, p.shape[0])
+
+        def sliced(pre: str, fused: str, bounds: dict[str, tuple[int, int]], suffixes: list[str]) -> None:
+            # each checkpoint projection ``pre + proj`` is rows [s, e) of the fused kernel ``pre + fused``
+            for proj, (s, e) in bounds.items():
+                for suf in suffixes:
+                    kernel = f"{pre}{fused}.{suf}"
+                    out[f"{pre}{proj}.{suf}"] = (kernel, param(kernel), s, e)
 
         whole("model.embed_tokens.weight", "model.embed_tokens.weight")
         whole("model.norm.weight", "model.norm.weight")
@@ -168,22 +179,13 @@ class CausalLM(nn.Module):
             pre = f"model.layers.{i}."
             whole(pre + "input_layernorm.weight", pre + "input_layernorm.weight")
             whole(pre + "post_attention_layernorm.weight", pre + "post_attention_layernorm.weight")
-            suffixes = ["weight"] + (["bias"] if cfg.qkv_bias else [])
-            for proj, (s, e) in qkv_bounds.items():
-                for suf in suffixes:
-                    kernel = f"{pre}self_attn.qkv_proj.{suf}"
-                    p = self.get_parameter(kernel)
-                    assert isinstance(p, nn.Parameter)
-                    out[f"{pre}self_attn.{proj}.{suf}"] = (kernel, p, s, e)
+            sliced(
+                f"{pre}self_attn.", "qkv_proj", qkv_bounds, ["weight"] + (["bias"] if cfg.qkv_bias else [])
+            )
             for suf in ["weight"] + (["bias"] if cfg.o_bias else []):
                 whole(f"{pre}self_attn.o_proj.{suf}", f"{pre}self_attn.o_proj.{suf}")
             mlp_suffixes = ["weight"] + (["bias"] if cfg.mlp_bias else [])
-            for proj, (s, e) in gu_bounds.items():
-                for suf in mlp_suffixes:
-                    kernel = f"{pre}mlp.gate_up_proj.{suf}"
-                    p = self.get_parameter(kernel)
-                    assert isinstance(p, nn.Parameter)
-                    out[f"{pre}mlp.{proj}.{suf}"] = (kernel, p, s, e)
+            sliced(f"{pre}mlp.", "gate_up_proj", gu_bounds, mlp_suffixes)
             for suf in mlp_suffixes:
                 whole(f"{pre}mlp.down_proj.{suf}", f"{pre}mlp.down_proj.{suf}")
         return out

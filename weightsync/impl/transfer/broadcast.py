@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,6 +64,7 @@ from weightsync.impl.transfer.broadcast_group import (
     join_group,
     local_address_towards,
 )
+from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.packing import (
     Bucket,
     Tensors,
@@ -72,12 +73,11 @@ from weightsync.impl.transfer.packing import (
     crc32,
     max_packed_bucket,
     pack_bucket,
-    plan_buckets,
     pool_cap,
     unpack_bucket,
-    wire_description,
 )
-from weightsync.impl.transfer.rounds import TensorFeed, agree, open_send_round, open_send_stream, status
+from weightsync.impl.transfer.rounds import TensorFeed, open_receive_round, status, veto_round
+from weightsync.impl.transfer.sender import RoundSender
 
 PHASE_BUCKET = "update_weights/bucket"
 PHASE_BROADCAST = "update_weights/broadcast"
@@ -86,28 +86,11 @@ PHASE_BROADCAST = "update_weights/broadcast"
 # ----------------------------------------------------------------------------------------- trainer side
 
 
-def _send(group: BroadcastGroup, items: Iterable[tuple[str, torch.Tensor]], args: WireArgs) -> None:
-    group.seq += 1
-    seq = group.seq
-    feed, buckets = open_send_round(group.cp, seq, items, args, group.info)
-    _send_buckets(group, seq, feed, buckets, args)
-
-
-def _send_stream(
-    group: BroadcastGroup,
-    declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-    stream: Iterable[tuple[str, torch.Tensor]],
-    args: WireArgs,
-) -> None:
-    group.seq += 1
-    seq = group.seq
-    feed, buckets = open_send_stream(group.cp, seq, declared, stream, args, group.info)
-    _send_buckets(group, seq, feed, buckets, args)
-
-
-def _send_buckets(
+def _broadcast_buckets(
     group: BroadcastGroup, seq: int, feed: TensorFeed, buckets: Sequence[Bucket], args: WireArgs
 ) -> None:
+    """Rules 3, 4 and 7, trainer side: pack (or point at) and broadcast round ``seq``'s ``buckets``,
+    ``packed_num_buffers`` in flight, then the end status."""
     n = args.packed_num_buffers
     on_cpu = group.device.type == "cpu"
     if on_cpu and group.packer is None:
@@ -189,20 +172,16 @@ def _send_buckets(
     except BaseException:
         drain(group, [w for w, _ in inflight.values()])
         raise
-    end_error: BaseException | None = None
-    try:
-        feed.finish()  # a stream that yields more than it declared (or raises) fails the round everywhere
-    except BaseException as exc:
-        if not isinstance(exc, ValueError) and exc is not feed.source_error:
-            raise
-        end_error = exc
+    # a stream that yields more than it declared (or raises) fails the round everywhere
+    end_error = feed.finish_error()
     status(group.cp, seq, "end", end_error, PHASE_BUCKET, None, feed.describe(end_error))
     group.ok_seq = seq
 
 
-class BroadcastTrainer:
+class BroadcastTrainer(RoundSender):
     """The trainer's endpoint of a broadcast group: rank 0, hosting the store (the transport under
     :class:`~weightsync.impl.transfer.trainer.BroadcastTrainerEngine`, which drives the engines' RPCs).
+    ``send``, ``send_stream`` and ``reject`` are :class:`~weightsync.impl.transfer.sender.RoundSender`'s.
 
     Args:
         init_info: the engines' ``init_info`` (a dict or an :class:`InitInfo`); the trainer is rank 0.
@@ -216,55 +195,19 @@ class BroadcastTrainer:
     """
 
     def __init__(self, init_info: Mapping[str, Any] | InitInfo, default_layout: str = "aligned") -> None:
-        info = init_info if isinstance(init_info, InitInfo) else InitInfo.parse(init_info)
-        self.info = info
-        self.wire = info.wire(default_layout)
-        self.group = join_group(info, 0)
+        super().__init__(init_info, default_layout)
+        self.group = join_group(self.info, 0)
 
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]], wire: WireArgs | None = None) -> None:
-        """Send one update of ``(name, tensor)`` pairs, in the order of the engines' ``update_info``
-        (tensors may be non-contiguous or zero-size; any dtype of :data:`~base.DTYPES`). The pairs are
-        gathered first (their metadata opens the round); :meth:`send_stream` does not gather.
-
-        Raises:
-            ValueError: an item that is not a ``(str, Tensor)`` pair or an unsupported dtype (the engines are
-                told through the wire agreement and raise WireMismatchError naming rank 0).
-            the exception ``weights`` raised, itself: the engines are told at once and raise
-                PeerFailedError naming rank 0 and that exception (``rounds`` rule 1).
-            WireMismatchError / PeerFailedError / TransferTimeoutError: as on the engines.
-            RuntimeError: the group is closed.
-        """
+    def _ensure_open(self) -> None:
         if self.group.closed:
             raise RuntimeError("trainer group is closed")
-        _send(self.group, weights, wire or self.wire)
 
-    def reject(self, error: ValueError) -> None:
-        """Veto the next round in the wire agreement (the trainer's own request was malformed), so every
-        engine raises WireMismatchError naming rank 0 at once; then raise ``error``."""
-        g = self.group
-        g.seq += 1
-        g.begin_round(None)
-        agree(g.cp, g.seq, None, f"{type(error).__name__}: {error}")
-        raise error
+    def _next_round(self) -> tuple[ControlPlane, int]:
+        self.group.seq += 1
+        return self.group.cp, self.group.seq
 
-    def send_stream(
-        self,
-        declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-        stream: Iterable[tuple[str, torch.Tensor]],
-        wire: WireArgs | None = None,
-    ) -> None:
-        """Send one update whose ``(name, dtype, shape)`` metadata is declared up front, pulling the
-        tensors from ``stream`` bucket by bucket (``rounds`` rule 4): the stream is never materialised.
-
-        Raises:
-            ValueError: an undescribable dtype (vetoed), or the stream disagrees with ``declared``
-                (every rank aborts at that bucket); otherwise as :meth:`send`.
-            the exception ``stream`` raised, itself: every rank aborts at the bucket being pulled, the
-                engines raising PeerFailedError naming rank 0 and that exception (``rounds`` rule 4).
-        """
-        if self.group.closed:
-            raise RuntimeError("trainer group is closed")
-        _send_stream(self.group, declared, stream, wire or self.wire)
+    def _send_buckets(self, seq: int, feed: TensorFeed, buckets: Sequence[Bucket], args: WireArgs) -> None:
+        _broadcast_buckets(self.group, seq, feed, buckets, args)
 
     @property
     def pool_bytes(self) -> int:
@@ -346,9 +289,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         """Veto this round in the wire agreement, then raise ``error`` (see base class)."""
         g = self._group()
         g.seq += 1
-        g.begin_round(None)
-        agree(g.cp, g.seq, None, f"{type(error).__name__}: {error}")
-        raise error
+        veto_round(g.cp, g.seq, g.info, error)
 
     def receive_weights(
         self,
@@ -370,21 +311,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         info = self.round_wire(update_info)
         g.seq += 1
         seq = g.seq
-        metas = update_info.metas()
-        g.begin_round(sum(m.nbytes for m in metas))
-        veto: BaseException | None = None
-        if local_check is not None:
-            try:
-                local_check(update_info)
-            except ValueError as exc:
-                veto = exc
-        desc = None if veto else wire_description(metas, info)
-        agree(g.cp, seq, desc, None if veto is None else f"{veto}")
-        if veto is not None:
-            raise veto
-        buckets = plan_buckets(
-            [m.nbytes for m in metas], info.packed_buffer_size_bytes, info.packed, info.layout
-        )
+        metas, buckets = open_receive_round(g.cp, seq, g.info, update_info, info, local_check)
         n = info.packed_num_buffers
         in_place = destination is not None and not info.verify
         placed = [_place(b, metas, destination, g.device) if in_place else None for b in buckets]

@@ -39,7 +39,7 @@ The handles and shared-memory segments themselves are :mod:`weightsync.impl.tran
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -73,23 +73,33 @@ from weightsync.impl.transfer.packing import (
     crc32,
     max_packed_bucket,
     pack_bucket,
-    plan_buckets,
     pool_cap,
     unpack_bucket,
-    wire_description,
 )
-from weightsync.impl.transfer.rounds import TensorFeed, agree, open_send_round, open_send_stream
+from weightsync.impl.transfer.rounds import TensorFeed, open_receive_round, veto_round
+from weightsync.impl.transfer.sender import RoundSender
 from weightsync.spec.errors import PeerFailedError
 
 PHASE_CHUNK = "update_weights/ipc_chunk"
 PHASE_ACK = "update_weights/ipc_ack"
 
 
+def _round_failed(seq: int, failures: Sequence[tuple[int, str]]) -> PeerFailedError:
+    """The error every rank raises when ``failures`` (``(rank, error text)`` pairs) ended round ``seq``."""
+    return PeerFailedError(
+        [r for r, _ in failures],
+        f"{PHASE_ACK} (round {seq})",
+        "; ".join(f"rank {r}: {e}" for r, e in failures) + "; every rank aborts this update",
+    )
+
+
 # ----------------------------------------------------------------------------------------- producer
 
 
-class IPCTrainer:
+class IPCTrainer(RoundSender):
     """The producer (trainer, rank 0) of an IPC group. Hosts the TCPStore; owns the shared buffers.
+    ``send`` (rules 1-5), ``send_stream`` and ``reject`` are
+    :class:`~weightsync.impl.transfer.sender.RoundSender`'s.
 
     Args:
         init_info: the consumers' ``init_info`` (a dict or an :class:`InitInfo`).
@@ -109,9 +119,8 @@ class IPCTrainer:
         device: torch.device | str = "cpu",
         default_layout: str = "aligned",
     ) -> None:
-        info = init_info if isinstance(init_info, InitInfo) else InitInfo.parse(init_info)
-        self.info = info
-        self.wire = info.wire(default_layout)
+        super().__init__(init_info, default_layout)
+        info = self.info
         self.device = torch.device(device)
         self.store = open_store(info, 0)
         self.cp = ControlPlane(
@@ -147,45 +156,13 @@ class IPCTrainer:
             if not v["ok"]
         ]
 
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]], wire: WireArgs | None = None) -> None:
-        """Send one update through the shared buffers (rules 1-5).
-
-        Raises:
-            ValueError: an item that is not a ``(str, Tensor)`` pair or an unsupported dtype (the consumers
-                are told through the wire agreement).
-            the exception ``weights`` raised, itself (the consumers are told at once: ``rounds`` rule 1).
-            WireMismatchError / PeerFailedError / TransferTimeoutError: as on the consumers.
-        """
+    def _ensure_open(self) -> None:
         if self.closed:
             raise RuntimeError("IPC trainer is closed")
-        args = wire or self.wire
-        self.seq += 1
-        seq = self.seq
-        feed, buckets = open_send_round(self.cp, seq, weights, args, self.info)
-        self._send_buckets(seq, feed, buckets, args)
 
-    def send_stream(
-        self,
-        declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-        stream: Iterable[tuple[str, torch.Tensor]],
-        wire: WireArgs | None = None,
-    ) -> None:
-        """Send one update whose ``(name, dtype, shape)`` metadata is declared up front, pulling the
-        tensors from ``stream`` chunk by chunk (``rounds`` rule 4): the stream is never materialised.
-
-        Raises:
-            ValueError: an undescribable dtype (vetoed), or the stream disagrees with ``declared``;
-                otherwise as :meth:`send`.
-            the exception ``stream`` raised, itself: every rank aborts at the bucket being pulled, the
-                engines raising PeerFailedError naming rank 0 and that exception (``rounds`` rule 4).
-        """
-        if self.closed:
-            raise RuntimeError("IPC trainer is closed")
-        args = wire or self.wire
+    def _next_round(self) -> tuple[ControlPlane, int]:
         self.seq += 1
-        seq = self.seq
-        feed, buckets = open_send_stream(self.cp, seq, declared, stream, args, self.info)
-        self._send_buckets(seq, feed, buckets, args)
+        return self.cp, self.seq
 
     def _send_buckets(self, seq: int, feed: TensorFeed, buckets: Sequence[Bucket], args: WireArgs) -> None:
         n = args.packed_num_buffers
@@ -258,12 +235,10 @@ class IPCTrainer:
             waited += 1
             failures = self._acks(seq, waited)
         if not failures:
-            try:
-                feed.finish()  # a stream that yields more than it declared fails the round everywhere
-            except BaseException as exc:
-                if not isinstance(exc, ValueError) and exc is not feed.source_error:
-                    raise
-                own, failures = exc, [(0, feed.describe(exc) or "")]
+            # a stream that yields more than it declared fails the round everywhere
+            own = feed.finish_error()
+            if own is not None:
+                failures = [(0, feed.describe(own) or "")]
         verdict = {"ok": not failures, "failed": [[r, e] for r, e in failures]}
         if failures:
             # tell consumers still waiting for a chunk, then everyone else through the verdict
@@ -275,20 +250,8 @@ class IPCTrainer:
             self.cp.settle(f"r{seq}/abort", expected=self.info.world_size - 1 - consumers_failed)
             if own is not None:
                 raise own
-            raise PeerFailedError(
-                [r for r, _ in failures],
-                f"{PHASE_ACK} (round {seq})",
-                "; ".join(f"rank {r}: {e}" for r, e in failures) + "; every rank aborts this update",
-            )
+            raise _round_failed(seq, failures)
         self.ok_seq = seq
-
-    def reject(self, error: ValueError) -> None:
-        """Veto the next round in the wire agreement (the trainer's own request was malformed), so every
-        consumer raises WireMismatchError naming rank 0 at once; then raise ``error``."""
-        self.seq += 1
-        self.cp.set_deadline(*self.info.round_deadline(None))
-        agree(self.cp, self.seq, None, f"{type(error).__name__}: {error}")
-        raise error
 
     def close(self) -> None:
         """Free and unlink the shared buffers (idempotent)."""
@@ -368,9 +331,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         """Veto this round in the wire agreement, then raise ``error``."""
         cp = self._cp()
         self.seq += 1
-        cp.set_deadline(*self._info().round_deadline(None))
-        agree(cp, self.seq, None, f"{type(error).__name__}: {error}")
-        raise error
+        veto_round(cp, self.seq, self._info(), error)
 
     def _buffer(self, msg: Mapping[str, Any]) -> tuple[torch.Tensor, bool]:
         slot = msg.get("slot")
@@ -413,21 +374,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         wire = self.round_wire(update_info)
         self.seq += 1
         seq = self.seq
-        metas = update_info.metas()
-        cp.set_deadline(*self._info().round_deadline(sum(m.nbytes for m in metas)))
-        veto: BaseException | None = None
-        if local_check is not None:
-            try:
-                local_check(update_info)
-            except ValueError as exc:
-                veto = exc
-        desc = None if veto else wire_description(metas, wire)
-        agree(cp, seq, desc, None if veto is None else f"{veto}")
-        if veto is not None:
-            raise veto
-        buckets = plan_buckets(
-            [m.nbytes for m in metas], wire.packed_buffer_size_bytes, wire.packed, wire.layout
-        )
+        metas, buckets = open_receive_round(cp, seq, self._info(), update_info, wire, local_check)
         for b in buckets:
             msg = cp.get(f"r{seq}/c{b.number}", PHASE_CHUNK, 0)
             if "abort" in msg:
@@ -450,11 +397,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
     def _raise_abort(self, seq: int, verdict: Mapping[str, Any]) -> None:
         failed = [(int(r), str(e)) for r, e in verdict.get("failed", [])]
         self._cp().settle(f"r{seq}/abort")
-        raise PeerFailedError(
-            [r for r, _ in failed],
-            f"{PHASE_ACK} (round {seq})",
-            "; ".join(f"rank {r}: {e}" for r, e in failed) + "; every rank aborts this update",
-        )
+        raise _round_failed(seq, failed)
 
     def _consume(
         self,

@@ -3,7 +3,7 @@
 Rules:
 
 0. **Deadline.** Every wait of a round uses the round's deadline
-   (:meth:`~weightsync.impl.transfer.base.InitInfo.round_deadline`: ``init_info['timeout_s']``,
+   (:meth:`~weightsync.impl.transfer.request_info.InitInfo.round_deadline`: ``init_info['timeout_s']``,
    or sized to the round's bytes), and a timeout error says how it was sized.
 1. **Wire agreement.** At the start of every update each rank posts the SHA-256 digest of its wire
    description (names, dtypes, shapes, per-tensor byte counts, ``packed``, ``B``, ``num_buffers``,
@@ -26,17 +26,28 @@ Rules:
    tensors of buckets being packed or on the wire are referenced. A streamed tensor that differs from its
    declaration (name, dtype or shape), a missing one or an extra one fails that bucket (or the end), so
    every rank aborts there (rule 2) instead of splitting the stream differently.
+
+The engine workers open each round with :func:`open_receive_round` and veto one with :func:`veto_round`;
+the trainer endpoints of the transports share :class:`~weightsync.impl.transfer.sender.RoundSender`.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from weightsync.impl.transfer.base import InitInfo, TensorMeta, WireArgs, dtype_name, meta_of
+from weightsync.impl.transfer.base import (
+    InitInfo,
+    LocalCheck,
+    TensorMeta,
+    UpdateInfo,
+    WireArgs,
+    dtype_name,
+    meta_of,
+)
 from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.packing import (
     Bucket,
@@ -113,6 +124,79 @@ def fail_round(cp: ControlPlane, seq: int, reason: str) -> None:
         cp.settle(f"r{seq}/wire")
 
 
+def veto_round(cp: ControlPlane, seq: int, init: InitInfo, error: BaseException) -> NoReturn:
+    """Rule 1, vetoing side, for round ``seq`` (already counted by the caller): size the round's deadline
+    with no payload known, post ``error`` as this rank's veto, then raise ``error``.
+
+    Raises:
+        ``error`` itself, once the wire agreement took it (every peer raises WireMismatchError naming this
+            rank); TransferTimeoutError / PeerFailedError: as :func:`agree`, if the agreement itself failed.
+    """
+    cp.set_deadline(*init.round_deadline(None))
+    agree(cp, seq, None, f"{type(error).__name__}: {error}")
+    raise error
+
+
+def plan_round(metas: Sequence[TensorMeta], wire: WireArgs) -> tuple[Bucket, ...]:
+    """The bucket plan of a round moving ``metas`` in order under ``wire`` (the same on every rank)."""
+    return plan_buckets([m.nbytes for m in metas], wire.packed_buffer_size_bytes, wire.packed, wire.layout)
+
+
+def _agree_on_send(
+    cp: ControlPlane,
+    seq: int,
+    init: InitInfo,
+    metas: Sequence[TensorMeta],
+    wire: WireArgs,
+    veto: str | None,
+) -> tuple[Bucket, ...]:
+    """Trainer side of rules 0 and 1 once the round's tensors are described (``veto``: why they cannot
+    be): size the deadline, agree, plan.
+
+    Raises:
+        ValueError: ``send_weights: <veto>``, after the consumers were told.
+        WireMismatchError / TransferTimeoutError: as :func:`agree`.
+    """
+    cp.set_deadline(*init.round_deadline(sum(m.nbytes for m in metas) if veto is None else None))
+    agree(cp, seq, wire_description(metas, wire) if veto is None else None, veto)
+    if veto is not None:
+        raise ValueError(f"send_weights: {veto}")
+    return plan_round(metas, wire)
+
+
+def open_receive_round(
+    cp: ControlPlane,
+    seq: int,
+    init: InitInfo,
+    update_info: UpdateInfo,
+    wire: WireArgs,
+    local_check: LocalCheck | None,
+) -> tuple[list[TensorMeta], tuple[Bucket, ...]]:
+    """Engine side of rules 0 and 1 for round ``seq`` (already counted by the caller): size the round's
+    deadline from ``update_info``'s bytes, run ``local_check`` (a ``ValueError`` from it is this rank's
+    veto), agree on the wire, then plan the buckets.
+
+    Returns:
+        (the round's tensor metadata in order, the bucket plan).
+
+    Raises:
+        ValueError: ``local_check``'s own, after the agreement told every peer (no payload moved).
+        WireMismatchError / PeerFailedError / TransferTimeoutError: as :func:`agree`.
+    """
+    metas = update_info.metas()
+    cp.set_deadline(*init.round_deadline(sum(m.nbytes for m in metas)))
+    veto: BaseException | None = None
+    if local_check is not None:
+        try:
+            local_check(update_info)
+        except ValueError as exc:
+            veto = exc
+    agree(cp, seq, None if veto else wire_description(metas, wire), None if veto is None else f"{veto}")
+    if veto is not None:
+        raise veto
+    return metas, plan_round(metas, wire)
+
+
 def pair_problem(i: int, item: Any) -> str | None:
     """Why weight ``i`` is not a ``(non-empty str name, torch.Tensor)`` pair, or None."""
     if (
@@ -175,14 +259,8 @@ def open_send_round(
         fail_round(cp, seq, iterator_failure(exc, len(pairs)))
         raise
     metas, veto = _describe(pairs)
-    cp.set_deadline(*init.round_deadline(sum(m.nbytes for m in metas) if veto is None else None))
-    agree(cp, seq, wire_description(metas, wire) if veto is None else None, veto)
-    if veto is not None:
-        raise ValueError(f"send_weights: {veto}")
-    feed = TensorFeed(metas, tensors=[t.detach() for _, t in pairs])
-    return feed, plan_buckets(
-        [m.nbytes for m in metas], wire.packed_buffer_size_bytes, wire.packed, wire.layout
-    )
+    buckets = _agree_on_send(cp, seq, init, metas, wire, veto)
+    return TensorFeed(metas, tensors=[t.detach() for _, t in pairs]), buckets
 
 
 def iterator_failure(exc: BaseException, taken: int) -> str:
@@ -306,6 +384,21 @@ class TensorFeed:
                 f"first extra is {shown!r}"
             )
 
+    def finish_error(self) -> BaseException | None:
+        """:meth:`finish`, returning the error that fails the round on every rank (rules 3 and 4: a
+        ``ValueError``, or the stream's own exception) instead of raising it; None when the feed is sound.
+
+        Raises:
+            any other exception :meth:`finish` raised, as is.
+        """
+        try:
+            self.finish()
+        except BaseException as exc:
+            if not isinstance(exc, ValueError) and exc is not self.source_error:
+                raise
+            return exc
+        return None
+
 
 def _dtype_text(dtype: torch.dtype) -> str:
     try:
@@ -339,14 +432,8 @@ def open_send_stream(
         metas = [TensorMeta(n, dtype_name(d), tuple(int(x) for x in s)) for n, d, s in declared]
     except ValueError as exc:
         veto = str(exc)
-    cp.set_deadline(*init.round_deadline(sum(m.nbytes for m in metas) if veto is None else None))
-    agree(cp, seq, wire_description(metas, wire) if veto is None else None, veto)
-    if veto is not None:
-        raise ValueError(f"send_weights: {veto}")
-    sizes = [m.nbytes for m in metas]
-    return TensorFeed(metas, stream=stream), plan_buckets(
-        sizes, wire.packed_buffer_size_bytes, wire.packed, wire.layout
-    )
+    buckets = _agree_on_send(cp, seq, init, metas, wire, veto)
+    return TensorFeed(metas, stream=stream), buckets
 
 
 def status(
@@ -384,4 +471,15 @@ def status(
     return vals
 
 
-__all__ = ["PHASE_WIRE", "TensorFeed", "agree", "fail_round", "open_send_round", "open_send_stream", "status"]
+__all__ = [
+    "PHASE_WIRE",
+    "TensorFeed",
+    "agree",
+    "fail_round",
+    "open_receive_round",
+    "open_send_round",
+    "open_send_stream",
+    "plan_round",
+    "status",
+    "veto_round",
+]
