@@ -233,7 +233,7 @@ def run_schedule(
     tokens: int = 2,
     sync_interval: int = 2,
     timeout_s: float = 5.0,
-    step_s: float = 3.0,
+    step_s: float = 5.0,
     budget_s: float = 60.0,
     start_timeout_s: float = 150.0,
     log: Callable[[str], None] | None = None,
