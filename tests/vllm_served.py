@@ -132,18 +132,28 @@ def hf_prompt_logprobs(model: Any, prompt: list[int]) -> list[float]:
     return [float(lp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
 
 
+#: Prompt-logprob agreement of vLLM's CPU kernels with transformers' float32 eager forward: 1e-4 absolute
+#: plus 1e-5 of the logprob's size (float32 accumulation grows with the activations: after two updates of
+#: scale-0.5 noise a logprob near -23 differs by 1.9e-4 on one 2-core machine and less on another, with the
+#: greedy tokens equal; a weight missing or misplaced moves logprobs by far more, tests/test_vllm_moe.py).
+ABS_TOL, REL_TOL = 1e-4, 1e-5
+
+
+def logprobs_close(got: list[float], want: list[float], where: object) -> float:
+    """Assert each of ``got`` within ``ABS_TOL + REL_TOL * |want|`` of ``want``; returns the max difference."""
+    bad = [(a, b) for a, b in zip(got, want, strict=True) if abs(a - b) > ABS_TOL + REL_TOL * abs(b)]
+    assert not bad, (where, bad)
+    return max((abs(a - b) for a, b in zip(got, want, strict=True)), default=0.0)
+
+
 def assert_serves(served: Served, model: Any, rank: int | None = None) -> float:
-    """Greedy tokens equal, prompt logprobs within 1e-4 (on DP rank ``rank``, or where vLLM routes the
-    requests); returns the max logprob difference."""
+    """Greedy tokens equal, prompt logprobs close (:func:`logprobs_close`; on DP rank ``rank``, or where vLLM
+    routes the requests); returns the max logprob difference."""
     worst = 0.0
     for p in PROBES:
         assert served.greedy(p, rank) == hf_greedy(model, p), p
-        diffs = [
-            abs(a - b)
-            for a, b in zip(served.prompt_logprobs(p, rank), hf_prompt_logprobs(model, p), strict=True)
-        ]
-        worst = max(worst, *diffs)
-    assert worst <= 1e-4, worst
+        lps = served.prompt_logprobs(p, rank)
+        worst = max(worst, logprobs_close(lps, hf_prompt_logprobs(model, p), p))
     return worst
 
 
@@ -152,6 +162,5 @@ def assert_serves_on(served: Served, model: Any, ranks: list[int]) -> float:
     worst = 0.0
     for r, p, tokens, lps in served.probe_all(ranks):
         assert tokens == hf_greedy(model, p), (r, p)
-        worst = max(worst, *(abs(a - b) for a, b in zip(lps, hf_prompt_logprobs(model, p), strict=True)))
-    assert worst <= 1e-4, worst
+        worst = max(worst, logprobs_close(lps, hf_prompt_logprobs(model, p), (r, p)))
     return worst

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from weightsync.model.system.properties import Properties
-from weightsync.model.system.state import DP_KINDS, RETRY, TRANSFER_KINDS, GlobalState, Label, _ScratchState
+from weightsync.model.system.state import (
+    DP_KINDS,
+    FAILABLE_CALLS,
+    RETRY,
+    TRANSFER_KINDS,
+    GlobalState,
+    Label,
+    _ScratchState,
+)
 from weightsync.model.system.symmetry import Symmetry
 from weightsync.spec.front_end import FrontEvent
 from weightsync.spec.states import RankState
@@ -42,7 +50,7 @@ class Model(Properties, Symmetry):
                     if (
                         s.ctrl.failures_used < self.failures
                         and q[0][0] == "U"
-                        and q[0][1] in ("start_weight_update", "finish_weight_update")
+                        and q[0][1] in FAILABLE_CALLS
                         and (
                             self.worker_args
                             or rank.vars.state in (RankState.VERIFIED, RankState.FAILED, RankState.UPDATING)

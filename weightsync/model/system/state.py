@@ -29,8 +29,13 @@ NOT_SENT, SENT, REPLIED, SPURIOUS, FAILED_REPLY = 0, 1, 2, 3, 4
 #: The third field of a controller message ("U", call, arg): the version a finish_weight_update carries,
 #: RETRY for a resume re-sent by an orchestrator while its first is outstanding (its reply is not counted).
 RETRY = -1
-#: Rank effects that are worker operations that may fail (when Bounds.failures allows one).
-FAILABLE_EFFECTS = frozenset({"start_weight_update", "finish_weight_update"})
+#: Rank effects that are worker operations that may fail (when Bounds.failures allows one): those with a
+#: ``transfer_failed`` phase that are no collective (spec/collectives.py FAIL_PHASE; a transfer collective
+#: fails through its own completion).
+FAILABLE_EFFECTS = frozenset(k for k in FAIL_PHASE if k not in TRANSFER_KINDS)
+#: The controller calls whose row runs such an operation (vLLM 0.32 names the call and the worker
+#: operation alike, ``v1/worker/gpu_worker.py:1507, 1587``).
+FAILABLE_CALLS = frozenset(c for c in CALL_EVENT if c in FAILABLE_EFFECTS)
 
 # Per-socket rank input FIFOs.
 F_ADD, F_CTRL, F_WAVE = 0, 1, 2
