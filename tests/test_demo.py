@@ -142,3 +142,35 @@ def test_demo_more_ranks_and_wait_mode(
     assert code == 0, res["error"]
     _assert_clean(res, 3, ranks)
     assert replay_trace(tmp_path / "t.jsonl").ok
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"steps": -1}, "steps must be >= 0, got -1"),
+        ({"mode": "drain"}, "mode 'drain': choose one of abort, wait, keep"),
+        ({"group_size": 0}, "prompts_per_step and group_size must be >= 1, got 8, 0"),
+        ({"timeout_s": float("nan")}, "timeout_s must be a positive number of seconds, got nan"),
+    ],
+)
+def test_both_demos_refuse_a_bad_shared_setting_before_starting(
+    changes: dict[str, Any], message: str
+) -> None:
+    """The reference demo's and the vLLM demo's shared settings are validated once (``RLRunConfig``), with
+    the pause modes from spec ``PauseMode``; each error is a ``DemoUsageError`` (a ``ValueError``, exit 2)."""
+    from dataclasses import replace
+
+    from weightsync.demo.config import DemoConfig, DemoUsageError, RLRunConfig
+
+    configs: list[RLRunConfig] = [DemoConfig()]
+    try:
+        from weightsync.vllm.demo import VllmDemoConfig
+
+        configs.append(VllmDemoConfig())
+    except ImportError:
+        pass  # no vLLM here: the reference demo's config alone
+    for cfg in configs:
+        cfg.validate()
+        with pytest.raises(DemoUsageError) as ei:
+            replace(cfg, **changes).validate()
+        assert str(ei.value) == message, type(cfg).__name__

@@ -8,8 +8,17 @@ import signal
 from dataclasses import dataclass
 
 from weightsync.spec.errors import WeightSyncError
+from weightsync.spec.states import PauseMode
 
-__all__ = ["KILL_ENV", "TRANSPORTS", "DemoConfig", "DemoUsageError", "EngineDiedError", "SyncRecord"]
+__all__ = [
+    "KILL_ENV",
+    "TRANSPORTS",
+    "DemoConfig",
+    "DemoUsageError",
+    "EngineDiedError",
+    "RLRunConfig",
+    "SyncRecord",
+]
 
 KILL_ENV = "WEIGHTSYNC_DEMO_KILL_RANK"
 """Test-only: ``"R"`` or ``"R:S"`` makes the CLI kill engine rank R in the middle of sync S (default 1)."""
@@ -51,24 +60,57 @@ class EngineDiedError(WeightSyncError):
 
 
 @dataclass
-class DemoConfig:
-    """Settings of one demo run.
+class RLRunConfig:
+    """The settings every RL demo loop shares (``weightsync demo``'s on the reference engine,
+    :class:`DemoConfig`, and on a real vLLM, :class:`weightsync.vllm.demo.VllmDemoConfig`).
+
+    Attributes:
+        steps: trainer steps, each followed by a sync (>= 0; the initial sync is checked too).
+        mode: pause mode of every sync (a :class:`~weightsync.spec.states.PauseMode` value).
+        seed: seeds the model init, the task's prompt draws and the per-request sampling seeds.
+        prompts_per_step, group_size: rollout batch = prompts x samples per prompt (GRPO groups).
+        lr: Adam learning rate of the trainer.
+        timeout_s: deadline of every collective, rendezvous, controller call and rollout wait, seconds.
+        trace: trace path (None: a fresh file under ``traces/`` in the working directory).
+    """
+
+    steps: int = 20
+    mode: str = "keep"
+    seed: int = 0
+    prompts_per_step: int = 8
+    group_size: int = 8
+    lr: float = 2e-3
+    timeout_s: float = 60.0
+    trace: str | None = None
+
+    def validate(self) -> None:
+        """Raise :class:`DemoUsageError` (a ``ValueError``) naming the first bad shared setting."""
+        if self.steps < 0:
+            raise DemoUsageError(f"steps must be >= 0, got {self.steps}")
+        if self.mode not in {m.value for m in PauseMode}:
+            raise DemoUsageError(f"mode {self.mode!r}: choose one of {', '.join(m.value for m in PauseMode)}")
+        if self.prompts_per_step < 1 or self.group_size < 1:
+            raise DemoUsageError(
+                f"prompts_per_step and group_size must be >= 1, got {self.prompts_per_step}, {self.group_size}"
+            )
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise DemoUsageError(f"timeout_s must be a positive number of seconds, got {self.timeout_s}")
+
+
+@dataclass
+class DemoConfig(RLRunConfig):
+    """Settings of one demo run on the reference engine (the shared ones: :class:`RLRunConfig`).
 
     Attributes:
         ranks: DP engine ranks (>= 1).
-        steps: trainer steps; one weight sync follows each (plus the initial sync).
         transport: ``"broadcast"`` (registered as ``nccl``; gloo on CPU) or ``"ipc"`` (CPU shared memory).
-        mode: pause mode of every sync: ``"keep"``, ``"abort"`` or ``"wait"``.
         model_dir: a local Hugging Face checkpoint (config.json + safetensors), or None for the default
             policy built from ``seed``.
-        seed: seeds the model init, the task's prompt draws and the per-request sampling seeds.
         variant: protocol variant the engines and the checker run.
-        timeout_s: deadline of every collective, rendezvous, controller call and rollout wait, seconds.
-        trace: JSONL trace path (None: ``traces/demo-<time>-<pid>.jsonl`` under the working directory).
+        trace: (shared) JSONL trace path; None: ``traces/demo-<time>-<pid>.jsonl``.
         check: run the runtime checker (CheckedEngine) and record the trace.
-        prompts_per_step, group_size: rollout batch = prompts x samples per prompt (GRPO groups).
         temperature: sampling temperature of the engines (the trainer's log-probs use the same).
-        lr: Adam learning rate of the trainer; clip_eps: its PPO clip range.
+        clip_eps: the trainer's PPO clip range.
         overlap_prompts: prompts of the next rollout batch submitted *before* the trainer step (generated
             concurrently with it, on the previous weights); the rest are submitted after it and are in flight
             when the sync pauses the engines. None: half of ``prompts_per_step``.
@@ -81,19 +123,11 @@ class DemoConfig:
     """
 
     ranks: int = 2
-    steps: int = 20
     transport: str = "broadcast"
-    mode: str = "keep"
     model_dir: str | None = None
-    seed: int = 0
     variant: str = "two-phase-epoch"
-    timeout_s: float = 60.0
-    trace: str | None = None
     check: bool = True
-    prompts_per_step: int = 8
-    group_size: int = 8
     temperature: float = 1.0
-    lr: float = 2e-3
     clip_eps: float = 0.2
     overlap_prompts: int | None = None
     sync_interval: int = 32
@@ -109,16 +143,9 @@ class DemoConfig:
 
         if self.ranks < 1:
             raise DemoUsageError(f"--ranks must be >= 1, got {self.ranks}")
-        if self.steps < 0:
-            raise DemoUsageError(f"--steps must be >= 0, got {self.steps}")
+        super().validate()
         if self.transport not in TRANSPORTS:
             raise DemoUsageError(f"--transport {self.transport!r}: choose one of {', '.join(TRANSPORTS)}")
-        if self.mode not in ("keep", "abort", "wait"):
-            raise DemoUsageError(f"--mode {self.mode!r}: choose one of keep, abort, wait")
-        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
-            raise DemoUsageError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
-        if self.prompts_per_step < 1 or self.group_size < 1:
-            raise DemoUsageError("prompts_per_step and group_size must be >= 1")
         if self.bucket_bytes < 1 or self.packed_num_buffers < 1:
             raise DemoUsageError("bucket_bytes and packed_num_buffers must be >= 1")
         try:

@@ -35,7 +35,6 @@ MoE reload (``weightsync.vllm.reload``): the checks then fail, which shows that 
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import tempfile
 import time
@@ -46,6 +45,7 @@ from typing import Any
 
 import torch
 
+from weightsync.demo.config import RLRunConfig
 from weightsync.demo.rl_task import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, DigitPatternTask, Prompt, Sample
 from weightsync.spec.errors import WeightSyncError
 from weightsync.spec.states import IN_FLIGHT_FINISH, PauseMode
@@ -56,44 +56,21 @@ PROBE_TOKENS = 6
 
 
 @dataclass
-class VllmDemoConfig:
-    """Settings of one run (see the module docstring).
+class VllmDemoConfig(RLRunConfig):
+    """Settings of one run (see the module docstring; the shared ones, validated there:
+    :class:`~weightsync.demo.config.RLRunConfig`).
 
     Attributes:
-        steps: trainer steps, each followed by a sync (>= 0; the initial state is checked too).
+        timeout_s: deadline of every vLLM call and of the transfer group, seconds (120 by default: vLLM's
+            engines are slower to answer on 2 cores).
         moe: serve a tiny Mixtral instead of the dense Llama.
-        mode: pause mode of every sync: keep, wait or abort.
-        seed: model init, task draws and sampling seeds.
-        prompts_per_step, group_size: rollout batch (GRPO groups).
-        lr: the trainer's Adam learning rate.
-        timeout_s: deadline of every vLLM call and of the transfer group, seconds.
         moe_reload_fix: weightsync's MoE reload fix (None: where needed; False shows the checks bite).
         trace: replay trace path (None: ``traces/vllm-demo-<time>.jsonl``).
     """
 
-    steps: int = 20
-    moe: bool = False
-    mode: str = "keep"
-    seed: int = 0
-    prompts_per_step: int = 8
-    group_size: int = 8
-    lr: float = 2e-3
     timeout_s: float = 120.0
+    moe: bool = False
     moe_reload_fix: bool | None = None
-    trace: str | None = None
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad setting."""
-        if self.steps < 0:
-            raise ValueError(f"steps must be >= 0, got {self.steps}")
-        if self.mode not in ("keep", "wait", "abort"):
-            raise ValueError(f"mode {self.mode!r}: choose one of keep, wait, abort")
-        if self.prompts_per_step < 1 or self.group_size < 1:
-            raise ValueError(
-                f"prompts_per_step and group_size must be >= 1, got {self.prompts_per_step}, {self.group_size}"
-            )
-        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s}")
 
 
 def _policy(cfg: VllmDemoConfig, out: Path) -> Any:
