@@ -59,7 +59,7 @@ from weightsync.spec.controller import (
     call_args,
     worker_outcome,
 )
-from weightsync.spec.states import PauseState, RankEvent, schedulable
+from weightsync.spec.states import PauseMode, PauseState, RankEvent, schedulable
 
 #: vLLM's variables that the table has under the same name (compared by replay)
 OBSERVED = ("engines_running", "current_wave", "pending_pause", "ignore_start_dp_wave", "pause_state")
@@ -247,9 +247,9 @@ def record_cycles(
     """
     if cycles < 1:
         raise ValueError(f"cycles must be >= 1, got {cycles}")
-    bad = [m for m in modes if m not in ("keep", "wait", "abort")]
+    bad = [m for m in modes if m not in {pm.value for pm in PauseMode}]
     if bad or not modes:
-        raise ValueError(f"modes {list(modes)}: each must be keep, wait or abort")
+        raise ValueError(f"modes {list(modes)}: each must be one of {[pm.value for pm in PauseMode]}")
     say = log or (lambda _m: None)
     rng = random.Random(seed)
     t0 = time.monotonic()
