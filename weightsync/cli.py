@@ -17,6 +17,10 @@ from typing import NoReturn
 
 from weightsync.commands import bench, demo, model, replay, repro
 from weightsync.commands.common import EXIT_USAGE
+from weightsync.spec.states import PauseMode
+
+#: vLLM's pause modes (spec ``PauseMode``), the ``--mode`` choices
+MODES = [m.value for m in PauseMode]
 
 
 def _int_in(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -87,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = add("check", "explore a variant's N-rank product exhaustively and check every property")
     c.add_argument("--variant", default="two-phase-epoch")
     c.add_argument("--ranks", type=POSITIVE, default=2)
-    c.add_argument("--mode", default="all", choices=["abort", "wait", "keep", "all"])
+    c.add_argument("--mode", default="all", choices=[*MODES, "all"])
     c.add_argument(
         "--channels",
         default="per-socket",
@@ -153,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True)
     e.add_argument("--variant", default="two-phase-epoch")
     e.add_argument("--ranks", type=POSITIVE, default=2)
-    e.add_argument("--mode", default="keep", choices=["abort", "wait", "keep"])
+    e.add_argument("--mode", default="keep", choices=MODES)
     e.add_argument("--channels", default="per-socket", choices=["per-socket", "one-api-server", "ordered"])
     e.add_argument("--requests", type=NON_NEGATIVE, default=1)
 
@@ -183,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ranks", type=POSITIVE, default=2)
     d.add_argument("--steps", type=NON_NEGATIVE, default=20)
     d.add_argument("--transport", default="broadcast", choices=["broadcast", "ipc"])
-    d.add_argument("--mode", default="keep", choices=["abort", "wait", "keep"])
+    d.add_argument("--mode", default="keep", choices=MODES)
     d.add_argument("--model", default=None, help="a local Hugging Face checkpoint directory (safetensors)")
     d.add_argument("--seed", type=SEED, default=0)
     d.add_argument("--variant", default="two-phase-epoch")
@@ -221,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--fix", choices=("epoch",), default=None, help="(--engine vllm) install the fix in vLLM")
     r.add_argument(
         "--mode",
-        choices=("keep", "wait", "abort"),
+        choices=MODES,
         default="keep",
         help="pause mode of the model's counterexample and of the controller's pause",
     )
