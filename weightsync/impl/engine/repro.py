@@ -338,6 +338,8 @@ def run_schedule(
             assert p.end is not None
             _reproduce(run, res, p.end)
         res.errors.update({k: v for k, v in run.errors.items() if k not in res.errors})
+        for r, f in sorted(client.failures.items()):  # a diverged run too: a rank that failed says why
+            res.errors.setdefault(str(r), f"{f.phase}: {f.error.splitlines()[0][:300]}")
         res.events = run.events()
         return res
     finally:
