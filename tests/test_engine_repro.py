@@ -209,7 +209,12 @@ def _repro(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[st
 @pytest.mark.timeout(180)
 def test_two_phase_is_reproduced_where_the_model_ends(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out = _repro(capsys, "two-phase")
-    assert rc == 0 and out["result"] == "reproduced", (out["reason"], out["steps"][-2:], out["events"])
+    assert rc == 0 and out["result"] == "reproduced", (
+        out["reason"],
+        out["steps"][-2:],
+        out["events"],
+        out["errors"],
+    )
     n = len(counterexample("two-phase")["labels"])
     assert out["engine"] == "reference" and out["fix"] is None and out["schedule"] == "two-phase"
     assert out["diverged_at"] is None and out["followed_steps"] == n and len(out["steps"]) == n
@@ -224,7 +229,12 @@ def test_two_phase_epoch_completes_where_the_fix_makes_the_schedule_impossible(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     rc, out = _repro(capsys, "two-phase-epoch")
-    assert rc == 0 and out["result"] == "completed", (out["reason"], out["steps"][-2:], out["events"])
+    assert rc == 0 and out["result"] == "completed", (
+        out["reason"],
+        out["steps"][-2:],
+        out["events"],
+        out["errors"],
+    )
     n = len(counterexample("two-phase")["labels"])
     assert out["fix"] == "two-phase-epoch" and out["schedule"] == "two-phase"
     assert out["impossible_step"] == out["diverged_at"] == n  # rank 0 stepping alone
