@@ -150,28 +150,20 @@ def call_args(event: RankEvent, kwargs: Mapping[str, Any], running: int) -> dict
     """
     if event not in CALL_ARGS:
         return {}  # a weight-transfer call: its keyword arguments are the worker's payload, no table's
-    names = CALL_ARGS[event]
-    unknown = sorted(set(kwargs) - (set(names) - {"running"}))
+    unknown = sorted(set(kwargs) - set(PAUSE_ARGS))
     if unknown:
         raise ValueError(
             f"{event.value} takes no argument(s) {unknown}; its arguments are {list(PAUSE_ARGS)}"
         )
-    out: dict[str, Any] = {}
-    for name in names:
-        if name == "running":
-            out[name] = int(running)
-        elif name == "mode":
-            mode = kwargs.get(name, PAUSE_ARGS[name])
-            try:
-                out[name] = PauseMode(mode)
-            except ValueError:
-                modes = [m.value for m in PauseMode]
-                raise ValueError(
-                    f"{event.value}: mode={mode!r} is no pause mode; use one of {modes}"
-                ) from None
-        else:
-            out[name] = bool(kwargs.get(name, PAUSE_ARGS[name]))
-    return out
+    mode = kwargs.get("mode", PAUSE_ARGS["mode"])
+    if not isinstance(mode, str) or mode not in _MODES:
+        raise ValueError(f"{event.value}: mode={mode!r} is no pause mode; use one of {list(_MODES)}")
+    clear_cache = bool(kwargs.get("clear_cache", PAUSE_ARGS["clear_cache"]))
+    return {"mode": PauseMode(mode), "clear_cache": clear_cache, "running": int(running)}
+
+
+#: The pause modes by value (``call_args``' check).
+_MODES = {m.value: m for m in PauseMode}
 
 
 def worker_outcome(effect: str, kwargs: Mapping[str, Any]) -> tuple[RankEvent, dict[str, Any]]:

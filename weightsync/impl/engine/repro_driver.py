@@ -37,9 +37,6 @@ from weightsync.spec.states import Collective
 
 #: The controller phase of each call name (the inverse of the spec's :data:`PHASE_CALL`).
 PHASE_OF_CALL: dict[str, Phase] = {c: Phase(p) for p, c in PHASE_CALL.items()}
-#: The controller table's arguments for completing the schedule's cycle (:meth:`ScheduleDriver.finish_cycle`):
-#: the reference controller's policy (``update_round``'s), the one cycle the schedule began, no extra calls.
-CYCLE_ARGS: dict[str, Any] = ONE_ROUND_ARGS
 Channel = tuple[int, str]
 
 
@@ -439,7 +436,7 @@ class ScheduleDriver:
                     prev.join(3 * self.timeout_s + 5)
                 answered = prev is None or not prev.is_alive()
                 event = controller_event(v.phase, answered, "controller" in self.errors)
-                nxt = controller_next(table, v, event, CYCLE_ARGS)
+                nxt = controller_next(table, v, event, ONE_ROUND_ARGS)  # update_round's policy
                 if nxt is None or nxt[0].effects != ("fan_out",):
                     return  # the controller waits, or the table's round is over (end_round / raise_*)
                 _, v = nxt
@@ -488,7 +485,6 @@ def _ch(ch: Channel) -> str:
 
 
 __all__ = [
-    "CYCLE_ARGS",
     "PHASE_OF_CALL",
     "TIMEOUT",
     "Channel",

@@ -79,6 +79,8 @@ class ModelBase:
             raise ValueError(f"bad bounds {b}: failures must be >= 0")
         self._cache: dict[tuple[Any, ...], tuple[Transition | None, RankVars]] = {}
         self._worker_cache: dict[tuple[WorkerVars, WorkerEvent], WorkerVars] = {}
+        # a controller call's table arguments by (event, requests running on the rank): spec call_args
+        self._call_args_cache: dict[tuple[RankEvent, int], tuple[tuple[str, Any], ...]] = {}
         # the DP coordinator's table (spec/coordinator.py) for this variant, and its firings by input
         self.coord_table = coordinator_table(
             self.variant.coordinator_latches, self.variant.first_req_exclusion

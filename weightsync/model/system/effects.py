@@ -147,9 +147,13 @@ class RankEffects(ModelBase):
         spec's :func:`~weightsync.spec.controller.call_args` (the pause's ``mode``, ``clear_cache``,
         ``running``) and, where the variant's worker flags decide, the worker's state for a weight-transfer
         call (:data:`~weightsync.spec.collectives.CALL_FAIL_PHASE`'s calls, ``spec/rank_vars.py``)."""
-        if ev in CALL_ARGS:
-            args = call_args(ev, {"mode": self.mode, "clear_cache": self.clear_cache}, len(rank.running))
-            return tuple(sorted(args.items()))
+        if ev in CALL_ARGS:  # cached: mode and clear_cache are the configuration's, only ``running`` varies
+            key = (ev, len(rank.running))
+            extra = self._call_args_cache.get(key)
+            if extra is None:
+                args = call_args(ev, {"mode": self.mode, "clear_cache": self.clear_cache}, key[1])
+                extra = self._call_args_cache[key] = tuple(sorted(args.items()))
+            return extra
         if self.worker_args and ev in CALL_FAIL_PHASE:
             return (("worker", rank.worker.state.value), ("worker_initialized", rank.worker.initialized))
         return ()
