@@ -51,6 +51,8 @@ class EngineConfig:
             schedule-sensitive tests; 0 in normal runs).
         host: address for the gloo rendezvous.
         dp_port: TCPStore port of the DP group (0: pick a free one at launch).
+        allow_unauthenticated: let the DP group rendezvous on a non-loopback ``host`` without the
+            deployment's secret (:mod:`weightsync.impl.transfer.rendezvous` rule 2; default refused).
         threads: torch intra-op threads per engine process.
         system_trace: a system-trace file (:mod:`weightsync.impl.engine.tracing`) that every process of the
             cluster (ranks, coordinator, front-end, controller) appends to from its start; None: none.
@@ -71,6 +73,7 @@ class EngineConfig:
     step_sleep_s: float = 0.0
     host: str = "127.0.0.1"
     dp_port: int = 0
+    allow_unauthenticated: bool = False
     threads: int = 1
     system_trace: str | None = None
     core: str = ""

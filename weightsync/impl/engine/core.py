@@ -100,7 +100,9 @@ class EngineCore:
         self.sched.weight_version = INITIAL_WEIGHT_VERSION
         self._round_error: BaseException | None = None
         self._op_failed = False  # a worker operation's failure is being fired (TRANSFER_FAILED)  # the last weight-transfer failure (rank `failed`)
-        self.dp = DPGroup(rank, cfg.dp_size, cfg.host, cfg.dp_port, cfg.collective_timeout_s)
+        self.dp = DPGroup(
+            rank, cfg.dp_size, cfg.host, cfg.dp_port, cfg.collective_timeout_s, cfg.allow_unauthenticated
+        )
         self.coll_seq = 0  # DP collectives entered so far (equal on every rank while in lockstep)
         self.rank_seq = 0
         self.failure: EngineFailure | None = None

@@ -2,6 +2,10 @@
 
 - The group is its own ``ProcessGroupGloo`` over a ``TCPStore`` hosted by DP rank 0 (like vLLM's stateless
   DP group); it never touches torch.distributed's default group, so the weight-transfer group can coexist.
+- The store is opened as the transfer group's is (:mod:`weightsync.impl.transfer.rendezvous`): rank 0
+  listens on ``host``'s interface only, the same policy applies (without the deployment's secret only a
+  loopback ``host``, unless ``allow_unauthenticated``), and with a secret every rank is admitted by the
+  authenticated handshake first; the group and the board then live under the session's namespace.
 - Every DP collective (``dp_step``, ``dp_sync``, ``resume_barrier``) is one all-gather of a fixed-size
   int64 row ``[kind, seq, a, b]`` per rank. Each rank checks that every row names the same (kind, seq)
   (a mismatch raises :class:`~weightsync.spec.errors.RemoteProtocolError` naming every rank's collective)
@@ -22,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as _dist_mod
 
+from weightsync.impl.transfer.rendezvous import authenticate, check_policy, host_store
+from weightsync.impl.transfer.secret import load_secret
 from weightsync.spec.collectives import reduce_values
 from weightsync.spec.errors import RemoteProtocolError, TransferTimeoutError
 from weightsync.spec.states import Collective
@@ -45,19 +51,42 @@ class DPGroup:
         host: address of the TCPStore (hosted by rank 0).
         port: its port.
         timeout_s: deadline of every collective and of the rendezvous, seconds.
+        allow_unauthenticated: accept a non-loopback ``host`` without the deployment's secret.
 
     Raises:
+        ValueError: the policy refused ``host`` (before any socket opens).
+        AuthenticationError: the handshake refused this rank or the store it reached.
         TransferTimeoutError: the rendezvous did not complete within ``timeout_s`` (phase ``dp_group/init``).
     """
 
-    def __init__(self, rank: int, size: int, host: str, port: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        host: str,
+        port: int,
+        timeout_s: float,
+        allow_unauthenticated: bool = False,
+    ) -> None:
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s
         td = datetime.timedelta(seconds=timeout_s)
         t0 = time.monotonic()
+        secret = load_secret()
+        check_policy(host, secret, allow_unauthenticated)
         try:
-            self.store = dist.TCPStore(host, port, size, rank == 0, timeout=td, wait_for_workers=True)
+            if rank == 0:
+                self.raw_store = host_store(host, port, timeout_s, size, wait_for_workers=True)
+            else:
+                self.raw_store = dist.TCPStore(host, port, size, False, timeout=td, wait_for_workers=True)
+        except Exception as exc:  # rendezvous failure (timeout or refused)
+            raise TransferTimeoutError(
+                "dp_group/init", [], time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+            ) from exc
+        session = authenticate(self.raw_store, rank, size, timeout_s, secret, "dp_group/init")
+        self.store = session.scoped(self.raw_store) if session is not None else self.raw_store
+        try:
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore("dp", self.store), rank, size, td)
         except Exception as exc:  # rendezvous failure (timeout or refused)
             raise TransferTimeoutError(
@@ -71,7 +100,7 @@ class DPGroup:
         for r in range(self.size):
             key = f"at/{r}"
             try:
-                out[r] = self.store.get(key).decode() if self.store.check([key]) else "?"
+                out[r] = self.store.get(key)[:64].decode() if self.store.check([key]) else "?"
             except Exception:
                 out[r] = "?"
         return out

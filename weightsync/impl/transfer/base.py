@@ -48,6 +48,12 @@ class PortInUseError(WeightSyncError, OSError):
     """The trainer could not host the rendezvous store: ``master_port`` is already in use (EADDRINUSE)."""
 
 
+class AuthenticationError(WeightSyncError):
+    """The rendezvous refused to admit a rank, or a rank refused the store it reached: the two sides do not
+    hold the same deployment secret, one side holds none, or the trainer rejected this rank's claim
+    (:mod:`weightsync.impl.transfer.auth`). Raised at once, not at a deadline."""
+
+
 class ChecksumMismatchError(WeightSyncError):
     """With ``verify=True``, a bucket's checksum on some rank differs from the trainer's (corruption)."""
 
@@ -195,6 +201,7 @@ __all__ = [
     "LAYOUTS",
     "VLLM_INIT_FIELDS",
     "VLLM_UPDATE_FIELDS",
+    "AuthenticationError",
     "ChecksumMismatchError",
     "Destination",
     "InitExtras",

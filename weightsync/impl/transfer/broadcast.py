@@ -19,7 +19,7 @@ Rules:
    keeping its parameters in one arena in the trainer's order; the same test as the trainer's zero-copy
    runs, packing rule 7), or a one-tensor bucket's destination is contiguous with the same dtype and
    shape, the broadcast lands straight in the parameters and the load's copy is a no-op: no staging
-   buffer, no second pass over the bytes. Not with ``verify=True`` (the checksum must pass before the
+   buffer, no second pass over the bytes. Not with ``verify`` on (the checksum must pass before the
    bytes become weights). A failure mid-round then leaves the same partially updated model as a staged
    load does (earlier buckets were loaded); the engine stays paused until a round completes.
 6. **Deadlines.** Every broadcast is waited for with ``Work.wait(timeout)`` and every store exchange with
@@ -45,7 +45,6 @@ from typing import Any
 import torch
 
 from weightsync.impl.transfer.base import (
-    ChecksumMismatchError,
     Destination,
     InitInfo,
     LoadFn,
@@ -69,8 +68,9 @@ from weightsync.impl.transfer.packing import (
     Bucket,
     Tensors,
     as_bytes,
+    bucket_digest,
+    check_bucket,
     contiguous_run,
-    crc32,
     max_packed_bucket,
     pack_bucket,
     pool_cap,
@@ -109,17 +109,19 @@ def _broadcast_buckets(
         run = contiguous_run(b, tensors)
         return run if run is not None and run.device == group.device else None
 
-    def payload(b: Bucket) -> tuple[torch.Tensor | None, int | None]:
+    key = group.session.key if group.session is not None else None
+
+    def payload(b: Bucket) -> tuple[torch.Tensor | None, int | str | None]:
         tensors = feed.take(b.members)  # a stream is pulled here, one bucket at a time (rounds rule 4)
         if b.nbytes == 0:
-            return None, (0 if args.verify else None)
+            return None, bucket_digest(None, args.verify, key)
         buf = direct(b, tensors)
         if buf is None:
             if b.oversized or not args.packed or len(b.members) == 1:
                 buf = as_bytes(tensors[b.members[0]].to(group.device).contiguous())
             else:
                 buf = pack_bucket(group.pool.slot(b.number % n), b, tensors)
-        return buf, (crc32(buf) if args.verify else None)
+        return buf, bucket_digest(buf, args.verify, key)
 
     at_hand = feed.at_hand
     if args.packed:
@@ -132,8 +134,8 @@ def _broadcast_buckets(
         ]
         group.pool.reserve(n, max_packed_bucket(to_pack), pool_cap(to_pack, args.packed_buffer_size_bytes))
 
-    def submit(b: Bucket) -> concurrent.futures.Future[tuple[torch.Tensor | None, int | None]]:
-        fut: concurrent.futures.Future[tuple[torch.Tensor | None, int | None]]
+    def submit(b: Bucket) -> concurrent.futures.Future[tuple[torch.Tensor | None, int | str | None]]:
+        fut: concurrent.futures.Future[tuple[torch.Tensor | None, int | str | None]]
         if group.packer is not None and b.nbytes > 0 and (at_hand is None or direct(b, at_hand) is None):
             return group.packer.submit(payload, b)
         fut = concurrent.futures.Future()
@@ -151,7 +153,7 @@ def _broadcast_buckets(
         for k in range(len(buckets)):
             assert fut is not None
             buf: torch.Tensor | None = None
-            crc: int | None = None
+            crc: int | str | None = None
             try:
                 buf, crc = fut.result()
             except BaseException as exc:
@@ -248,7 +250,7 @@ class _Pending:
         self.buf = buf
         self.tensors = tensors
         self.works = works
-        self.crc: int | None = None
+        self.crc: int | str | None = None
 
 
 class BroadcastWeightTransferEngine(WeightTransferEngine):
@@ -304,7 +306,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         Raises:
             ValueError: ``local_check`` vetoed (raised after the agreement, before any payload).
             WireMismatchError: a peer vetoed or disagrees on the wire description.
-            ChecksumMismatchError: ``verify`` and a bucket's CRC differs from the trainer's.
+            ChecksumMismatchError: ``verify`` and a bucket's CRC or HMAC differs from the trainer's.
             PeerFailedError / TransferTimeoutError: a peer failed or missed a deadline.
         """
         g = self._group()
@@ -321,6 +323,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
             g.pool.reserve(n, max_packed_bucket(staged), pool_cap(staged, info.packed_buffer_size_bytes))
         pending: collections.deque[_Pending] = collections.deque()
         error: BaseException | None = None
+        key = g.session.key if g.session is not None else None
 
         def finish(p: _Pending) -> None:
             nonlocal error
@@ -329,11 +332,8 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
             if error is not None:
                 return
             try:
-                if info.verify and p.buf is not None and crc32(p.buf) != p.crc:
-                    raise ChecksumMismatchError(
-                        f"bucket {p.bucket.number} of round {seq}: CRC32 {crc32(p.buf):#010x} on rank {g.rank} != "
-                        f"trainer's {p.crc:#010x} (verify=True)"
-                    )
+                where = f"bucket {p.bucket.number} of round {seq} on rank {g.rank}"
+                check_bucket(p.buf, p.crc, info.verify, key, where)
                 if p.bucket.oversized or not info.packed:
                     m = metas[p.bucket.members[0]]
                     load_weights([(m.name, p.tensors[0])])

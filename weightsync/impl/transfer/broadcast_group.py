@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from weightsync.impl.transfer.auth import Session
 from weightsync.impl.transfer.base import InitInfo
-from weightsync.impl.transfer.control import ControlPlane, open_store
+from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.packing import BufferPool
+from weightsync.impl.transfer.rendezvous import interface_of, rendezvous
 from weightsync.spec.errors import PeerFailedError, TransferTimeoutError
 
 
@@ -49,7 +51,7 @@ def local_address_towards(address: str) -> str | None:
         return None
 
 
-def gloo_device_choice(address: str) -> list[dict[str, str]]:
+def gloo_device_choice(address: str, rank: int | None = None) -> list[dict[str, str]]:
     """The keyword arguments of ``ProcessGroupGloo.create_device``, one per device, that a rank of a group
     whose store is at ``address`` binds and advertises to its peers (rule 1); ``[]``: gloo's default
     device. In order of precedence:
@@ -57,13 +59,14 @@ def gloo_device_choice(address: str) -> list[dict[str, str]]:
     1. ``GLOO_SOCKET_IFNAME`` (comma-separated interface names), when set: torch's own convention, which
        its ``ProcessGroupGloo(store, rank, size, timeout)`` constructor honours and explicit devices
        would otherwise bypass;
-    2. ``127.0.0.1`` when ``address`` is a loopback address;
-    3. the local address on the route to ``address`` (:func:`local_address_towards`; the trainer, which
-       hosts the store there, gets ``address`` itself), so every peer that reaches the store reaches this
-       rank too. gloo's default (the address the hostname resolves to, else loopback) is wrong on a host
-       whose hostname names another interface or network namespace: the peers would be told to connect
-       to an address they cannot reach, and the group would never form;
-    4. ``[]`` when ``address`` does not resolve or has no route.
+    2. rank 0 (the trainer, which hosts the store): ``address`` itself, the interface its store listens
+       on (``rendezvous`` rule 1), so its gloo listens there too;
+    3. ``127.0.0.1`` when ``address`` is a loopback address;
+    4. the local address on the route to ``address`` (:func:`local_address_towards`), so every peer that
+       reaches the store reaches this rank too. gloo's default (the address the hostname resolves to, else
+       loopback) is wrong on a host whose hostname names another interface or network namespace: the
+       peers would be told to connect to an address they cannot reach, and the group would never form;
+    5. ``[]`` when ``address`` does not resolve or has no route.
     """
     ifnames = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
     if ifnames:
@@ -72,16 +75,30 @@ def gloo_device_choice(address: str) -> list[dict[str, str]]:
         ip = socket.gethostbyname(address)
     except OSError:
         return []
+    if rank == 0:
+        return [{"hostname": ip}]
     if ip.startswith("127."):
         return [{"hostname": "127.0.0.1"}]
     local = local_address_towards(ip)
     return [] if local is None else [{"hostname": local}]
 
 
-def gloo_devices(address: str) -> list[Any]:
+def gloo_devices(address: str, rank: int | None = None) -> list[Any]:
     """The gloo devices of :func:`gloo_device_choice` (gloo's default device where it chose none)."""
     gloo: Any = dist.ProcessGroupGloo
-    return [gloo.create_device(**kw) for kw in gloo_device_choice(address)] or [gloo.create_default_device()]
+    chosen = gloo_device_choice(address, rank)
+    return [gloo.create_device(**kw) for kw in chosen] or [gloo.create_default_device()]
+
+
+def nccl_socket_ifname(address: str, rank: int) -> str | None:
+    """The interface NCCL's bootstrap and socket transport should use (``NCCL_SOCKET_IFNAME``) in a group
+    whose store is at ``address``: the one holding the address gloo binds (:func:`gloo_device_choice`), or
+    None when that is unknown or ``NCCL_SOCKET_IFNAME`` is already set (the operator's choice wins)."""
+    if os.environ.get("NCCL_SOCKET_IFNAME"):
+        return None
+    chosen = gloo_device_choice(address, rank)
+    host = chosen[0].get("hostname") if chosen else None
+    return None if host is None else interface_of(host)
 
 
 @dataclass
@@ -93,6 +110,8 @@ class BroadcastGroup:
         backend: ``"gloo"`` or ``"nccl"``.
         device: where payload tensors live (``cpu`` for gloo, the current CUDA device for NCCL).
         info: the ``init_info`` it was joined with (sizes each round's deadline).
+        session: the authenticated rendezvous's session (None without a secret): its key tags buckets
+            under ``verify="hmac"``.
         seq: number of updates started on this group; ok_seq: the last one that completed everywhere.
     """
 
@@ -104,6 +123,7 @@ class BroadcastGroup:
     backend: str
     device: torch.device
     info: InitInfo
+    session: Session | None = None
     seq: int = 0
     ok_seq: int = 0
     pool: BufferPool = field(default_factory=BufferPool)
@@ -174,36 +194,44 @@ class BroadcastGroup:
 
 
 def join_group(info: InitInfo, rank: int) -> BroadcastGroup:
-    """Rendezvous on the store and build this rank's process group (rule 1).
+    """Rendezvous on the store (policy, one interface and the authenticated handshake:
+    :func:`~weightsync.impl.transfer.rendezvous.rendezvous`) and build this rank's process group under the
+    session's namespace (rule 1).
 
     Raises:
+        ValueError: the policy refused ``master_address`` (before any socket opens).
+        AuthenticationError: the handshake refused this rank or the store it reached.
         PortInUseError: rank 0 could not host the store.
         WireMismatchError: the ranks disagree on ``world_size`` (``control`` rule 3).
         TransferTimeoutError: a rank never joined (naming it), or the group could not connect in time.
         ValueError: the rank mapping is not a bijection, or NCCL was asked for without CUDA.
     """
     backend = resolve_backend(info.group_backend)
-    store = open_store(info, rank)
+    rv = rendezvous(info, rank)
+    store = rv.store
     try:
         cp = ControlPlane(
-            PrefixStore("ctl/", store),
+            PrefixStore("ctl/", rv.scoped),
             rank,
             info.world_size,
             info.rendezvous_timeout_s,
             info.rendezvous_timeout_basis,
         )
         cp.join()
-        pg_store = PrefixStore("pg/", store)
+        pg_store = PrefixStore("pg/", rv.scoped)
         timeout = datetime.timedelta(seconds=info.rendezvous_timeout_s)
         try:
             if backend == "gloo":
                 gloo: Any = dist.ProcessGroupGloo
                 opts = gloo._Options()
                 opts._timeout = timeout
-                opts._devices = gloo_devices(info.address)
+                opts._devices = gloo_devices(info.address, rank)
                 pg: Any = gloo(pg_store, rank, info.world_size, opts)
                 device = torch.device("cpu")
             else:  # pragma: no cover - needs CUDA
+                ifname = nccl_socket_ifname(info.address, rank)
+                if ifname is not None:
+                    os.environ["NCCL_SOCKET_IFNAME"] = ifname
                 nccl_opts = dist.ProcessGroupNCCL.Options()
                 nccl_opts._timeout = timeout
                 pg = dist.ProcessGroupNCCL(pg_store, rank, info.world_size, nccl_opts)
@@ -218,7 +246,7 @@ def join_group(info: InitInfo, rank: int) -> BroadcastGroup:
     except BaseException:
         del store
         raise
-    return BroadcastGroup(store, cp, pg, rank, info.world_size, backend, device, info)
+    return BroadcastGroup(store, cp, pg, rank, info.world_size, backend, device, info, rv.session)
 
 
 def drain(group: BroadcastGroup, works: Iterable[Any]) -> None:
@@ -235,5 +263,6 @@ __all__ = [
     "gloo_devices",
     "join_group",
     "local_address_towards",
+    "nccl_socket_ifname",
     "resolve_backend",
 ]

@@ -5,8 +5,8 @@ Rules:
 1. The trainer is transfer rank 0 and hosts a ``torch.distributed.TCPStore`` at
    ``master_address:master_port``; engine workers connect as clients (vLLM 0.32
    ``nccl_common.py:139-159``). The default process group is never touched.
-2. Every value written to the store is UTF-8 JSON, and every value read is parsed with ``json.loads``:
-   nothing received from the network is unpickled (vLLM refuses pickled IPC handles unless
+2. Every value written to the store is UTF-8 JSON, and every value read is parsed by :func:`strict_json`
+   (at most :data:`CONTROL_LIMIT_BYTES`, no NaN or Infinity): nothing received from the network is unpickled (vLLM refuses pickled IPC handles unless
    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
 3. Joining: each rank takes a ticket (``arrivals``, an atomic counter), publishes ``ticket/<n>`` =
    ``{"rank", "world_size"}`` and increments ``claim/<rank>``, then polls the tickets until it has seen
@@ -45,9 +45,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store, TCPStore
+from torch._C._distributed_c10d import Store
 
-from weightsync.impl.transfer.base import InitInfo, PortInUseError
 from weightsync.spec.errors import PeerFailedError, TransferTimeoutError, WireMismatchError
 
 #: After a rank sees the ranks disagree on ``world_size``, how long it waits at most for the ranks that claim
@@ -65,40 +64,26 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def open_store(info: InitInfo, rank: int) -> TCPStore:
-    """Host (rank 0) or connect to (other ranks) the group's TCPStore.
+#: Largest control-plane value read from the store, bytes (a wire description of ~10^5 tensors fits).
+CONTROL_LIMIT_BYTES = 64 << 20
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+def strict_json(raw: bytes | str, limit: int, what: str) -> Any:
+    """``raw`` parsed as strict JSON (rule 2): UTF-8, at most ``limit`` bytes, no ``NaN``/``Infinity``.
 
     Raises:
-        PortInUseError: rank 0 and ``master_port`` is taken.
-        TransferTimeoutError: a worker found no store at the address within ``timeout_s`` (phase
-            ``"rendezvous"``, missing rank 0).
+        ValueError: naming ``what``, the value is longer than ``limit`` bytes, not UTF-8, or not JSON.
     """
+    if len(raw) > limit:
+        raise ValueError(f"{what}: {len(raw)} bytes read from the store, more than the limit of {limit}")
     try:
-        return TCPStore(
-            info.address,
-            info.port,
-            None,
-            rank == 0,
-            _td(info.rendezvous_timeout_s),
-            wait_for_workers=False,
-        )
-    except dist.DistNetworkError as exc:
-        text = str(exc)
-        if rank == 0 and ("EADDRINUSE" in text or "address already in use" in text.lower()):
-            raise PortInUseError(
-                98,
-                f"init_weight_transfer_engine: master_port {info.master_port} on {info.master_address} is "
-                "already in use; the trainer (rank 0) must host the rendezvous TCPStore on a free port",
-            ) from None
-        if rank == 0:
-            raise
-        raise TransferTimeoutError(
-            "rendezvous",
-            [0],
-            info.rendezvous_timeout_s,
-            f"no TCPStore answered at {info.master_address}:{info.master_port} (the trainer hosts it); "
-            f"{info.rendezvous_timeout_basis}",
-        ) from None
+        return json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{what}: not strict JSON ({str(exc)[:120]})") from None
 
 
 class _Caller:
@@ -201,7 +186,7 @@ class ControlPlane:
             key = f"ticket/{len(seen) + 1}"
             if not ask(phase, self.timeout_s, s.check, [key]):  # taken, not yet written: read it next poll
                 return
-            t = json.loads(ask(phase, self.timeout_s, s.get, key))
+            t = strict_json(ask(phase, self.timeout_s, s.get, key), CONTROL_LIMIT_BYTES, key)
             seen.append({"rank": int(t["rank"]), "world_size": int(t["world_size"])})
 
     def join(self) -> None:
@@ -365,7 +350,7 @@ class ControlPlane:
             raise PeerFailedError(
                 [0], phase, f"lost the trainer's TCPStore: {str(exc).splitlines()[0]}"
             ) from None
-        return [json.loads(v) for v in raw]
+        return [strict_json(v, CONTROL_LIMIT_BYTES, k) for v, k in zip(raw, keys, strict=True)]
 
     def exchange(self, key: str, value: Any, seq: int, phase: str) -> list[Any]:
         """:meth:`post` then :meth:`collect` from every rank; returns values in rank order."""
@@ -390,4 +375,4 @@ class ControlPlane:
                     return
 
 
-__all__ = ["ControlPlane", "open_store"]
+__all__ = ["CONTROL_LIMIT_BYTES", "ControlPlane", "strict_json"]

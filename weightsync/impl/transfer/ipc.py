@@ -45,7 +45,6 @@ from typing import Any
 import torch
 
 from weightsync.impl.transfer.base import (
-    ChecksumMismatchError,
     Destination,
     InitInfo,
     LoadFn,
@@ -56,7 +55,7 @@ from weightsync.impl.transfer.base import (
     WeightTransferEngine,
     WireArgs,
 )
-from weightsync.impl.transfer.control import ControlPlane, open_store
+from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.ipc_handles import (
     Segment,
     SharedBuffer,
@@ -69,13 +68,15 @@ from weightsync.impl.transfer.ipc_handles import (
 from weightsync.impl.transfer.packing import (
     Bucket,
     as_bytes,
+    bucket_digest,
+    check_bucket,
     contiguous_run,
-    crc32,
     max_packed_bucket,
     pack_bucket,
     pool_cap,
     unpack_bucket,
 )
+from weightsync.impl.transfer.rendezvous import rendezvous
 from weightsync.impl.transfer.rounds import TensorFeed, open_receive_round, veto_round
 from weightsync.impl.transfer.sender import RoundSender
 from weightsync.spec.errors import PeerFailedError
@@ -122,9 +123,12 @@ class IPCTrainer(RoundSender):
         super().__init__(init_info, default_layout)
         info = self.info
         self.device = torch.device(device)
-        self.store = open_store(info, 0)
+        rv = rendezvous(info, 0)
+        self.store = rv.store
+        #: the session key of the authenticated rendezvous (``verify="hmac"``), None without a secret
+        self.key = rv.session.key if rv.session is not None else None
         self.cp = ControlPlane(
-            self.store, 0, info.world_size, info.rendezvous_timeout_s, info.rendezvous_timeout_basis
+            rv.scoped, 0, info.world_size, info.rendezvous_timeout_s, info.rendezvous_timeout_basis
         )
         self.cp.join()
         self.seq = 0
@@ -222,7 +226,7 @@ class IPCTrainer(RoundSender):
                 msg["segment"] = slot.id
             if self.device.type == "cuda":  # pragma: no cover - needs CUDA
                 torch.cuda.current_stream(self.device).synchronize()
-            msg["crc"] = crc32(buf[: b.nbytes]) if args.verify else None
+            msg["crc"] = bucket_digest(buf[: b.nbytes], args.verify, self.key)
             self.cp.post(f"r{seq}/c{k}", msg, seq)
             posted = k + 1
             if temp is not None:
@@ -292,6 +296,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self.info: InitInfo | None = None
         self.seq = 0
         self._store: Any = None
+        self.key: bytes | None = None
         self._mapped: dict[int, tuple[str, torch.Tensor]] = {}
         self._shared: dict[str, torch.Tensor] = {}
         self._shared_used: set[str] = set()
@@ -307,9 +312,11 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         rank = self.parallel.transfer_rank(init_info.rank_offset, init_info.world_size)
         wire = init_info.wire(self.layout_default)
         self.shutdown()
-        self._store = open_store(init_info, rank)
+        rv = rendezvous(init_info, rank)
+        self._store = rv.store
+        self.key = rv.session.key if rv.session is not None else None
         cp = ControlPlane(
-            self._store,
+            rv.scoped,
             rank,
             init_info.world_size,
             init_info.rendezvous_timeout_s,
@@ -367,7 +374,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         Raises:
             ValueError: ``local_check`` vetoed; a malformed handle; no handle for this device.
             WireMismatchError: a peer vetoed or disagrees on the wire description.
-            ChecksumMismatchError: ``verify`` and a chunk's CRC differs from the producer's.
+            ChecksumMismatchError: ``verify`` and a chunk's CRC or HMAC differs from the producer's.
             PeerFailedError / TransferTimeoutError: a peer failed or missed a deadline.
         """
         cp = self._cp()
@@ -405,7 +412,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         msg: Mapping[str, Any],
         metas: Sequence[TensorMeta],
         load: LoadFn,
-        verify: bool,
+        verify: bool | str,
         seq: int,
     ) -> None:
         if msg.get("nbytes") != b.nbytes:
@@ -417,11 +424,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
                     f"shared buffer of {buf.numel()} bytes cannot hold chunk {b.number} ({b.nbytes})"
                 )
             view = buf[: b.nbytes]
-            if verify and crc32(view) != msg.get("crc"):
-                raise ChecksumMismatchError(
-                    f"chunk {b.number} of round {seq}: CRC32 {crc32(view):#010x} on rank {self.rank} != "
-                    f"producer's {msg.get('crc')!r} (verify=True)"
-                )
+            check_bucket(
+                view, msg.get("crc"), verify, self.key, f"chunk {b.number} of round {seq} on rank {self.rank}"
+            )
             pairs = unpack_bucket(view, b, metas)
             if self.device.type == "cuda":  # pragma: no cover - needs CUDA
                 pairs = [(name, t.clone()) for name, t in pairs]

@@ -31,6 +31,7 @@ Rules (vLLM 0.32 ``distributed/weight_transfer/packed_tensor.py``, with weightsy
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import zlib
 from collections.abc import Mapping, Sequence
@@ -38,7 +39,7 @@ from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
-from weightsync.impl.transfer.base import LAYOUTS, TensorMeta, WireArgs
+from weightsync.impl.transfer.base import LAYOUTS, ChecksumMismatchError, TensorMeta, WireArgs
 
 #: Byte alignment of every tensor inside a bucket (rule 4).
 ALIGN = 16
@@ -306,8 +307,54 @@ def crc32(t: torch.Tensor) -> int:
     """CRC-32 of a uint8 tensor's bytes (copied to host first when on an accelerator)."""
     if t.numel() == 0:
         return 0
+    return zlib.crc32(_host_bytes(t))
+
+
+#: ``verify`` values (:class:`~weightsync.impl.transfer.request_info.WireArgs`): False (no check), True
+#: (CRC-32 per bucket: corruption) or ``"hmac"`` (HMAC-SHA256 per bucket under the session key of the
+#: authenticated rendezvous: a bucket changed on the path; needs the deployment's secret).
+VERIFY_MODES: tuple[bool | str, ...] = (False, True, "hmac")
+
+
+def bucket_digest(buf: torch.Tensor | None, verify: bool | str, key: bytes | None) -> int | str | None:
+    """The digest the trainer sends with a bucket's bytes ``buf`` (None or empty: no bytes) under
+    ``verify``: None, a CRC-32 int, or an HMAC-SHA256 hex string under session key ``key``.
+
+    Raises:
+        ValueError: ``verify="hmac"`` and the group has no session key (no secret configured).
+    """
+    if not verify:
+        return None
+    if verify == "hmac":
+        if key is None:
+            raise ValueError(
+                "verify='hmac' needs the session key of an authenticated rendezvous: configure the "
+                "deployment's secret (WEIGHTSYNC_TOKEN_FILE) on the trainer and every engine"
+            )
+        data = b"" if buf is None or buf.numel() == 0 else _host_bytes(buf)
+        return hmac.new(key, data, hashlib.sha256).hexdigest()
+    return 0 if buf is None else crc32(buf)
+
+
+def check_bucket(
+    buf: torch.Tensor | None, expected: object, verify: bool | str, key: bytes | None, where: str
+) -> None:
+    """Compare ``buf``'s digest with the trainer's ``expected`` (:func:`bucket_digest`).
+
+    Raises:
+        ChecksumMismatchError: they differ, naming ``where``, both digests (a CRC) and ``verify``.
+    """
+    if not verify:
+        return
+    got = bucket_digest(buf, verify, key)
+    if got != expected:
+        shown = "" if verify == "hmac" else f": CRC32 {got:#010x} != trainer's {expected!r}"
+        raise ChecksumMismatchError(f"{where}{shown} (verify={verify!r}: the bytes changed on the way)")
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
     host = t.detach().cpu() if t.device.type != "cpu" else t.detach()
-    return zlib.crc32(host.contiguous().numpy().data)
+    return memoryview(host.contiguous().numpy().data).cast("B")
 
 
 def wire_description(metas: Sequence[TensorMeta], wire: WireArgs) -> dict[str, Any]:
@@ -350,11 +397,14 @@ def first_difference(ref: dict[str, Any], other: dict[str, Any]) -> str:
 __all__ = [
     "ALIGN",
     "LAYOUTS",
+    "VERIFY_MODES",
     "WIRE_FORMAT",
     "Bucket",
     "BufferPool",
     "Tensors",
     "as_bytes",
+    "bucket_digest",
+    "check_bucket",
     "contiguous_run",
     "crc32",
     "first_difference",

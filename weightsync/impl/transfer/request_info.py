@@ -64,6 +64,16 @@ LAYOUTS = ("aligned", "vllm")
 GROUP_BACKENDS = ("auto", "gloo", "nccl")
 
 
+def field_verify(d: dict[str, Any], what: str) -> None:
+    """Raises ValueError unless ``d['verify']`` is False, True or ``"hmac"`` (:class:`WireArgs`)."""
+    v = d["verify"]
+    if not (isinstance(v, bool) or v == "hmac"):
+        raise ValueError(
+            f"{what}['verify']={v!r} must be False, True (a CRC-32 per bucket) or 'hmac' (an HMAC-SHA256 per "
+            "bucket under the authenticated session's key)"
+        )
+
+
 @dataclass(frozen=True)
 class WireArgs:
     """What the trainer and every worker must agree on besides the tensors (part of the wire agreement):
@@ -74,7 +84,9 @@ class WireArgs:
         packed: pack tensors into uint8 buckets (True) or send each tensor on its own (False).
         packed_buffer_size_bytes: bucket capacity B in bytes (> 0).
         packed_num_buffers: number of pipelined bucket buffers (1..64).
-        verify: carry a CRC32 per bucket and compare it on every rank (weightsync).
+        verify: False; True (a CRC-32 per bucket, compared on every rank: corruption); or ``"hmac"`` (an
+            HMAC-SHA256 per bucket under the authenticated rendezvous's session key, checked before
+            ``load_weights``: a bucket changed on the path; needs the deployment's secret).
         layout: ``"aligned"`` (weightsync's, packing rules 2-4) or ``"vllm"`` (vLLM's packer byte for byte,
             packing rule 8).
     """
@@ -82,7 +94,7 @@ class WireArgs:
     packed: bool = False
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-    verify: bool = False
+    verify: bool | str = False
     layout: str = "aligned"
 
     def for_round(self, update_info: UpdateInfo) -> WireArgs:
@@ -103,7 +115,7 @@ class InitExtras:
         timeout_s: deadline of every rendezvous and collective, seconds (> 0). None (the default): the
             rendezvous waits :data:`DEFAULT_TIMEOUT_S` and each update round's waits are sized to the round
             (:meth:`InitInfo.round_deadline`).
-        verify: CRC32 per bucket, compared on every rank (default off).
+        verify: per-bucket check (:class:`WireArgs`): False (the default), True (CRC-32) or ``"hmac"``.
         layout: ``"aligned"`` or ``"vllm"`` (:class:`WireArgs`); None (the default): the backend's own
             (``"aligned"`` for the reference transports and ``weightsync_ipc``, ``"vllm"`` for vLLM backend
             ``weightsync``). Both sides resolve it alike; a disagreement fails the wire agreement.
@@ -113,21 +125,26 @@ class InitExtras:
             ``model.load_weights`` and vLLM's layerwise reload, ``model_loader/reload/inplace.py``); False:
             kernel format, ``named_parameters()`` names copied by exact name (weightsync's reference engine
             only). vLLM 0.32's ``start_weight_update()`` takes no argument, so the format is fixed here.
+        allow_unauthenticated: accept a rendezvous without the deployment's secret on a non-loopback
+            ``master_address`` (default False: refused; :mod:`weightsync.impl.transfer.rendezvous` rule 2).
+            A warning is logged once. Ignored where a secret is configured: it is then required.
     """
 
     timeout_s: float | None = None
-    verify: bool = False
+    verify: bool | str = False
     layout: str | None = None
     group_backend: str = "auto"
     is_checkpoint_format: bool = True
+    allow_unauthenticated: bool = False
 
     def _check_extras(self, what: str) -> None:
         """Raises ValueError naming the first extra field with a wrong type or value."""
         d = self.__dict__
         if self.timeout_s is not None:
             field_seconds(d, "timeout_s", what)
-        field_bool(d, "verify", what)
+        field_verify(d, what)
         field_bool(d, "is_checkpoint_format", what)
+        field_bool(d, "allow_unauthenticated", what)
         if self.layout is not None and self.layout not in LAYOUTS:
             raise ValueError(
                 f"{what}['layout']={self.layout!r} must be 'aligned' (weightsync's), 'vllm' (vLLM's packer) "
@@ -272,7 +289,8 @@ class UpdateInfo:
         dtype_names: one wire dtype name per tensor (keys of :data:`DTYPES`: the torch attribute names,
             as vLLM's trainer writes them, ``nccl_engine.py:334``).
         shapes: one shape per tensor (a list of ints, every dimension >= 0).
-        verify: override ``init_info``'s ``verify`` for this call (None: init's); the trainer must agree.
+        verify: override ``init_info``'s ``verify`` for this call (None: init's; else False, True or
+            ``"hmac"``); the trainer must agree.
         check_finite: the engine worker refuses NaN / +-Inf in received floating-point weights before
             loading them (default False; local to each worker, so not part of the wire description: the
             trainer never sees it). See the worker's rule 7.
@@ -280,14 +298,15 @@ class UpdateInfo:
     Raises:
         ValueError: (at construction) ``names`` / ``dtype_names`` / ``shapes`` not lists of equal length
             (vLLM's rule); a name that is not a non-empty str or appears twice; an unknown dtype name; a
-            shape that is not a list of ints or has a negative dimension; ``verify`` not a bool or None;
+            shape that is not a list of ints or has a negative dimension; ``verify`` not a bool, ``"hmac"`` or
+            None;
             ``check_finite`` not a bool.
     """
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    verify: bool | None = None
+    verify: bool | str | None = None
     check_finite: bool = False
 
     def __post_init__(self) -> None:
@@ -327,7 +346,7 @@ class UpdateInfo:
                         f"{dim}; every dimension must be >= 0"
                     )
         if self.verify is not None:
-            field_bool(d, "verify", what)
+            field_verify(d, what)
         field_bool(d, "check_finite", what)
         self.names, self.dtype_names = list(names), list(dtypes)
         self.shapes = [list(s) for s in shapes]

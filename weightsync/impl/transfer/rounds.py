@@ -442,7 +442,7 @@ def status(
     key: str,
     error: BaseException | None,
     phase: str,
-    crc: int | None = None,
+    crc: int | str | None = None,
     detail: str | None = None,
 ) -> list[dict[str, Any]]:
     """Rules 2 and 3: post this rank's status for ``key`` and collect everyone's (rank order). ``detail``
