@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from weightsync.commands import bench, demo, model, replay, repro
+from weightsync.commands import bench, demo, model, replay, repro, token
 from weightsync.commands.common import EXIT_USAGE
 from weightsync.spec.states import PauseMode
 
@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--cycles", type=POSITIVE, default=20, help="controller cycles")
     rc.add_argument("--seed", type=SEED, default=0, help="seed of the request traffic and pause modes")
     rc.add_argument("--out", default="traces/vllm-0.32-cycles.jsonl", help="trace file (JSONL)")
+    t = add("token", "manage the deployment secret that admits a trainer and its engines to a transfer group")
+    t.add_argument("action", choices=["new"], help="new: write a new secret (mode 0600, never overwriting)")
+    t.add_argument("path", help="where to write it")
     return p
 
 
@@ -282,6 +285,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "repro": repro.repro,
     "replay": replay.replay,
     "record": repro.record,
+    "token": token.token,
 }
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from weightsync.demo.config import DemoConfig, EngineDiedError, SyncRecord
 from weightsync.demo.guard import ClientGuard
@@ -53,12 +54,13 @@ def probe_diff(
     equal = True
     deadline = time.monotonic() + timeout_s
     for r in range(ranks):
-        path = probe_dir / f"rank{r}-round{version}.pt"
+        path = probe_dir / f"rank{r}-round{version}.safetensors"
         while not path.exists():
             if time.monotonic() > deadline:
                 raise WeightSyncError(f"engine rank {r} wrote no probe logits for version {version}")
             time.sleep(0.01)
-        got = torch.load(path, weights_only=True)
+        saved = load_file(str(path))
+        got = [saved[str(i)] for i in range(len(saved))]
         for a, b in zip(ref, got, strict=True):
             equal = equal and a.shape == b.shape and torch.equal(a, b)
             worst = max(worst, float((a.float() - b.float()).abs().max().item()))

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from weightsync.impl.models.causal_lm import CausalLM
 from weightsync.impl.transfer.base import ParallelInfo
@@ -64,7 +65,7 @@ class DemoWorker:
         backend: ``"nccl"`` (broadcast over gloo on CPU) or ``"ipc"`` (CPU shared memory).
 
     ``init_info`` may carry ``demo_probe_dir`` (after every finished round the engine writes its probe logits
-    to ``<dir>/rank<dp_index>-round<k>.pt``, ``k`` = completed rounds) and ``demo_kill``
+    to ``<dir>/rank<dp_index>-round<k>.safetensors``, ``k`` = completed rounds) and ``demo_kill``
     (``{"rank": r, "round": k}``: rank ``r`` kills itself with SIGKILL after loading the first bucket of round
     ``k``). Both are removed before the real worker parses ``init_info``.
     """
@@ -123,9 +124,10 @@ class DemoWorker:
 
         with torch.no_grad():
             logits = [t.detach().cpu() for t in self.model.probe_logits(probe_prompt_tokens())]
-        path = pathlib.Path(self.probe_dir) / f"rank{self.dp_index}-round{self.inner.weight_version}.pt"
+        path = pathlib.Path(self.probe_dir) / f"rank{self.dp_index}-round{self.inner.weight_version}.safetensors"
         tmp = path.with_suffix(".tmp")
-        torch.save(logits, tmp)
+        # safetensors, not torch.save: nothing the package reads back is unpickled
+        save_file({str(i): t.contiguous() for i, t in enumerate(logits)}, str(tmp))
         os.replace(tmp, path)
 
 
