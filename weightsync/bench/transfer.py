@@ -39,22 +39,34 @@ copy of the same weights in separately allocated tensors gives the non-flat figu
   buffers (the trainer fills buffer k+1 while the engines copy out buffer k).
 - ``memcpy_gbps``: one ``dst.copy_(src)`` of the model's bytes between two preallocated flat tensors in
   one process, one thread (the fixed baseline).
+- ``packed_hmac_gbps``: ``packed_load`` with ``verify="hmac"`` on a group admitted by the authenticated
+  rendezvous (a bench-only secret in each process's environment): the trainer tags every bucket with
+  HMAC-SHA256 under the session key and every engine checks the tag before ``load_weights``.
+  ``hmac_round_cost`` = its round time / ``packed_load``'s (interleaved in the same runs).
+- ``handshake_added_ms``: what the authenticated handshake adds to one ``init_weight_transfer_engine``
+  on loopback: the median (over :data:`REPEATS` interleaved pairs) of a whole group init (trainer and both
+  engines, from one barrier until the trainer's endpoint is up) with the secret, minus the same without
+  (``init_plain_ms``, ``init_auth_ms``). Target: < 50 ms.
 - ``rss_growth_bytes``: largest growth of any process's resident set between the end of packed sync 1 and
   the end of sync 21 of the packing path (separate tensors; vLLM issue #52950 grew by 2.09 GB per sync).
 
-Targets: packed >= 0.9 x raw; packed >= 3 x per-tensor; ipc >= 0.5 x memcpy; rss growth < one bucket.
+Targets: packed >= 0.9 x raw; packed >= 3 x per-tensor; ipc >= 0.5 x memcpy; rss growth < one bucket;
+handshake added < 50 ms.
 On two cores loopback TCP is CPU copying, so the engines' load copies in ``packed_load`` (a model copy
 that ``raw`` does not make) compete with the broadcast itself; receiving in place removes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
+import secrets
+import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -62,10 +74,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from weightsync.impl.engine.client import free_port
-from weightsync.impl.transfer.base import DTYPES, ParallelInfo, TensorMeta, dtype_name
+from weightsync.impl.transfer.base import DTYPES, InitInfo, ParallelInfo, TensorMeta, dtype_name
 from weightsync.impl.transfer.broadcast import BroadcastTrainer, BroadcastWeightTransferEngine
 from weightsync.impl.transfer.ipc import IPCTrainer, SharedBuffer
 from weightsync.impl.transfer.packing import flat_layout, flat_views
+from weightsync.impl.transfer.secret import TOKEN_ENV
 from weightsync.impl.transfer.worker import WeightTransferWorker
 
 REPEATS = 5
@@ -161,6 +174,53 @@ def _barrier(pg: Any) -> None:
     pg.barrier().wait()
 
 
+@contextlib.contextmanager
+def _secret(token: str | None) -> Iterator[None]:
+    """This process's deployment secret is ``token`` inside the block (the bench's own, never shown)."""
+    saved = os.environ.pop(TOKEN_ENV, None)
+    if token is not None:
+        os.environ[TOKEN_ENV] = token
+    try:
+        yield
+    finally:
+        os.environ.pop(TOKEN_ENV, None)
+        if saved is not None:
+            os.environ[TOKEN_ENV] = saved
+
+
+def _share_port(group: Any) -> int:
+    """A free port chosen by rank 0 and broadcast on ``group`` (a :class:`BroadcastGroup`)."""
+    t = torch.tensor([free_port() if group.rank == 0 else 0], dtype=torch.int64)
+    group.wait(group.broadcast(t.view(torch.uint8)), "bench")
+    return int(t.item())
+
+
+def _init_times(group: Any, world: int, token: str) -> tuple[list[float], list[float]]:
+    """Rank 0's seconds for :data:`REPEATS` interleaved whole-group inits without and with the secret
+    (every rank runs this; workers return empty lists). Each init is a fresh group on a fresh port."""
+    plain: list[float] = []
+    auth: list[float] = []
+    for _ in range(REPEATS):
+        for with_secret, into in ((False, plain), (True, auth)):
+            port = _share_port(group)
+            info = _info(port, world, {}, timeout_s=30.0)
+            _barrier(group.pg)
+            t0 = time.perf_counter()
+            with _secret(token if with_secret else None):
+                if group.rank == 0:
+                    endpoint: Any = BroadcastTrainer(info)
+                else:
+                    endpoint = BroadcastWeightTransferEngine(ParallelInfo(dp_index=group.rank - 1))
+                    endpoint.init_transfer_engine(InitInfo.parse(info))
+            into.append(time.perf_counter() - t0)
+            _barrier(group.pg)
+            if group.rank == 0:
+                endpoint.close()
+            else:
+                endpoint.shutdown()
+    return (plain, auth) if group.rank == 0 else ([], [])
+
+
 def _metas(spec: list[tuple[str, tuple[int, ...]]]) -> list[TensorMeta]:
     return [TensorMeta(n, "bfloat16", s) for n, s in spec]
 
@@ -190,7 +250,13 @@ def _per_tensor_adhoc_engine(store: Any, run: int, n: int, g: Any, model: Any, r
 
 
 def _role(
-    rank: int, world: int, ports: tuple[int, int, int], quick: bool, bucket: int, num_buffers: int
+    rank: int,
+    world: int,
+    ports: tuple[int, int, int, int],
+    quick: bool,
+    bucket: int,
+    num_buffers: int,
+    token: str,
 ) -> dict[str, Any]:
     """One process of the benchmark: rank 0 is the trainer, ranks 1..world-1 engines."""
     torch.set_num_threads(1)
@@ -212,6 +278,8 @@ def _role(
         flat_pairs = [(n, v) for (n, _), v in zip(separate, views, strict=True)]
         tr = BroadcastTrainer(_info(ports[0], world, packing))
         trk = BroadcastTrainer(_info(ports[2], world, packing))  # the engines' kernel-format group
+        with _secret(token):  # an authenticated group whose buckets carry HMAC tags
+            trh = BroadcastTrainer(_info(ports[3], world, packing, verify="hmac"))
         pg = tr.group.pg
         store = tr.group.store
         raw = torch.empty(total, dtype=torch.uint8)
@@ -246,12 +314,15 @@ def _role(
         send(separate)  # warm up (allocates the pool)
         send(flat_pairs)
         send(kernel_pairs, trk)
+        send(flat_pairs, trh)
         timed(
             raw_s=lambda: tr.group.wait(tr.group.broadcast(raw), "bench"),
             packed_s=lambda: send(kernel_pairs, trk),
             packed_load_s=lambda: send(flat_pairs),
             packed_separate_s=lambda: send(separate),
+            packed_hmac_s=lambda: send(flat_pairs, trh),
         )
+        out["init_plain_s"], out["init_auth_s"] = _init_times(tr.group, world, token)
         timed(per_tensor_s=per_tensor, per_tensor_bare_s=per_tensor_bare)
         rss = [_rss()]
         for _ in range(SYNCS_FOR_RSS):
@@ -277,6 +348,7 @@ def _role(
         )
         _barrier(pg)
         ipc.close()
+        trh.close()
         trk.close()
         tr.close()
         shm.close()
@@ -297,6 +369,9 @@ def _role(
         model, "nccl", ParallelInfo(dp_index=rank - 1), name=f"engine {rank - 1} kernel"
     )
     wk.init_weight_transfer_engine(_info(ports[2], world, packing, is_checkpoint_format=False))
+    wh = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=rank - 1), name=f"engine {rank - 1} hmac")
+    with _secret(token):
+        wh.init_weight_transfer_engine(_info(ports[3], world, packing, verify="hmac"))
     g_ = w.engine.group if isinstance(w.engine, BroadcastWeightTransferEngine) else None
     assert g_ is not None
     pg = g_.pg
@@ -334,10 +409,17 @@ def _role(
                 fn()
                 _barrier(pg)
 
+    def recv_hmac() -> None:
+        wh.start_weight_update()
+        wh.update_weights(info)
+        wh.finish_weight_update()
+
     recv()
     recv()
     recv_kernel()
-    repeat(lambda: g_.wait(g_.broadcast(flat), "bench"), recv_kernel, recv, recv)
+    recv_hmac()
+    repeat(lambda: g_.wait(g_.broadcast(flat), "bench"), recv_kernel, recv, recv, recv_hmac)
+    _init_times(g_, world, token)
     repeat(per_tensor_recv, per_tensor_bare_recv)
     rss = [_rss()]
     for _ in range(SYNCS_FOR_RSS):
@@ -357,16 +439,24 @@ def _role(
     repeat(ipc_recv, ipc_recv, lambda: None)
     _barrier(pg)
     wi.shutdown()
+    wh.shutdown()
     wk.shutdown()
     w.shutdown()
     return out
 
 
 def _child(
-    rank: int, world: int, ports: tuple[int, int, int], quick: bool, bucket: int, num_buffers: int, q: Any
+    rank: int,
+    world: int,
+    ports: tuple[int, int, int, int],
+    quick: bool,
+    bucket: int,
+    num_buffers: int,
+    token: str,
+    q: Any,
 ) -> None:
     try:
-        q.put((rank, "ok", _role(rank, world, ports, quick, bucket, num_buffers)))
+        q.put((rank, "ok", _role(rank, world, ports, quick, bucket, num_buffers, token)))
     except BaseException as exc:
         q.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
@@ -398,11 +488,12 @@ def run_transfer_bench(
     """
     world = 3
     bucket = bucket_bytes if bucket_bytes is not None else (DEFAULT_BUCKET_BYTES if not quick else 4 << 20)
-    ports = (free_port(), free_port(), free_port())
+    ports = (free_port(), free_port(), free_port(), free_port())
+    token = secrets.token_hex(32)  # this run's secret, for the authenticated group only
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_child, args=(r, world, ports, quick, bucket, num_buffers, q), daemon=True)
+        ctx.Process(target=_child, args=(r, world, ports, quick, bucket, num_buffers, token, q), daemon=True)
         for r in range(world)
     ]
     for p in procs:
@@ -452,6 +543,10 @@ def run_transfer_bench(
         "packed_config": "flat trainer -> engine arena, kernel format, received in place (rule 5)",
         "packed_load_gbps": gbps(t["packed_load_s"]),
         "packed_separate_gbps": gbps(t["packed_separate_s"]),
+        "packed_hmac_gbps": gbps(t["packed_hmac_s"]),
+        "hmac_round_cost": t["packed_hmac_s"] / t["packed_load_s"],
+        "init_plain_ms": 1e3 * statistics.median(t["init_plain_s"]),
+        "init_auth_ms": 1e3 * statistics.median(t["init_auth_s"]),
         "per_tensor_gbps": gbps(t["per_tensor_s"]),
         "per_tensor_bare_gbps": gbps(t["per_tensor_bare_s"]),
         "ipc_gbps": gbps(t["ipc_shared_s"]),
@@ -464,6 +559,7 @@ def run_transfer_bench(
         "loadavg": _loadavg(),
         "quick": quick,
     }
+    out["handshake_added_ms"] = out["init_auth_ms"] - out["init_plain_ms"]
     out["packed_vs_raw"] = out["packed_gbps"] / out["raw_gbps"]
     out["packed_load_vs_raw"] = out["packed_load_gbps"] / out["raw_gbps"]
     out["packed_separate_vs_raw"] = out["packed_separate_gbps"] / out["raw_gbps"]
@@ -476,6 +572,7 @@ def run_transfer_bench(
         "packed_vs_per_tensor>=3": out["packed_vs_per_tensor"] >= 3.0,
         "ipc_vs_memcpy>=0.5": out["ipc_vs_memcpy"] >= 0.5,
         "rss_growth<bucket": out["rss_growth_bytes"] < bucket,
+        "handshake_added_ms<50": out["handshake_added_ms"] < 50.0,
     }
     out["targets_met"] = all(out["targets"].values())
     return out
@@ -513,6 +610,18 @@ def human(out: dict[str, Any]) -> None:
         f"{out['packed_load_gbps']:.3f}",
         f"{out['packed_load_vs_raw']:.2f} x raw",
         "",
+    )
+    t.add_row(
+        'packed, staged, verify="hmac"',
+        f"{out['packed_hmac_gbps']:.3f}",
+        f"round x {out['hmac_round_cost']:.2f} vs staged",
+        "",
+    )
+    t.add_row(
+        "authenticated handshake (added per init)",
+        f"{out['handshake_added_ms']:.1f} ms",
+        f"{out['init_plain_ms']:.1f} -> {out['init_auth_ms']:.1f} ms",
+        f"< 50 ms: {tg['handshake_added_ms<50']}",
     )
     t.add_row(
         "per-tensor broadcast",
