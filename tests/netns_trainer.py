@@ -1,6 +1,7 @@
 """``python tests/netns_trainer.py URL MODEL_DIR WORK_DIR MASTER_ADDRESS MASTER_PORT TIMEOUT_S``: the trainer
 of ``test_vllm_netns.py``, run inside its own network namespace (``ip netns exec``). Test helper only.
 
+It reads the deployment's secret from its own environment (``WEIGHTSYNC_TOKEN_FILE``), as the server does.
 It talks to the ``vllm serve`` at ``URL`` only through vLLM's public trainer API
 (``WeightTransferTrainerFactory.trainer_init`` with weightsync's init info, ``HTTPVLLMWeightSyncClient``)
 and the server's HTTP routes, and hosts the weight-transfer rendezvous at ``MASTER_ADDRESS:MASTER_PORT``.
@@ -9,7 +10,8 @@ It reports one JSON object a line on stdout:
 1. ``{"event": "round", ...}``: the weights of ``WORK_DIR/new1.pt`` sent as round ``step-1`` (bracketed
    by ``/pause?mode=keep`` and ``/resume``): the round's seconds, the server's weight version, its greedy
    tokens and prompt logprobs of every probe before and after; the sent weights are saved to
-   ``WORK_DIR/sent1.pt``.
+   ``WORK_DIR/sent1.pt``. Then it waits for a line on stdin (the test lets a second trainer, without the
+   deployment's secret, try to take the engines over in between).
 2. ``{"event": "mid-round", ...}``: the second round (``new2.pt``, ``step-2``) is inside ``update_weights``
    with half of its tensors pulled; the source then waits for a line on stdin (the test cuts the link and
    then writes it) and goes on.
@@ -92,6 +94,7 @@ def main() -> None:
     round_s = time.monotonic() - t0
     torch.save({n: p.detach().clone() for n, p in hf.named_parameters()}, out / "sent1.pt")
     emit(event="round", round_s=round_s, version=api.weight_info(), before=before, after=probes(api))
+    sys.stdin.readline()
 
     hf.load_state_dict(torch.load(out / "new2.pt"))
     n = len(list(hf.named_parameters()))

@@ -67,7 +67,10 @@ GOOD_UPDATE = {"names": ["a", "b"], "dtype_names": ["float32", "bfloat16"], "sha
             r"shapes'\]\[0\]=\[2, -3\] \(for 'a'\) has negative dimension -3",
         ),
         ({**GOOD_UPDATE, "names": ["a", "a"]}, "lists 'a' twice"),
-        ({**GOOD_UPDATE, "verify": "yes"}, r"\['verify'\]='yes' must be False, True \(a CRC-32 per bucket\) or 'hmac'"),
+        (
+            {**GOOD_UPDATE, "verify": "yes"},
+            r"\['verify'\]='yes' must be False, True \(a CRC-32 per bucket\) or 'hmac'",
+        ),
         ({**GOOD_UPDATE, "check_finite": 1}, r"\['check_finite'\] must be a bool, got int 1"),
         # vLLM 0.32: the packing parameters are init_info's, not update_info's
         ({**GOOD_UPDATE, "packed": True}, "unknown field 'packed'"),

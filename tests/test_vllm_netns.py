@@ -8,13 +8,19 @@ weightsync.vllm.serve``, ``VLLM_SERVER_DEV_MODE=1``); each has its loopback up a
 ``B_ADDR``, the rendezvous TCPStore the trainer hosts on ``A_ADDR``, gloo's connections) crosses the veth.
 Both namespaces are new, so fixed ports below the ephemeral range are free in each.
 
-One test, in order:
+Both sides hold the deployment's secret (``WEIGHTSYNC_TOKEN_FILE``, a file of mode 0600 written by
+``weightsync token new``): the rendezvous is authenticated (issue 21). One test, in order:
 
 1. **A bit-exact round over the link.** The trainer sends new weights (``step-1``); the server then
    reports that version, and its greedy tokens and prompt logprobs equal a transformers reference built
    from the weights the trainer saved as sent (which are bit-for-bit the ones the test gave it) within
    1e-4, while before the round they were far from that reference.
-2. **The link cut mid-round.** In the next round the trainer's weight source stops with half of its
+2. **A second trainer without the secret cannot take the engines over.** From the trainer's namespace it
+   hosts its own rendezvous (``allow_unauthenticated=True``) and calls the server's unauthenticated
+   ``/init_weight_transfer_engine``: the engine's worker, which holds the secret, refuses the trainer with
+   an ``AuthenticationError`` at once, the second trainer's init fails, and the server keeps its weights,
+   its version and its group with the legitimate trainer (the next round, below, runs on that group).
+3. **The link cut mid-round.** In the next round the trainer's weight source stops with half of its
    tensors pulled (inside ``update_weights``, so the worker is waiting on the trainer's next bucket); the
    test sets B's veth end down (A's end keeps its address, so the trainer still reaches the store it
    hosts), then lets the trainer go on. Each side must report a ``TransferTimeoutError`` naming the
@@ -54,6 +60,7 @@ from vllm_served import PROBES, hf_greedy, hf_prompt_logprobs  # noqa: E402
 from vllm_server import ROOT, Server  # noqa: E402
 
 from weightsync.impl.transfer.control import STORE_GRACE_S  # noqa: E402
+from weightsync.impl.transfer.secret import TOKEN_ENV, TOKEN_FILE_ENV, write_token  # noqa: E402
 from weightsync.vllm.models import build_tiny_llama, perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(360)]
@@ -122,6 +129,12 @@ class VethPair:
             return subprocess.run(cmd, capture_output=True, timeout=15).returncode == 0
         except subprocess.TimeoutExpired:
             return False
+
+    def get_from_a(self, url: str) -> Any:
+        """``GET url``'s JSON, asked from namespace A (over the veth)."""
+        code = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+        cmd = [*self.exec(self.a), sys.executable, "-c", code, url]
+        return json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout)
 
     def close(self) -> None:
         """Delete both namespaces (and with them the veth); idempotent."""
@@ -210,6 +223,7 @@ def test_round_and_a_cut_link_across_two_network_namespaces(veth: VethPair, tmp_
     torch.save(perturbed_state(hf, seed=6, scale=0.5), tmp_path / "new2.pt")
     url = f"http://{B_ADDR}:{SERVE_PORT}"
     log = tmp_path / "serve.log"
+    token = write_token(tmp_path / "deployment.token")  # mode 0600; both sides read it themselves
     server = Server(
         tmp_path / "model",
         log,
@@ -217,10 +231,14 @@ def test_round_and_a_cut_link_across_two_network_namespaces(veth: VethPair, tmp_
         port=SERVE_PORT,
         netns=veth.b,
         healthy=lambda: veth.healthy_from_a(url),
+        env_extra={TOKEN_FILE_ENV: str(token)},
     )
     print(f"\nvllm serve in {veth.b} healthy from {veth.a} after {server.start_s:.1f} s")
     trainer_log = tmp_path / "trainer.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env.pop(TOKEN_ENV, None)
+    rogue_env = {k: v for k, v in env.items() if k != TOKEN_FILE_ENV}
+    env[TOKEN_FILE_ENV] = str(token)
     argv = [sys.executable, str(ROOT / "tests" / "netns_trainer.py"), url, str(tmp_path / "model")]
     argv += [str(tmp_path), A_ADDR, str(MASTER_PORT), str(TIMEOUT_S)]
     trainer: subprocess.Popen[str] | None = None
@@ -256,7 +274,38 @@ def test_round_and_a_cut_link_across_two_network_namespaces(veth: VethPair, tmp_
             f"round over the veth: {ev['round_s']:.2f} s (pause + send_weights + resume); logprob diff {worst:.1e}"
         )
 
-        # 2. the link cut while update_weights streams
+        # 2. a second trainer in A without the secret tries to make the engines join its group
+        rogue_argv = [
+            sys.executable,
+            str(ROOT / "tests" / "netns_rogue.py"),
+            url,
+            A_ADDR,
+            str(MASTER_PORT + 1),
+        ]
+        t_rogue = time.monotonic()
+        rogue = subprocess.run(
+            [*veth.exec(veth.a), *rogue_argv, str(TIMEOUT_S)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=rogue_env,
+        )
+        rogue_s = time.monotonic() - t_rogue
+        lines = [json.loads(x) for x in rogue.stdout.splitlines() if x.startswith("{")]
+        assert lines and lines[-1]["joined"] is False, (rogue.stdout, rogue.stderr[-3000:])
+        refused = re.search(
+            r"AuthenticationError: init_weight_transfer_engine: this worker holds a secret \(WEIGHTSYNC_TOKEN_FILE=",
+            log.read_text(errors="replace"),
+        )
+        assert refused, server.tail(60)
+        assert veth.get_from_a(f"{url}/weight_info") == {"weight_version": "step-1"}
+        print(
+            f"second trainer without the secret refused in {rogue_s:.1f} s: {lines[-1]['type']}: {refused.group(0)}"
+        )
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+
+        # 3. the link cut while update_weights streams (on the group the second trainer could not replace)
         ev = events.next(120)
         assert ev["event"] == "mid-round", ev
         veth.set_b("down")

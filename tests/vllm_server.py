@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import requests
@@ -89,11 +89,12 @@ class Server(ServerAPI):
         netns: str | None = None,
         healthy: Callable[[], bool] | None = None,
         extra: Sequence[str] = (),
+        env_extra: Mapping[str, str] | None = None,
     ) -> None:
         self.port = free_port() if port is None else port
         super().__init__(f"http://{host}:{self.port}", str(model_dir))
         self.log_path = log
-        env = {**os.environ, **CPU_ENV, "VLLM_SERVER_DEV_MODE": "1"}
+        env = {**os.environ, **CPU_ENV, "VLLM_SERVER_DEV_MODE": "1", **(env_extra or {})}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         argv = [
             *(["ip", "netns", "exec", netns] if netns else []),

@@ -199,18 +199,21 @@ class _WeightsyncEngine(WeightTransferEngine):
 
     # ------------------------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
-        """Join the trainer's group (blocks until every rank joined, or ``timeout_s``).
+        """Join the trainer's group (blocks until every rank joined, or ``timeout_s``). The current group is
+        replaced only once the new one is formed: an init that is refused (a trainer without the
+        deployment's secret calling ``/init_weight_transfer_engine``) or fails leaves it working.
 
         Raises:
-            ValueError: the rank is outside the group or the mapping is not a bijection.
+            ValueError: the rank is outside the group or the mapping is not a bijection; the policy
+                refused ``master_address`` (no secret, not loopback).
+            AuthenticationError: the authenticated rendezvous refused this worker or the trainer.
             TransferTimeoutError / PortInUseError: from the rendezvous.
         """
         info = replace(init_info, group_backend=self._group_backend(init_info.group_backend))
-        if self.transport is not None:
-            self.transport.shutdown()
-            self.transport = None
         transport = self._make_transport()
         transport.init_transfer_engine(info)
+        if self.transport is not None:
+            self.transport.shutdown()
         self.transport, self.rank = transport, transport.rank
         self.moe_reload_fix = init_info.moe_reload_fix
 

@@ -265,7 +265,8 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         self.group: BroadcastGroup | None = None
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
-        """Join the group as ``rank_offset + dp_index*tp*pp + local_rank``; a repeat replaces the group.
+        """Join the group as ``rank_offset + dp_index*tp*pp + local_rank``; a repeat replaces the group once
+        the new one is formed.
 
         Raises:
             ValueError: the rank is outside ``1..world_size-1``, or the mapping is not a bijection
@@ -273,12 +274,13 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
             TransferTimeoutError: the trainer or a peer never joined, naming it.
         """
         rank = self.parallel.transfer_rank(init_info.rank_offset, init_info.world_size)
+        wire = init_info.wire(self.layout_default)
+        # the current group is replaced only once the new one is formed: a refused init (a trainer
+        # without the deployment's secret) or a failed one leaves it working
+        group = join_group(init_info, rank)
         if self.group is not None:
             self.group.close()
-            self.group = None
-        wire = init_info.wire(self.layout_default)
-        self.group = join_group(init_info, rank)
-        self.rank, self.wire = rank, wire
+        self.group, self.rank, self.wire = group, rank, wire
 
     def _group(self) -> BroadcastGroup:
         if self.group is None or self.group.closed:

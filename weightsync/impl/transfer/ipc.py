@@ -305,16 +305,16 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         """Join the producer's group (vLLM's IPC init is a no-op; weightsync needs the JSON channel).
 
         Raises:
-            ValueError: rank outside ``1..world_size-1`` or a non-bijective mapping.
+            ValueError: rank outside ``1..world_size-1`` or a non-bijective mapping; the policy refused
+                ``master_address``.
+            AuthenticationError: the authenticated rendezvous refused this worker or the producer.
             WireMismatchError: the ranks disagree on ``world_size``.
             TransferTimeoutError: the producer or a peer never joined, naming it.
         """
         rank = self.parallel.transfer_rank(init_info.rank_offset, init_info.world_size)
         wire = init_info.wire(self.layout_default)
-        self.shutdown()
+        # the current group is replaced only once the new one is formed (as the broadcast engine's)
         rv = rendezvous(init_info, rank)
-        self._store = rv.store
-        self.key = rv.session.key if rv.session is not None else None
         cp = ControlPlane(
             rv.scoped,
             rank,
@@ -323,6 +323,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             init_info.rendezvous_timeout_basis,
         )
         cp.join()
+        self.shutdown()
+        self._store = rv.store
+        self.key = rv.session.key if rv.session is not None else None
         self.cp, self.rank, self.seq, self.info, self.wire = cp, rank, 0, init_info, wire
 
     def _cp(self) -> ControlPlane:
