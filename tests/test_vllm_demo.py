@@ -3,10 +3,13 @@
 Each case starts real vLLM engines (about 60 s here), so the module is ``slow``; ``.ci/run`` runs it once
 (``make test-vllm-slow``).
 
-- Dense policy, 3 steps: exit 0, no request lost (64 in flight across every keep pause), greedy tokens
+- Dense policy, 3 steps, with the deployment's secret in ``WEIGHTSYNC_TOKEN_FILE`` (a 0600 file from
+  ``weightsync token new``, read by the trainer and by every vLLM worker process itself): the engines are
+  admitted by the authenticated rendezvous; exit 0, no request lost (64 in flight across every keep pause), greedy tokens
   equal to the trainer's and prompt log-probabilities within 1e-4 on both DP ranks after every sync, and
   ``get_weight_version()`` equal to ``step-N`` on both engines; the CheckedEngine trace replays.
-- MoE policy (tiny Mixtral: lockstep DP ranks, vLLM's waves and two-phase pause): the same, and the
+- MoE policy (tiny Mixtral: lockstep DP ranks, vLLM's waves and two-phase pause), without a secret (on
+  loopback that still works, unauthenticated): the same, and the
   engines' own probe trace replays against ``vllm-0.32`` too.
 - MoE without weightsync's MoE reload fix: the checks fail (exit 1): they bite.
 """
@@ -23,6 +26,7 @@ from vllm_util import require_vllm
 require_vllm()
 
 from weightsync.cli import main  # noqa: E402
+from weightsync.impl.transfer.secret import TOKEN_ENV, TOKEN_FILE_ENV, write_token  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -43,15 +47,21 @@ def _assert_healthy(rc: int, out: dict[str, Any]) -> None:
     assert out["trace_ok"] is True and out["trace_steps"] > 0
 
 
-def test_dense_demo_on_real_vllm(capsys: Any, tmp_path: Path) -> None:
+def test_dense_demo_on_real_vllm(capsys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.setenv(TOKEN_FILE_ENV, str(write_token(tmp_path / "deployment.token")))
     rc, out = _demo(capsys, tmp_path)
     _assert_healthy(rc, out)
+    assert out["authenticated"] is True
     assert out["engine_trace"] is None  # dense DP engines run no DP protocol
 
 
-def test_moe_demo_on_real_vllm(capsys: Any, tmp_path: Path) -> None:
+def test_moe_demo_on_real_vllm(capsys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
     rc, out = _demo(capsys, tmp_path, "--moe")
     _assert_healthy(rc, out)
+    assert out["authenticated"] is False
     assert out["engine_trace"] and out["engine_trace_steps"] > 100
 
 

@@ -149,6 +149,8 @@ class _Run:
         self.kept_bad = 0  # keep mode: a kept request that did not finish with all its tokens
         self.errors: list[str] = []
         self.dead: list[int] = []
+        #: the engines were admitted by the authenticated rendezvous (the deployment's secret on both sides)
+        self.authenticated = False
         self.reward_final: float | None = None
         self.trace_path: pathlib.Path | None = None
         self._req_seq = 0
@@ -385,6 +387,7 @@ class _Run:
                     IPCTrainerInitInfo(**tinfo, device="cpu"), client=engine, source=CheckpointSource()
                 )
 
+            self.authenticated = tr.authenticated
             # ---- sync 0: the engines' initial weights, before any request is served
             try:
                 self._sync(engine, guard, tr, nbytes, buckets, probe_dir, 0, None)
@@ -484,6 +487,7 @@ class _Run:
             "checks": checks,
             "error": error,
             "dead_ranks": self.dead,
+            "authenticated": self.authenticated,
             "steps": len(self.rewards),
             "syncs": len(rs),
             "requests": self.requests,

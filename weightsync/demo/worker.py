@@ -124,7 +124,9 @@ class DemoWorker:
 
         with torch.no_grad():
             logits = [t.detach().cpu() for t in self.model.probe_logits(probe_prompt_tokens())]
-        path = pathlib.Path(self.probe_dir) / f"rank{self.dp_index}-round{self.inner.weight_version}.safetensors"
+        path = (
+            pathlib.Path(self.probe_dir) / f"rank{self.dp_index}-round{self.inner.weight_version}.safetensors"
+        )
         tmp = path.with_suffix(".tmp")
         # safetensors, not torch.save: nothing the package reads back is unpickled
         save_file({str(i): t.contiguous() for i, t in enumerate(logits)}, str(tmp))

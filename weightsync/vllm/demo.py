@@ -101,7 +101,8 @@ def run_vllm_demo(cfg: VllmDemoConfig, log: Callable[[str], None] | None = None)
     """Run the loop (see the module docstring) and return the result: ``engine``, ``model``, ``steps``,
     ``syncs`` (per sync: ``version``, ``greedy_equal``, ``max_logprob_diff``, ``weight_versions``,
     ``in_flight``, ``seconds``), ``lost_requests``, ``max_logprob_diff``, ``greedy_equal``,
-    ``weight_versions``, ``rewards``, ``reward_first``, ``reward_last``, ``trace``, ``trace_ok``,
+    ``weight_versions``, ``rewards``, ``reward_first``, ``reward_last``, ``authenticated`` (the engines were
+    admitted by the authenticated rendezvous: ``WEIGHTSYNC_TOKEN_FILE`` set), ``trace``, ``trace_ok``,
     ``ok`` (every check held), ``seconds``.
 
     Raises:
@@ -320,6 +321,7 @@ def _run(
         "rewards": rewards,
         "reward_first": rewards[0] if rewards else None,
         "reward_last": rewards[-1] if rewards else None,
+        "authenticated": bool(trainer_tr is not None and trainer_tr.authenticated),
     }
 
 

@@ -199,6 +199,7 @@ class BroadcastTrainer(RoundSender):
     def __init__(self, init_info: Mapping[str, Any] | InitInfo, default_layout: str = "aligned") -> None:
         super().__init__(init_info, default_layout)
         self.group = join_group(self.info, 0)
+        self.session = self.group.session
 
     def _ensure_open(self) -> None:
         if self.group.closed:

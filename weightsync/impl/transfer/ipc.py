@@ -125,6 +125,7 @@ class IPCTrainer(RoundSender):
         self.device = torch.device(device)
         rv = rendezvous(info, 0)
         self.store = rv.store
+        self.session = rv.session
         #: the session key of the authenticated rendezvous (``verify="hmac"``), None without a secret
         self.key = rv.session.key if rv.session is not None else None
         self.cp = ControlPlane(

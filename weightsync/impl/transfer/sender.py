@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from weightsync.impl.transfer.auth import Session
 from weightsync.impl.transfer.base import InitInfo, WireArgs
 from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.packing import Bucket
@@ -32,6 +33,8 @@ class RoundSender(ABC):
     Attributes:
         info: the parsed ``init_info`` (sizes each round's deadline).
         wire: the wire arguments every round uses unless :meth:`send` is given others.
+        session: the authenticated rendezvous's session (None when the group runs without a secret),
+            set by the subclass once its group is formed.
 
     Raises:
         ValueError: ``init_info`` does not parse (:meth:`InitInfo.parse`).
@@ -40,6 +43,7 @@ class RoundSender(ABC):
     def __init__(self, init_info: Mapping[str, Any] | InitInfo, default_layout: str) -> None:
         self.info = init_info if isinstance(init_info, InitInfo) else InitInfo.parse(init_info)
         self.wire = self.info.wire(default_layout)
+        self.session: Session | None = None
 
     @abstractmethod
     def _ensure_open(self) -> None:

@@ -59,6 +59,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol, Self, TypeVar, runtime_c
 
 import torch
 
+from weightsync.impl.transfer.auth import Session
 from weightsync.impl.transfer.base import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -291,6 +292,8 @@ class Endpoint(Protocol):
     """The trainer's transport endpoint (:class:`~weightsync.impl.transfer.broadcast.BroadcastTrainer`,
     :class:`~weightsync.impl.transfer.ipc.IPCTrainer`)."""
 
+    session: Session | None
+
     def send_stream(
         self,
         declared: Sequence[tuple[str, torch.dtype, Sequence[int]]],
@@ -485,6 +488,13 @@ class TrainerEngine(ABC):
         if self.endpoint is None:
             raise RuntimeError("the trainer is not initialised (trainer_init), or is not the sender (rank 0)")
         return self.endpoint
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether the engines were admitted by the authenticated rendezvous (the deployment's secret on
+        both sides; :mod:`weightsync.impl.transfer.auth`). False before :meth:`trainer_init` or on a
+        non-sender."""
+        return self.endpoint is not None and self.endpoint.session is not None
 
     def shutdown(self) -> None:
         """Release the endpoint (idempotent)."""
