@@ -299,8 +299,11 @@ class _Group:
             time.sleep(0.01)
 
     def round_id(self) -> str:
-        self.store.wait(["auth/hello"])
-        return str(strict_json(self.store.get("auth/hello"), 1 << 16, "hello")["round"])
+        # a client of its own: a TCPStore object serialises its calls, and a blocking ``wait`` on the host's
+        # own object would hold off the host thread's ``set``
+        reader = self.client()
+        reader.wait(["auth/hello"])
+        return str(strict_json(reader.get("auth/hello"), 1 << 16, "hello")["round"])
 
 
 def test_replays_are_refused_stale_duplicate_and_an_old_accept() -> None:
@@ -357,12 +360,21 @@ def test_replays_are_refused_stale_duplicate_and_an_old_accept() -> None:
     assert any("duplicate nonce: a replay of rank 1's admitted claim" in line for line in rec.lines)
     w1 = g2.results["w1"]
     assert isinstance(w1, AuthenticationError) and "refused rank 1" in str(w1) and "rank(s) 2" in str(w1)
+    # each rejected claim was answered under its slot's reject key, with the reason, signed by the host
+    posted = int(g2.store.add(f"auth/{r2}/claims", 0))
+    rejects = [
+        strict_json(g2.store.get(f"auth/{r2}/reject/{k}"), 1 << 16, "reject")
+        for k in range(1, posted + 1)
+        if g2.store.check([f"auth/{r2}/reject/{k}"])
+    ]
+    assert rejects and any("stale round" in r["reason"] for r in rejects)
+    assert all(g2.secret.verify(r["mac"], "reject", r2, r["slot"], r["reason"]) for r in rejects)
 
     # an old accept: round 1's accept copied into round 3 is refused by the worker of round 3
     g3 = _Group(3, 3.0)
     g3.host()
     r3 = g3.round_id()
-    g3.store.set(f"auth/{r3}/accept", g1.store.get(f"auth/{r1}/accept"))
+    g3.client().set(f"auth/{r3}/accept", g1.store.get(f"auth/{r1}/accept"))
     g3.worker(1)
     g3.wait("w1")
     assert isinstance(g3.results["w1"], AuthenticationError) and "stale accept" in str(g3.results["w1"])
@@ -528,3 +540,23 @@ def test_nothing_is_unpickled_anywhere_in_the_package() -> None:
     assert hits == []
     # the pattern finds what it is meant to find
     assert pattern.search("obj = pickle.loads(raw)") and pattern.search("torch.load(path)")
+
+
+def test_gloo_and_nccl_use_the_stores_interface() -> None:
+    """Item 2: the trainer's gloo device binds ``master_address`` itself (not 127.0.0.1 for 127.0.0.2), and
+    NCCL's socket interface is the one that holds it (``lo`` here), unless the operator set one."""
+    from weightsync.impl.transfer.broadcast_group import gloo_device_choice, nccl_socket_ifname
+    from weightsync.impl.transfer.rendezvous import interface_of
+
+    assert gloo_device_choice("127.0.0.2", 0) == [{"hostname": "127.0.0.2"}]
+    assert gloo_device_choice("127.0.0.2", 1) == [{"hostname": "127.0.0.1"}]
+    assert interface_of("127.0.0.2") == "lo" and interface_of("198.51.100.77") is None
+    saved = os.environ.pop("NCCL_SOCKET_IFNAME", None)
+    try:
+        assert nccl_socket_ifname("127.0.0.2", 0) == "lo"
+        os.environ["NCCL_SOCKET_IFNAME"] = "eth7"
+        assert nccl_socket_ifname("127.0.0.2", 0) is None
+    finally:
+        os.environ.pop("NCCL_SOCKET_IFNAME", None)
+        if saved is not None:
+            os.environ["NCCL_SOCKET_IFNAME"] = saved

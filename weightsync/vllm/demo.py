@@ -259,6 +259,7 @@ def _run(
     syncs: list[dict[str, Any]] = []
     rewards: list[float] = []
     trainer_tr: Any = None
+    authenticated = False
     try:
         # every controller and trainer call goes through CheckedEngine: weightsync's table (the default
         # variant) refuses an illegal call before vLLM sees it
@@ -270,6 +271,7 @@ def _run(
             timeout_s=cfg.timeout_s,
             moe_reload_fix=cfg.moe_reload_fix,
         )
+        authenticated = bool(trainer_tr.authenticated)
         first = check(str(loop.run(llm.get_weight_version(), 60)))
         say(f"initial: greedy_equal={first['greedy_equal']} max_logprob_diff={first['max_logprob_diff']:.2e}")
         pending = submit(task.batch(cfg.prompts_per_step))
@@ -321,7 +323,7 @@ def _run(
         "rewards": rewards,
         "reward_first": rewards[0] if rewards else None,
         "reward_last": rewards[-1] if rewards else None,
-        "authenticated": bool(trainer_tr is not None and trainer_tr.authenticated),
+        "authenticated": authenticated,
     }
 
 
