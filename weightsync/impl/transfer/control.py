@@ -86,6 +86,15 @@ def strict_json(raw: bytes | str, limit: int, what: str) -> Any:
         raise ValueError(f"{what}: not strict JSON ({str(exc)[:120]})") from None
 
 
+def _seen_round(raw: bytes) -> int:
+    """The round number a ``seen/<rank>`` key holds (rule 2: read strictly), -1 when it is not one."""
+    try:
+        value = strict_json(raw, 32, "seen")
+    except ValueError:
+        return -1
+    return value if type(value) is int else -1
+
+
 class _Caller:
     """One daemon thread running store calls in order (rule 5): a daemon, so that a call blocked on a dead
     link never holds up the process's exit."""
@@ -302,7 +311,7 @@ class ControlPlane:
         with contextlib.suppress(dist.DistError):
             while pending and time.monotonic() < end:
                 for r in sorted(pending):
-                    if self.store.check([f"seen/{r}"]) and int(self.store.get(f"seen/{r}")) >= seq:
+                    if self.store.check([f"seen/{r}"]) and _seen_round(self.store.get(f"seen/{r}")) >= seq:
                         pending.discard(r)
                 if pending:
                     time.sleep(0.005)
