@@ -82,7 +82,14 @@ class _Records(logging.Handler):
 # -------------------------------------------------------------------------------------------- the roles
 
 
-def auth_trainer(port: int, world: int, token: str | None, timeout_s: float, address: str) -> dict[str, Any]:
+def auth_trainer(
+    port: int,
+    world: int,
+    token: str | None,
+    timeout_s: float,
+    address: str,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Host the group, send round 1's tensors; returns what the auth logger said (and the error, if any)."""
     rec = _Records()
     logging.getLogger("weightsync.auth").addHandler(rec)
@@ -90,7 +97,9 @@ def auth_trainer(port: int, world: int, token: str | None, timeout_s: float, add
         with secret_env(token):
             t0 = time.monotonic()
             try:
-                tr = BroadcastTrainer(init_info(port, world, timeout_s, master_address=address))
+                tr = BroadcastTrainer(
+                    init_info(port, world, timeout_s, master_address=address, **(extra or {}))
+                )
             except Exception as exc:
                 return {
                     "error": type(exc).__name__,
@@ -110,7 +119,13 @@ def auth_trainer(port: int, world: int, token: str | None, timeout_s: float, add
 
 
 def auth_worker(
-    port: int, world: int, token: str | None, delay_s: float, timeout_s: float, address: str
+    port: int,
+    world: int,
+    token: str | None,
+    delay_s: float,
+    timeout_s: float,
+    address: str,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Join as rank 1 after ``delay_s`` and receive round 1; returns whether it is bit-exact."""
     time.sleep(delay_s)
@@ -119,7 +134,9 @@ def auth_worker(
         w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=0))
         t0 = time.monotonic()
         try:
-            w.init_weight_transfer_engine(init_info(port, world, timeout_s, master_address=address))
+            w.init_weight_transfer_engine(
+                init_info(port, world, timeout_s, master_address=address, **(extra or {}))
+            )
         except Exception as exc:
             return {"error": type(exc).__name__, "message": str(exc), "waited": time.monotonic() - t0}
         sent = make_tensors(1)
@@ -173,6 +190,21 @@ def rogue(port: int, address: str, marker: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------- rounds
 
 
+def pair(
+    trainer_token: str | None, worker_token: str | None, timeout_s: float, extra: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A trainer and one worker on 127.0.0.1, each with its own secret: (trainer's result, worker's)."""
+    port = free_port()
+    res = run_roles(
+        [
+            (auth_trainer, (port, 2, trainer_token, timeout_s, "127.0.0.1", extra)),
+            (auth_worker, (port, 2, worker_token, 0.0, timeout_s, "127.0.0.1", extra)),
+        ],
+        deadline_s=60,
+    )
+    return ok(res[0]), ok(res[1])
+
+
 def test_rogue_without_the_secret_cannot_take_part_and_nothing_is_unpickled(tmp_path: pathlib.Path) -> None:
     """Acceptance 1: the rogue's claim is rejected with its reason, the marker file never appears, and the
     legitimate round (store on 127.0.0.2) completes bit-exact."""
@@ -196,15 +228,7 @@ def test_rogue_without_the_secret_cannot_take_part_and_nothing_is_unpickled(tmp_
 
 def test_a_worker_with_a_wrong_secret_gets_authentication_error_within_2_s() -> None:
     """Acceptance 2 (and the host fails closed at its deadline, naming the missing rank and the rejection)."""
-    port = free_port()
-    res = run_roles(
-        [
-            (auth_trainer, (port, 2, SECRET, 4.0, "127.0.0.1")),
-            (auth_worker, (port, 2, OTHER, 0.0, 4.0, "127.0.0.1")),
-        ],
-        deadline_s=60,
-    )
-    trainer, worker = ok(res[0]), ok(res[1])
+    trainer, worker = pair(SECRET, OTHER, 4.0)
     assert worker["error"] == "AuthenticationError" and "different secrets" in worker["message"], worker
     assert worker["waited"] < 2.0, worker
     assert trainer["error"] == "TransferTimeoutError" and trainer["attrs"] == (1,), trainer
@@ -222,29 +246,14 @@ def test_a_worker_with_a_wrong_secret_gets_authentication_error_within_2_s() -> 
 def test_a_secret_on_one_side_only_is_refused_at_once(
     trainer_token: str | None, worker_token: str | None, says: str
 ) -> None:
-    port = free_port()
-    res = run_roles(
-        [
-            (auth_trainer, (port, 2, trainer_token, 3.0, "127.0.0.1")),
-            (auth_worker, (port, 2, worker_token, 0.0, 3.0, "127.0.0.1")),
-        ],
-        deadline_s=60,
-    )
-    worker = ok(res[1])
+    _, worker = pair(trainer_token, worker_token, 3.0)
     assert worker["error"] == "AuthenticationError" and says in worker["message"], worker
     assert worker["waited"] < 2.0
 
 
 def test_no_secret_on_loopback_still_works() -> None:
-    port = free_port()
-    res = run_roles(
-        [
-            (auth_trainer, (port, 2, None, 20.0, "127.0.0.1")),
-            (auth_worker, (port, 2, None, 0.0, 20.0, "127.0.0.1")),
-        ],
-        deadline_s=60,
-    )
-    assert ok(res[0])["handshake_s"] is None and ok(res[1])["bit_exact"]
+    trainer, worker = pair(None, None, 20.0)
+    assert trainer["handshake_s"] is None and worker["bit_exact"]
 
 
 # ---------------------------------------------------------------------------------- replays (threads)
@@ -490,38 +499,10 @@ def test_verify_hmac_detects_a_changed_byte_and_a_foreign_key() -> None:
         bucket_digest(buf, "hmac", None)
 
 
-def hmac_trainer(port: int) -> str:
-    with secret_env(SECRET):
-        tr = BroadcastTrainer(
-            init_info(port, 2, 20.0, verify="hmac", packed=True, packed_buffer_size_bytes=4096)
-        )
-        try:
-            tr.send(iter(make_tensors(1)))
-        finally:
-            tr.close()
-    return "sent"
-
-
-def hmac_worker(port: int) -> bool:
-    with secret_env(SECRET):
-        model = DictModel(model_spec())
-        w = WeightTransferWorker(model, "nccl", ParallelInfo(dp_index=0))
-        w.init_weight_transfer_engine(
-            init_info(port, 2, 20.0, verify="hmac", packed=True, packed_buffer_size_bytes=4096)
-        )
-        sent = make_tensors(1)
-        w.start_weight_update()
-        w.update_weights(update_info_for(sent))
-        w.finish_weight_update()
-        got = model.weights()
-        w.shutdown()
-    return all(bytes_equal(got[n], t) for n, t in sent)
-
-
 def test_a_verify_hmac_round_is_bit_exact() -> None:
-    port = free_port()
-    res = run_roles([(hmac_trainer, (port,)), (hmac_worker, (port,))], deadline_s=60)
-    assert ok(res[0]) == "sent" and ok(res[1]) is True
+    packing = {"verify": "hmac", "packed": True, "packed_buffer_size_bytes": 4096}
+    trainer, worker = pair(SECRET, SECRET, 20.0, packing)
+    assert trainer["handshake_s"] is not None and worker["bit_exact"] is True
 
 
 def test_nothing_is_unpickled_anywhere_in_the_package() -> None:
