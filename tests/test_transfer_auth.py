@@ -179,11 +179,22 @@ def rogue(port: int, address: str, marker: str) -> list[str]:
     slot = store.add(f"auth/{rnd}/claims", 1)
     store.set(f"auth/{rnd}/claim/{slot}", payload)
     written.append(f"auth/{rnd}/claim/{slot}")
-    for key in ("ctl/ticket/1", "ctl/ticket/2", "ctl/r1/agree/0", "ctl/r1/agree/1", "ctl/r1/b0/0", "pg/0"):
+    # the keys an unauthenticated group of two would use (torch's PrefixStore("ctl/") names them "ctl//..."):
+    # the tickets and claims of the rendezvous, the wire agreement, bucket 0's status, gloo's rank addresses
+    for key in (
+        "ctl//ticket/1",
+        "ctl//ticket/2",
+        "ctl//r1/wire/0",
+        "ctl//r1/wire/1",
+        "ctl//r1/wiredesc/0",
+        "ctl//r1/b0/0",
+        "pg//0",
+        "pg//1",
+    ):
         store.set(key, payload)
         written.append(key)
-    store.add("ctl/arrivals", 2)
-    store.add("ctl/claim/1", 1)
+    store.add("ctl//arrivals", 2)
+    store.add("ctl//claim/1", 1)
     return written
 
 
@@ -222,7 +233,7 @@ def test_rogue_without_the_secret_cannot_take_part_and_nothing_is_unpickled(tmp_
     assert worker["bit_exact"]
     assert any("bad MAC for rank 1" in line for line in trainer["log"]), trainer["log"]
     assert any("not strict JSON" in line for line in trainer["log"]), trainer["log"]
-    assert "ctl/r1/agree/1" in written and "pg/0" in written
+    assert "ctl//r1/wire/1" in written and "pg//0" in written
     assert not marker.exists()
 
 

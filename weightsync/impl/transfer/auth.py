@@ -26,7 +26,7 @@ Rule 3, the **handshake** (all through the store, strict JSON of at most :data:`
      worker takes only an accept of its round that names its own nonce (an old accept is refused);
    - both sides derive a session key from the secret, the round and every nonce, and from it a random
      namespace. The control plane, the process group and every bucket run under the store prefix
-     ``ws/<namespace>/``, which a client without the secret cannot compute.
+     ``ws/<namespace>``, which a client without the secret cannot compute.
 
    The host waits until the deadline, then fails closed (:class:`~weightsync.spec.errors.TransferTimeoutError`
    naming the missing ranks and how many claims it rejected, and why); it posts a signed failure so the
@@ -71,7 +71,8 @@ class Session:
     Attributes:
         round: the handshake's round id (hex).
         key: the session key, 32 bytes (per-bucket tags of ``verify="hmac"``).
-        namespace: the store prefix of everything after the handshake (``ws/<hex>/``).
+        namespace: the store prefix of everything after the handshake (``ws/<hex>``: torch's
+            ``PrefixStore`` then names a key ``ws/<hex>/<key>``).
         seconds: how long the handshake took on this rank, seconds.
     """
 
@@ -95,7 +96,7 @@ class Session:
 def _session(secret: Secret, round_id: str, nonce: str, nonces: dict[str, str], t0: float) -> Session:
     key = secret.derive("session", round_id, nonce, nonces)
     ns = mac_hex(key, ["namespace"])[:32]
-    return Session(round_id, key, f"ws/{ns}/", time.monotonic() - t0)
+    return Session(round_id, key, f"ws/{ns}", time.monotonic() - t0)
 
 
 def _dumps(obj: Any) -> str:
