@@ -164,7 +164,7 @@ def test_both_demos_refuse_a_bad_shared_setting_before_starting(
 
     configs: list[RLRunConfig] = [DemoConfig()]
     try:
-        from weightsync.vllm.demo import VllmDemoConfig
+        from weightsync.vllm_tools.demo import VllmDemoConfig
 
         configs.append(VllmDemoConfig())
     except ImportError:

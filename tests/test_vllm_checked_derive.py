@@ -1,4 +1,4 @@
-"""The transitions :mod:`weightsync.vllm.checked` derives from returned vLLM calls, on a scripted front-end
+"""The transitions :mod:`weightsync.vllm_tools.checked` derives from returned vLLM calls, on a scripted front-end
 (no vLLM needed): every derived trace must replay on the tables and the model's composition, for one and
 two DP ranks, every pause mode, refusals and failed rounds; refused calls never reach the front-end.
 The same adapter runs against a real ``AsyncLLM`` in ``test_vllm_checked.py``."""
@@ -15,7 +15,7 @@ from weightsync.cli import main
 from weightsync.impl.checked import CheckedEngine
 from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
 from weightsync.spec.states import RankEvent
-from weightsync.vllm.checked import VLLMAdapter, VLLMCallError
+from weightsync.vllm_tools.checked import VLLMAdapter, VLLMCallError
 
 
 class ScriptedFrontEnd(VLLMAdapter):

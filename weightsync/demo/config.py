@@ -62,7 +62,7 @@ class EngineDiedError(WeightSyncError):
 @dataclass
 class RLRunConfig:
     """The settings every RL demo loop shares (``weightsync demo``'s on the reference engine,
-    :class:`DemoConfig`, and on a real vLLM, :class:`weightsync.vllm.demo.VllmDemoConfig`).
+    :class:`DemoConfig`, and on a real vLLM, :class:`weightsync.vllm_tools.demo.VllmDemoConfig`).
 
     Attributes:
         steps: trainer steps, each followed by a sync (>= 0; the initial sync is checked too).

@@ -406,7 +406,7 @@ def replay_trace(
 
     ``variant``: replay against this variant's table instead of the header's. A record may carry
     ``observed_before`` / ``observed``: some of the rank's variables as the engine itself reported them
-    before / after the event (a real vLLM engine, :mod:`weightsync.vllm.trace`); each must equal the
+    before / after the event (a real vLLM engine, :mod:`weightsync.vllm_tools.trace`); each must equal the
     table's value there, field by field.
 
     Raises:

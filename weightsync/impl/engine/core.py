@@ -540,7 +540,7 @@ class EngineCore:
     # ------------------------------------------------------------------ loop
     def may_step(self) -> bool:
         """Whether the loop may fire its next STEP now: always (``weightsync repro``'s engine,
-        :class:`~weightsync.impl.engine.gated.GatedEngineCore`, holds acting steps at a gate)."""
+        ``weightsync.repro.gated.GatedEngineCore``, holds acting steps at a gate)."""
         return True
 
     def run(self) -> None:

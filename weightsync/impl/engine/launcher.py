@@ -148,8 +148,6 @@ class Launcher:
             raise ValueError("EngineConfig.model is required")
         if cfg.dp_port == 0:
             cfg = replace(cfg, dp_port=free_port(cfg.host))
-        if hold and not cfg.core:  # repro: every rank runs behind a step gate
-            cfg = replace(cfg, core="weightsync.impl.engine.gated:GatedEngineCore")
         self.cfg = cfg
         self.variant = get_variant(cfg.variant)
         self.dp_size = cfg.dp_size

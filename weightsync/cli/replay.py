@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from weightsync.commands.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit
+from weightsync.cli.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit
 
 
 def replay(args: argparse.Namespace) -> int:
@@ -15,7 +15,7 @@ def replay(args: argparse.Namespace) -> int:
     and the model's composition check (:class:`weightsync.model.replay.TraceChecker`); exit 1 on a divergence."""
     from weightsync.impl.checked import replay_trace
     from weightsync.model.replay import TraceChecker
-    from weightsync.trace_selftest import is_system_trace
+    from weightsync.repro.selftest import is_system_trace
 
     if args.self_test or (args.traces and all(is_system_trace(t) for t in args.traces)):
         return _walk(args)
@@ -68,7 +68,7 @@ def replay(args: argparse.Namespace) -> int:
 def _walk(args: argparse.Namespace) -> int:
     """System traces (or ``--self-test``): walk each through the model; exit 1 unless every verdict is
     the expected one (a broken engine rejected at its fault, a healthy trace accepted)."""
-    from weightsync.trace_selftest import replay_report, self_test_report
+    from weightsync.repro.selftest import replay_report, self_test_report
 
     try:
         if args.self_test:

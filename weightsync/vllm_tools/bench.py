@@ -2,7 +2,7 @@
 
 The benchmark (its methods, statistics, verification and targets) is described in :mod:`weightsync.bench.vllm`,
 which also computes the figures and renders them; the functions run in vLLM's worker are
-:mod:`weightsync.vllm.bench_worker`. This module starts the engine, runs the interleaved rounds and verifies
+:mod:`weightsync.vllm_tools.bench_worker`. This module starts the engine, runs the interleaved rounds and verifies
 each.
 """
 
@@ -38,7 +38,9 @@ from weightsync.impl.engine.client import free_port
 from weightsync.impl.transfer.base import InitInfo, dtype_name
 from weightsync.impl.transfer.broadcast import BroadcastGroup, join_group
 from weightsync.impl.transfer.packing import as_bytes, crc32
-from weightsync.vllm.bench_worker import (
+from weightsync.vllm.clients import AsyncLLMWeightSyncClient
+from weightsync.vllm.trainer import WeightsyncBroadcastTrainer
+from weightsync.vllm_tools.bench_worker import (
     PHASE,
     worker_raw,
     worker_recv_all,
@@ -49,10 +51,8 @@ from weightsync.vllm.bench_worker import (
     worker_setup,
     worker_teardown,
 )
-from weightsync.vllm.clients import AsyncLLMWeightSyncClient
-from weightsync.vllm.models import build_tiny_llama
-from weightsync.vllm.serving import LoopThread, connect_trainer, start_async_llm
-from weightsync.vllm.trainer import WeightsyncBroadcastTrainer
+from weightsync.vllm_tools.models import build_tiny_llama
+from weightsync.vllm_tools.serving import LoopThread, connect_trainer, start_async_llm
 
 T = TypeVar("T")
 INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"

@@ -81,9 +81,9 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.impl.checked import CheckedEngine
-from weightsync.vllm.checked.adapter import VLLMAdapter, VLLMCallError
-from weightsync.vllm.checked.async_llm import AsyncLLMAdapter
-from weightsync.vllm.checked.http import HTTPServerAdapter
+from weightsync.vllm_tools.checked.adapter import VLLMAdapter, VLLMCallError
+from weightsync.vllm_tools.checked.async_llm import AsyncLLMAdapter
+from weightsync.vllm_tools.checked.http import HTTPServerAdapter
 
 
 def checked_async_llm(

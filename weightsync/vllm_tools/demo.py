@@ -23,10 +23,10 @@ table's ``one_round`` policy). Checks after every sync (the result's ``syncs``):
 - no request lost: every submitted request finishes with ``length`` or ``stop`` (kept requests too).
 
 Every controller and trainer call goes through :class:`~weightsync.impl.checked.CheckedEngine` around the
-``AsyncLLM`` (:mod:`weightsync.vllm.checked`, weightsync's default table: an illegal call is refused before
+``AsyncLLM`` (:mod:`weightsync.vllm_tools.checked`, weightsync's default table: an illegal call is refused before
 vLLM sees it), which records ``trace``. With ``moe``
 the engines run vLLM's DP protocol, and their own events, recorded by the plugin's probe
-(:mod:`weightsync.vllm.probe`), become ``engine_trace`` (:mod:`weightsync.vllm.trace`; a dense model's DP
+(:mod:`weightsync.vllm_tools.probe`), become ``engine_trace`` (:mod:`weightsync.vllm_tools.trace`; a dense model's DP
 engines are independent and run no DP protocol). The run replays both (``trace_ok``; the engines' trace
 against ``vllm-0.32``). ``moe_reload_fix=False`` runs the MoE policy without weightsync's fix for vLLM 0.32's CPU
 MoE reload (``weightsync.vllm.reload``): the checks then fail, which shows that they bite.
@@ -49,7 +49,7 @@ from weightsync.demo.config import RLRunConfig
 from weightsync.demo.rl_task import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, DigitPatternTask, Prompt, Sample
 from weightsync.spec.errors import WeightSyncError
 from weightsync.spec.states import IN_FLIGHT_FINISH, PauseMode
-from weightsync.vllm.serving import LoopThread
+from weightsync.vllm_tools.serving import LoopThread
 
 MAX_LOGPROB_DIFF = 1e-4
 PROBE_TOKENS = 6
@@ -75,7 +75,7 @@ class VllmDemoConfig(RLRunConfig):
 
 def _policy(cfg: VllmDemoConfig, out: Path) -> Any:
     from weightsync.demo.trainer import DEFAULT_MODEL_KWARGS
-    from weightsync.vllm.models import build_tiny_llama, build_tiny_mixtral
+    from weightsync.vllm_tools.models import build_tiny_llama, build_tiny_mixtral
 
     ids = {"vocab_size": VOCAB_SIZE, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     if cfg.moe:
@@ -85,7 +85,7 @@ def _policy(cfg: VllmDemoConfig, out: Path) -> Any:
 
 def _trainer_reference(model: Any, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
     """The trainer's greedy tokens and float32 prompt log-probabilities of ``prompts``."""
-    from weightsync.vllm.models import greedy_tokens
+    from weightsync.vllm_tools.models import greedy_tokens
 
     greedy, lps = [], []
     with torch.no_grad():
@@ -111,8 +111,8 @@ def run_vllm_demo(cfg: VllmDemoConfig, log: Callable[[str], None] | None = None)
     cfg.validate()
     say = log or (lambda _m: None)
     t0 = time.monotonic()
-    from weightsync.vllm import probe
-    from weightsync.vllm.trace import to_replay_trace
+    from weightsync.vllm_tools import probe
+    from weightsync.vllm_tools.trace import to_replay_trace
 
     trace = Path(cfg.trace or f"traces/vllm-demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl")
     trace.unlink(missing_ok=True)  # CheckedEngine appends: this run's trace is the whole file
@@ -172,9 +172,9 @@ def _run(
 
     from weightsync.demo.trainer import Trainer, TrainerConfig, probe_prompt_tokens
     from weightsync.impl.engine.controller import update_round
-    from weightsync.vllm.checked import checked_async_llm
-    from weightsync.vllm.models import checkpoint_state
-    from weightsync.vllm.serving import connect_trainer, start_async_llm
+    from weightsync.vllm_tools.checked import checked_async_llm
+    from weightsync.vllm_tools.models import checkpoint_state
+    from weightsync.vllm_tools.serving import connect_trainer, start_async_llm
 
     llm, start_s = start_async_llm(
         loop, model_dir, dp=2, max_num_seqs=max(16, cfg.prompts_per_step * cfg.group_size), seed=cfg.seed

@@ -1,6 +1,6 @@
 """The table-checking adapter between :class:`~weightsync.impl.checked.CheckedEngine` and a running vLLM:
-what it observes and infers, and its rules, are in :mod:`weightsync.vllm.checked`. Its subclasses talk to
-vLLM: :mod:`weightsync.vllm.checked.async_llm` and :mod:`weightsync.vllm.checked.http`."""
+what it observes and infers, and its rules, are in :mod:`weightsync.vllm_tools.checked`. Its subclasses talk to
+vLLM: :mod:`weightsync.vllm_tools.checked.async_llm` and :mod:`weightsync.vllm_tools.checked.http`."""
 
 from __future__ import annotations
 

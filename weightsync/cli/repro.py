@@ -1,5 +1,5 @@
 """``weightsync repro VARIANT``: the model's counterexample driven on real processes (the reference engine,
-or with ``--engine vllm`` a real vLLM), and ``weightsync record``: a protocol trace from real engines."""
+or with ``--engine vllm`` a real vLLM)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import math
 import sys
 import time
 
-from weightsync.commands.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit, progress, vllm_module
+from weightsync.cli.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit, progress, vllm_module
 
 
 def _repro_vllm(args: argparse.Namespace) -> int:
-    """``repro vllm-0.32 --engine vllm [--fix epoch]``: :func:`weightsync.vllm.repro.run_vllm_repro`."""
+    """``repro vllm-0.32 --engine vllm [--fix epoch]``: :func:`weightsync.repro.vllm.run.run_vllm_repro`."""
     if args.variant != "vllm-0.32":
         msg = f"--engine vllm drives vLLM 0.32 as shipped: variant must be vllm-0.32, got {args.variant!r}"
         emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
         return EXIT_USAGE
-    mod = vllm_module(args, "repro", "--engine vllm")
+    mod = vllm_module(args, "weightsync.repro.vllm.run", "--engine vllm")
     if mod is None:
         return EXIT_USAGE
     timeout = max(10, math.ceil(args.timeout)) if args.timeout is not None else 30
@@ -38,10 +38,10 @@ def _repro_vllm(args: argparse.Namespace) -> int:
 
 
 def repro(args: argparse.Namespace) -> int:
-    """``repro VARIANT``: the model's counterexample compiled by :mod:`weightsync.schedule` (glue: the model
+    """``repro VARIANT``: the model's counterexample compiled by :mod:`weightsync.repro.schedule` (glue: the model
     and the implementation meet only in the commands) and driven on the reference engine by
-    :func:`weightsync.impl.engine.repro.run_schedule`."""
-    from weightsync.impl.engine.repro import BUGGY, EXPECTED, Plan, run_schedule
+    :func:`weightsync.repro.engine.run_schedule`."""
+    from weightsync.repro.engine import BUGGY, EXPECTED, Plan, run_schedule
 
     if args.engine == "vllm":
         return _repro_vllm(args)
@@ -55,7 +55,13 @@ def repro(args: argparse.Namespace) -> int:
     if args.variant not in EXPECTED:
         return usage(f"unknown variant {args.variant!r}; known: {', '.join(EXPECTED)}")
     from weightsync.model.check import build_model
-    from weightsync.schedule import FIX_OF, compile_schedule, final_state, fix_schedule, model_counterexample
+    from weightsync.repro.schedule import (
+        FIX_OF,
+        compile_schedule,
+        final_state,
+        fix_schedule,
+        model_counterexample,
+    )
     from weightsync.spec.errors import WeightSyncError
 
     fixed = EXPECTED[args.variant] == "completed"
@@ -120,22 +126,4 @@ def repro(args: argparse.Namespace) -> int:
     return EXIT_OK if res.result == EXPECTED[args.variant] else EXIT_VIOLATION
 
 
-def record(args: argparse.Namespace) -> int:
-    """``record --engine vllm``: :func:`weightsync.vllm.trace.record_cycles`."""
-    mod = vllm_module(args, "trace", "--engine vllm")
-    if mod is None:
-        return EXIT_USAGE
-    out = mod.record_cycles(args.out, cycles=args.cycles, seed=args.seed, log=progress(args))
-
-    def human() -> None:
-        print(
-            f"{out['cycles']} cycles, {out['requests']} requests ({out['finished']} finished, {out['aborted']} "
-            f"aborted), modes {out['modes']}: {out['lines']} trace lines -> {out['path']} ({out['seconds']:.0f} s)"
-        )
-        print(f"check it: weightsync replay --variant vllm-0.32 {out['path']}")
-
-    emit(out, args.json, human)
-    return EXIT_OK
-
-
-__all__ = ["record", "repro"]
+__all__ = ["repro"]

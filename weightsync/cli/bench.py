@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from weightsync.commands.common import (
+from weightsync.cli.common import (
     EXIT_OK,
     EXIT_USAGE,
     EXIT_VIOLATION,
@@ -53,10 +53,10 @@ BENCH_HUMAN: dict[str, Callable[[dict[str, Any]], None]] = {"transfer": _human_t
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
-    """``bench vllm``: :func:`weightsync.vllm.bench.run_vllm_bench` (needs the vllm extra)."""
+    """``bench vllm``: :func:`weightsync.vllm_tools.bench.run_vllm_bench` (needs the vllm extra)."""
     from weightsync.bench.vllm import human_summary
 
-    mod = vllm_module(args, "bench", "bench vllm")
+    mod = vllm_module(args, "weightsync.vllm_tools.bench", "bench vllm")
     if mod is None:
         return EXIT_USAGE
     out = mod.run_vllm_bench(quick=bool(args.quick), log=progress(args))

@@ -1,4 +1,4 @@
-"""The checked adapter over an in-process ``AsyncLLM`` (:func:`weightsync.vllm.checked.checked_async_llm`)."""
+"""The checked adapter over an in-process ``AsyncLLM`` (:func:`weightsync.vllm_tools.checked.checked_async_llm`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from weightsync.spec.states import RankEvent
-from weightsync.vllm.checked.adapter import CALL_OF_EVENT, DEFAULT_TIMEOUT_S, VLLMAdapter
+from weightsync.vllm_tools.checked.adapter import CALL_OF_EVENT, DEFAULT_TIMEOUT_S, VLLMAdapter
 
 T = TypeVar("T")
 

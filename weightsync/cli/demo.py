@@ -1,5 +1,5 @@
 """``weightsync demo``: the main job (:mod:`weightsync.demo`), or with ``--engine vllm`` the same loop on a
-real ``AsyncLLM`` (:mod:`weightsync.vllm.demo`)."""
+real ``AsyncLLM`` (:mod:`weightsync.vllm_tools.demo`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from weightsync.commands.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit, progress, vllm_module
+from weightsync.cli.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit, progress, vllm_module
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -23,12 +23,12 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def _demo_vllm(args: argparse.Namespace) -> int:
-    """``demo --engine vllm``: :func:`weightsync.vllm.demo.run_vllm_demo` (2 DP engines)."""
+    """``demo --engine vllm``: :func:`weightsync.vllm_tools.demo.run_vllm_demo` (2 DP engines)."""
     if args.ranks != 2 or args.transport != "broadcast" or args.model or args.no_check:
         msg = "--engine vllm runs 2 DP engines with the broadcast backend, the built-in policy and the checks"
         emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
         return EXIT_USAGE
-    mod = vllm_module(args, "demo", "--engine vllm")
+    mod = vllm_module(args, "weightsync.vllm_tools.demo", "--engine vllm")
     if mod is None:
         return EXIT_USAGE
     cfg = mod.VllmDemoConfig(

@@ -1,4 +1,4 @@
-"""The checked adapter over ``vllm serve``'s HTTP routes (:func:`weightsync.vllm.checked.checked_http`)."""
+"""The checked adapter over ``vllm serve``'s HTTP routes (:func:`weightsync.vllm_tools.checked.checked_http`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import urllib.request
 from typing import Any
 
 from weightsync.spec.states import RankEvent
-from weightsync.vllm.checked.adapter import CALL_OF_EVENT, DEFAULT_TIMEOUT_S, VLLMAdapter, VLLMCallError
+from weightsync.vllm_tools.checked.adapter import CALL_OF_EVENT, DEFAULT_TIMEOUT_S, VLLMAdapter, VLLMCallError
 
 #: The JSON field that carries each weight call's payload (``entrypoints/rl/online/api_router.py``; the
 #: route is the spec's call name of the event; None: no body)

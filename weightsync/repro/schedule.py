@@ -1,5 +1,5 @@
 """The model -> real-process compiler behind ``weightsync repro`` on both engines (glue between
-:mod:`weightsync.model` and the drivers in :mod:`weightsync.impl.engine.repro` and :mod:`weightsync.vllm.repro`;
+:mod:`weightsync.model` and the drivers in :mod:`weightsync.repro.engine` and :mod:`weightsync.repro.vllm.run`;
 it imports neither the implementation nor vLLM).
 
 A model counterexample (``weightsync check --variant V --ranks 2``, one pause mode) is compiled from its
@@ -12,7 +12,7 @@ step. Each names the driver action and what must be observed after it:
   channel (``channel``, ``message``) and every channel's contents after it (``channels``), the coordinator's
   and the front-end's ``(current_wave, engines_running)``, and the collective the trainer is in;
 - for vLLM: the probe records that must follow (``expect``) and vLLM's variables (``model_vars``), see
-  :mod:`weightsync.vllm.repro`.
+  :mod:`weightsync.repro.vllm.run`.
 
 Messages are compared in one plain form (:func:`wire`): ``("ADD", req, wave)``, ``("ABORT", req)``,
 ``("START_DP_WAVE", wave, exclude)``, ``(call,)``, ``("FIRST_REQ", exclude, wave)``, ``("wave_complete",

@@ -28,7 +28,7 @@ model label                      driver action; observation that must follow
 Holding points (vLLM 0.32): the driver's per-rank input messages
 (``AsyncMPClient._send_input_message``, ``core_client.py:1250``) and the front-end's FIRST_REQ
 (``DPAsyncMPClient.add_request_async``, ``core_client.py:1592``); the engines' coordinator input through the
-plugin's probe (:mod:`weightsync.vllm.probe`, ``WEIGHTSYNC_VLLM_HOLD=START_DP_WAVE``). Every observation is
+plugin's probe (:mod:`weightsync.vllm_tools.probe`, ``WEIGHTSYNC_VLLM_HOLD=START_DP_WAVE``). Every observation is
 a record of the probe in vLLM's engine process: vLLM's own variables right after (or, for a forward or a
 resume, right before) the event, compared field by field (:data:`COMPARED`) with the model's rank
 variables after (before) the step.
@@ -36,7 +36,7 @@ variables after (before) the step.
 Verdicts: ``"reproduced"`` when every step was followed (``diverged_at`` null), the ranks ended where the
 model's final state has them (a rank inside a DP collective, its peers idle) and that rank's collective
 raised the group's timeout (``distributed_timeout_seconds``, shortened) while no peer had entered a step.
-``"completed"`` (with ``--fix epoch``: the fix installed in the engines, :mod:`weightsync.vllm.fix`) when the
+``"completed"`` (with ``--fix epoch``: the fix installed in the engines, :mod:`weightsync.vllm_tools.fix`) when the
 engines followed the fix's model (``vllm-0.32-epoch``) up to the step the fix makes impossible, that step
 did not happen on the real engines either, the table rows that differ are named, and after releasing every
 held message every request finished. Anything else: ``"diverged"`` or ``"not reproduced"``.
@@ -55,10 +55,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from weightsync.impl.engine.repro import ReproResult
 from weightsync.model.check import build_model, replay_labels
 from weightsync.model.system import Model
-from weightsync.schedule import (
+from weightsync.repro.engine import ReproResult
+from weightsync.repro.schedule import (
     CALL_METHOD,
     COMPARED,
     FIX_VARIANT,
@@ -69,7 +69,7 @@ from weightsync.schedule import (
     fix_schedule,
     model_counterexample,
 )
-from weightsync.vllm.serving import LoopThread, start_async_llm
+from weightsync.vllm_tools.serving import LoopThread, start_async_llm
 
 T = TypeVar("T")
 
@@ -185,7 +185,7 @@ class _Observer:
         self.pos = [0] * n
 
     def records(self) -> dict[int, list[dict[str, Any]]]:
-        from weightsync.vllm.probe import read_events
+        from weightsync.vllm_tools.probe import read_events
 
         return read_events(self.dir)
 
@@ -283,9 +283,9 @@ class _Served:
 
 
 def _serve(work: Path, events: Path, fix: str | None, timeout_s: int, say: Callable[[str], None]) -> _Served:
-    from weightsync.vllm import fix as fix_mod
-    from weightsync.vllm import probe
-    from weightsync.vllm.models import build_tiny_mixtral
+    from weightsync.vllm_tools import fix as fix_mod
+    from weightsync.vllm_tools import probe
+    from weightsync.vllm_tools.models import build_tiny_mixtral
 
     model_dir = work / "tiny-mixtral"
     build_tiny_mixtral(model_dir)
@@ -481,7 +481,7 @@ def _finish(
     step_s: float,
     say: Callable[[str], None],
 ) -> None:
-    from weightsync.vllm.probe import read_events
+    from weightsync.vllm_tools.probe import read_events
 
     d = served.driver
     if res.fix is None:

@@ -36,12 +36,12 @@ def not_built(name: str) -> Callable[[argparse.Namespace], int]:
 
 
 def vllm_module(args: argparse.Namespace, module: str, what: str) -> Any:
-    """``weightsync.vllm.<module>`` for a command that runs the real vLLM, or None after the usage error
+    """The module ``module`` (a vLLM tool, ``weightsync.vllm_tools.*`` or ``weightsync.repro.vllm.*``) for a command that runs the real vLLM, or None after the usage error
     (naming ``make venv``) when vLLM cannot be imported. vLLM logs to stdout by default
     (``vllm/envs.py`` ``VLLM_LOGGING_STREAM``): stdout is kept for the JSON."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
-        return importlib.import_module(f"weightsync.vllm.{module}")
+        return importlib.import_module(module)
     except ImportError as exc:
         msg = f"{what} needs vLLM ({exc}); install it with `make venv` (the vllm extra)"
         emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))

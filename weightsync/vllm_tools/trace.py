@@ -1,6 +1,6 @@
 """Protocol traces from real vLLM 0.32 engines, for ``weightsync replay --variant vllm-0.32``.
 
-:func:`to_replay_trace` turns the probe's per-engine logs (:mod:`weightsync.vllm.probe`: what each
+:func:`to_replay_trace` turns the probe's per-engine logs (:mod:`weightsync.vllm_tools.probe`: what each
 ``DPEngineCoreProc`` saw and did, with vLLM's own variables) into the replay format of
 :func:`weightsync.impl.checked.replay_trace`: one table event per line, the engines' lines merged by their
 ``time.monotonic()`` stamps (one clock per host; a collective's completion is stamped after every member's
@@ -219,7 +219,7 @@ def to_replay_trace(
     p = Path(out)
     p.parent.mkdir(parents=True, exist_ok=True)
     header = {"kind": "header", "variant": variant, "dp_size": n, "sync_interval": k, "init": None}
-    header["source"] = "vLLM 0.32 DPEngineCoreProc, weightsync.vllm.probe"
+    header["source"] = "vLLM 0.32 DPEngineCoreProc, weightsync.vllm_tools.probe"
     with p.open("w", encoding="utf-8") as f:
         f.write(json.dumps(header) + "\n")
         for _, _, line in lines:
@@ -253,9 +253,9 @@ def record_cycles(
     say = log or (lambda _m: None)
     rng = random.Random(seed)
     t0 = time.monotonic()
-    from weightsync.vllm import probe
-    from weightsync.vllm.models import build_tiny_mixtral, checkpoint_state, perturbed_state
-    from weightsync.vllm.serving import LoopThread, connect_trainer, start_async_llm
+    from weightsync.vllm_tools import probe
+    from weightsync.vllm_tools.models import build_tiny_mixtral, checkpoint_state, perturbed_state
+    from weightsync.vllm_tools.serving import LoopThread, connect_trainer, start_async_llm
 
     with tempfile.TemporaryDirectory(prefix="weightsync-vllm-trace-") as tmp:
         events_dir = Path(tmp) / "events"

@@ -1,6 +1,6 @@
 """Drive the reference DP engine (real processes, gloo) through a model counterexample (``weightsync repro``).
 
-The schedule is compiled elsewhere (:mod:`weightsync.schedule`, from the model's labels and the states its
+The schedule is compiled elsewhere (:mod:`weightsync.repro.schedule`, from the model's labels and the states its
 successor function gives along them; ``weightsync.cli`` glues the two): one step per model step, each
 naming the driver action and what must be observed after it. This module imports no model: a step is
 anything with the attributes of :class:`ScheduleStep`.
@@ -62,7 +62,7 @@ from typing import Any
 from weightsync.impl.engine.client import DPEngineClient, free_port
 from weightsync.impl.engine.config import EngineConfig, tiny_config
 from weightsync.impl.engine.messages import TransitionRecord
-from weightsync.impl.engine.repro_driver import (
+from weightsync.repro.driver import (
     TIMEOUT,
     ModelEnd,
     ScheduleDriver,
@@ -79,12 +79,14 @@ EXPECTED: dict[str, str] = {
     "two-phase-epoch": "completed",
 }
 BUGGY = tuple(v for v, r in EXPECTED.items() if r == "reproduced")
+#: The engine core every repro rank runs: acting steps wait at a gate the driver opens.
+GATED_CORE = "weightsync.repro.gated:GatedEngineCore"
 
 
 @dataclass
 class ReproResult:
     """The JSON of ``weightsync repro VARIANT``, for both engines (this module's and
-    :mod:`weightsync.vllm.repro`).
+    :mod:`weightsync.repro.vllm.run`).
 
     Attributes:
         variant: the variant the engines run.
@@ -103,7 +105,7 @@ class ReproResult:
         property: the property the counterexample violates.
         reason: why the verdict.
         steps: one entry per step driven (``step``, ``label``, ``model`` text, ``followed``, ``why``).
-        fix_rows, impossible_step: see :func:`weightsync.schedule.fix_divergence`.
+        fix_rows, impossible_step: see :func:`weightsync.repro.schedule.fix_divergence`.
         requests_finished: request id -> tokens generated (-1: unfinished).
         timeout_s: the collective timeout.
         errors: rank (or ``trainer`` / ``controller``) -> its error.
@@ -205,13 +207,13 @@ def end_check(
 
 @dataclass
 class Plan:
-    """What to drive and what the model says of it (from :mod:`weightsync.schedule`, glued by the CLI).
+    """What to drive and what the model says of it (from :mod:`weightsync.repro.schedule`, glued by the CLI).
 
     Attributes:
         schedule: the variant whose counterexample ``steps`` is (reported).
         steps: the compiled steps (``compile_schedule`` / ``fix_schedule`` with ``engine="reference"``).
         end: the model's final state (a buggy variant; None for a fix, whose run must complete).
-        fix_rows, impossible_step: the fix's divergence (:func:`weightsync.schedule.fix_divergence`); with
+        fix_rows, impossible_step: the fix's divergence (:func:`weightsync.repro.schedule.fix_divergence`); with
             ``impossible_step`` the last step is that one and must not happen.
         prop: the property the counterexample violates (reported).
     """
@@ -279,7 +281,11 @@ def run_schedule(
     cfg = EngineConfig(
         dp_size=2, model=mcfg, variant=variant, sync_interval=sync_interval, collective_timeout_s=timeout_s
     )
-    client = DPEngineClient(replace(cfg, dp_port=free_port()), hold=True, start_timeout_s=start_timeout_s)
+    client = DPEngineClient(
+        replace(cfg, dp_port=free_port(), core=cfg.core or GATED_CORE),
+        hold=True,
+        start_timeout_s=start_timeout_s,
+    )
     trainer_box: list[BroadcastTrainer] = []
     pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-repro-plan")
     planned = pool.submit(plan) if callable(plan) else None

@@ -1,4 +1,4 @@
-"""The resume-epoch fix (``patches/vllm-0.32-resume-epoch.patch``) installed into a running vLLM 0.32.0 by the
+"""The resume-epoch fix (``weightsync/patches/vllm-0.32-resume-epoch.patch``) installed into a running vLLM 0.32.0 by the
 plugin: opt-in (:data:`ENV_FIX` = ``epoch``), version-gated to 0.32.0, and the patch itself, not a copy.
 
 :func:`patched_core_source` applies the patch with ``patch(1)`` to a copy of the installed
@@ -27,7 +27,7 @@ from typing import Any
 ENV_FIX = "WEIGHTSYNC_VLLM_FIX"
 FIXES = ("epoch",)
 #: the patch, at the top of the repository (an editable install: the package sits beside it)
-PATCH = Path(__file__).resolve().parents[2] / "patches" / "vllm-0.32-resume-epoch.patch"
+PATCH = Path(__file__).resolve().parents[1] / "patches" / "vllm-0.32-resume-epoch.patch"
 VLLM_VERSION = "0.32.0"
 
 _installed: list[str] = []
@@ -49,7 +49,9 @@ def patched_core_source(patch: Path = PATCH) -> str:
             "patch(1) is not installed (apt-get install patch): the fix applies the patch file"
         )
     if not patch.is_file():
-        raise RuntimeError(f"{patch}: the patch file is missing (the fix needs the repository's patches/)")
+        raise RuntimeError(
+            f"{patch}: the patch file is missing (package data weightsync/patches/ is not installed)"
+        )
     src = Path(str(core.__file__))
     with tempfile.TemporaryDirectory(prefix="weightsync-fix-") as tmp:
         out = Path(tmp) / "core.py"

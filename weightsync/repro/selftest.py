@@ -5,7 +5,7 @@ through the model's successor function (:func:`weightsync.model.trace_walk.walk_
 Glue between the model and the implementation (it imports both), so it lives beside the CLI.
 
 Each broken engine is an :class:`~weightsync.impl.engine.core.EngineCore` subclass
-(:mod:`weightsync.impl.engine.faults`), run through ``EngineConfig.core``; it writes a ``fault`` record
+(:mod:`weightsync.repro.faults`), run through ``EngineConfig.core``; it writes a ``fault`` record
 where its fault first changes what the rank does. The walker never reads those records; the self-test
 checks that the walker rejected the trace at the model step that fault record belongs to.
 """
@@ -47,7 +47,7 @@ class Case:
     targets: tuple[int, ...] = ()
 
 
-_FAULTS = "weightsync.impl.engine.faults"
+_FAULTS = "weightsync.repro.faults"
 
 #: The self-test's cases: five broken engines from issue 12's list, corrupted weight bytes, and the healthy
 #: 20-cycle run.

@@ -1,6 +1,6 @@
 """The reference engine's schedule driver: what a compiled model step looks like, and the driver that makes
 each rank event happen when the schedule says and observes what the engines did (rules in
-:mod:`weightsync.impl.engine.repro`, which runs it)."""
+:mod:`weightsync.repro.engine`, which runs it)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ Channel = tuple[int, str]
 
 
 class ScheduleStep(Protocol):
-    """One compiled model step, as :class:`weightsync.schedule.Action` gives it (see there)."""
+    """One compiled model step, as :class:`weightsync.repro.schedule.Action` gives it (see there)."""
 
     @property
     def step(self) -> int: ...
@@ -74,7 +74,7 @@ class ScheduleStep(Protocol):
 
 
 class ModelEnd(Protocol):
-    """Where the model's run ends, as :class:`weightsync.schedule.FinalState` gives it (see there)."""
+    """Where the model's run ends, as :class:`weightsync.repro.schedule.FinalState` gives it (see there)."""
 
     @property
     def blocked(self) -> dict[int, str]: ...
@@ -87,7 +87,7 @@ class ModelEnd(Protocol):
 
 
 def wire(msg: Any, req_index: Mapping[str, int]) -> tuple[Any, ...]:
-    """An engine message in the plain form the schedule compares (:func:`weightsync.schedule.wire`);
+    """An engine message in the plain form the schedule compares (:func:`weightsync.repro.schedule.wire`);
     ``req_index`` maps request ids to the model's request numbers.
 
     Raises:
@@ -123,7 +123,7 @@ TIMEOUT = TransferTimeoutError.__name__
 
 class ScheduleDriver:
     """One schedule on a live cluster: the driver and its observations
-    (:func:`weightsync.impl.engine.repro.run_schedule` creates it and drives it step by step)."""
+    (:func:`weightsync.repro.engine.run_schedule` creates it and drives it step by step)."""
 
     def __init__(
         self,

@@ -1,22 +1,13 @@
-"""The ``weightsync`` command line (the commands and exit codes the README documents).
-
-Thin by design: it parses arguments and dispatches to the handlers of :mod:`weightsync.commands`, which
-call into :mod:`weightsync.model`, :mod:`weightsync.impl` and the applications, and print. Every command
-takes ``--json`` (one JSON object on stdout). Exit codes: 0 success / verified, 1 a property was violated
-or a check failed, 2 usage or input error.
-"""
+"""The ``weightsync`` argument parser: every subcommand, its options and their checks (a bad value is a
+:class:`UsageError`, exit 2)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NoReturn
 
-from weightsync.commands import bench, demo, model, replay, repro
-from weightsync.commands.common import EXIT_USAGE
 from weightsync.spec.states import PauseMode
 
 #: vLLM's pause modes (spec ``PauseMode``), the ``--mode`` choices
@@ -270,38 +261,4 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: command -> handler (in :mod:`weightsync.commands`); each returns an exit code.
-HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "variants": model.variants,
-    "check": model.check,
-    "export": model.export,
-    "prove": model.prove,
-    "mutate": model.mutate,
-    "bench": bench.bench,
-    "demo": demo.demo,
-    "repro": repro.repro,
-    "replay": replay.replay,
-    "record": repro.record,
-}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``weightsync`` console script; returns the exit code."""
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help / --version exit 0
-        return int(exc.code or 0)
-    except UsageError as exc:  # a bad flag or value: exit 2 naming it (README, exit codes)
-        if "--json" in argv:
-            sys.stdout.write(json.dumps({"error": str(exc)}) + "\n")
-        else:
-            sys.stderr.write(exc.usage)
-        sys.stderr.write(f"{exc}\n")
-        return EXIT_USAGE
-    return HANDLERS[args.command](args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+__all__ = ["MODES", "UsageError", "build_parser"]
