@@ -14,7 +14,7 @@ import pytest
 
 from weightsync.cli import main
 from weightsync.demo.config import KILL_ENV
-from weightsync.impl.checked import replay_trace
+from weightsync.impl.trace_replay import replay_trace
 
 
 def _demo(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:

@@ -8,14 +8,11 @@ from pathlib import Path
 import pytest
 
 from weightsync.cli import main
-from weightsync.model.check import (
-    PROPERTIES,
-    check,
-    check_mode,
-    replay_labels,
-)
+from weightsync.model.check import check, check_mode
 from weightsync.model.explorer import explore
 from weightsync.model.export import counterexample_mermaid, state_graph
+from weightsync.model.labels import replay_labels
+from weightsync.model.properties import PROPERTIES
 from weightsync.model.system import Bounds, Config, Model
 from weightsync.spec.states import PauseMode
 

@@ -20,14 +20,8 @@ from __future__ import annotations
 import pytest
 
 from weightsync.model.check import build_model
-from weightsync.repro.schedule import (
-    channels,
-    compile_schedule,
-    fired_events,
-    fix_divergence,
-    fix_schedule,
-    model_counterexample,
-)
+from weightsync.repro.fixed import fix_divergence, fix_schedule
+from weightsync.repro.schedule import channels, compile_schedule, fired_events, model_counterexample
 
 
 @pytest.fixture(scope="module")

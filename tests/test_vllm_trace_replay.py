@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from weightsync.cli import main
-from weightsync.impl.checked import replay_trace
+from weightsync.impl.trace_replay import replay_trace
 from weightsync.model.replay import TraceChecker
 from weightsync.vllm_tools.trace import to_replay_trace
 

@@ -55,7 +55,7 @@ def print_human(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table as RichTable
 
-    from weightsync.model.check import PROPERTIES
+    from weightsync.model.properties import PROPERTIES
 
     con = Console()
     colour = {"verified": "green", "counterexample": "red"}.get(result["verdict"], "yellow")

@@ -13,7 +13,7 @@ from weightsync.cli.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit
 def replay(args: argparse.Namespace) -> int:
     """``weightsync replay TRACE...``: each trace's table edges (:func:`weightsync.impl.checked.replay_trace`)
     and the model's composition check (:class:`weightsync.model.replay.TraceChecker`); exit 1 on a divergence."""
-    from weightsync.impl.checked import replay_trace
+    from weightsync.impl.trace_replay import replay_trace
     from weightsync.model.replay import TraceChecker
     from weightsync.repro.selftest import is_system_trace
 

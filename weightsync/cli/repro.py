@@ -55,13 +55,8 @@ def repro(args: argparse.Namespace) -> int:
     if args.variant not in EXPECTED:
         return usage(f"unknown variant {args.variant!r}; known: {', '.join(EXPECTED)}")
     from weightsync.model.check import build_model
-    from weightsync.repro.schedule import (
-        FIX_OF,
-        compile_schedule,
-        final_state,
-        fix_schedule,
-        model_counterexample,
-    )
+    from weightsync.repro.fixed import FIX_OF, fix_schedule
+    from weightsync.repro.schedule import compile_schedule, final_state, model_counterexample
     from weightsync.spec.errors import WeightSyncError
 
     fixed = EXPECTED[args.variant] == "completed"

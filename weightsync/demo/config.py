@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import pathlib
 import signal
+import time
 from dataclasses import dataclass
 
 from weightsync.spec.errors import WeightSyncError
 from weightsync.spec.states import PauseMode
+
+
+def default_trace_path() -> pathlib.Path:
+    """A fresh trace file under ``traces/`` for the demo's CheckedEngine."""
+    d = pathlib.Path("traces")
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl"
+
 
 __all__ = [
     "KILL_ENV",
@@ -18,6 +29,7 @@ __all__ = [
     "EngineDiedError",
     "RLRunConfig",
     "SyncRecord",
+    "default_trace_path",
 ]
 
 KILL_ENV = "WEIGHTSYNC_DEMO_KILL_RANK"

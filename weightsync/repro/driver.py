@@ -22,12 +22,10 @@ from weightsync.impl.engine.messages import (
     WaveComplete,
 )
 from weightsync.impl.models.sampling import SamplingParams
+from weightsync.spec.calls import PHASE_CALL, TRAINER_COLLECTIVE, Phase
 from weightsync.spec.controller import (
     ONE_ROUND_ARGS,
-    PHASE_CALL,
-    TRAINER_COLLECTIVE,
     CtrlVars,
-    Phase,
     controller_event,
     controller_next,
     controller_table,

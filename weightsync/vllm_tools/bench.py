@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 import torch
 import vllm
 
-from weightsync.bench.transfer import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS
 from weightsync.bench.vllm import (
     FULL_MODEL,
     METHODS,
@@ -34,6 +33,7 @@ from weightsync.bench.vllm import (
     RoundResult,
     figures,
 )
+from weightsync.bench.workload import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS
 from weightsync.impl.engine.client import free_port
 from weightsync.impl.transfer.base import InitInfo, dtype_name
 from weightsync.impl.transfer.broadcast import BroadcastGroup, join_group

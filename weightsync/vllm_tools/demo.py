@@ -131,7 +131,7 @@ def run_vllm_demo(cfg: VllmDemoConfig, log: Callable[[str], None] | None = None)
         engine_trace = trace.with_name(trace.stem + "-engines.jsonl")
         if events:  # lockstep DP engines (MoE): the engines' own protocol events
             to_replay_trace(events, engine_trace)
-    from weightsync.impl.checked import replay_trace
+    from weightsync.impl.trace_replay import replay_trace
     from weightsync.model.replay import TraceChecker
 
     result["trace"] = str(trace)

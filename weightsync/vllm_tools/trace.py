@@ -50,8 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.impl.engine.tracing import jsonable
-from weightsync.spec.collectives import CALL_FAIL_PHASE, DONE_EVENT, outcome_args, reduce_values
-from weightsync.spec.controller import (
+from weightsync.spec.calls import (
     CALL_EVENT,
     PHASE_CALL,
     TRAINER_COLLECTIVE,
@@ -59,6 +58,7 @@ from weightsync.spec.controller import (
     call_args,
     worker_outcome,
 )
+from weightsync.spec.collectives import CALL_FAIL_PHASE, DONE_EVENT, outcome_args, reduce_values
 from weightsync.spec.states import PauseMode, PauseState, RankEvent, schedulable
 
 #: vLLM's variables that the table has under the same name (compared by replay)

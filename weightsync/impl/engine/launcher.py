@@ -20,7 +20,6 @@ import torch.multiprocessing as tmp
 
 from weightsync.impl.engine.config import EngineConfig, EngineQueues
 from weightsync.impl.engine.coordinator import run_coordinator
-from weightsync.impl.engine.core import run_engine
 from weightsync.impl.engine.messages import (
     EngineFailure,
     RankRecord,
@@ -31,6 +30,7 @@ from weightsync.impl.engine.messages import (
     TransitionRecord,
     UtilityReply,
 )
+from weightsync.impl.engine.process import run_engine
 from weightsync.impl.engine.tracing import open_trace
 from weightsync.spec.errors import (
     IncompleteUpdateError,

@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from weightsync.impl.checked import vars_to_dict
 from weightsync.impl.engine.messages import RankRecord, RelabelRecord, TransitionRecord
 from weightsync.impl.engine.tracing import jsonable
+from weightsync.impl.trace_replay import vars_to_dict
+from weightsync.spec.calls import CALL_EVENT, worker_outcome
 from weightsync.spec.collectives import (
     CALL_FAIL_PHASE,
     COLLECTIVES,
@@ -22,9 +23,9 @@ from weightsync.spec.collectives import (
     outcome_args,
     reduce_values,
 )
-from weightsync.spec.controller import CALL_EVENT, worker_outcome
 from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
 from weightsync.spec.rank import DEFAULT_VARIANT, RankMachine, relabel_weight_version
+from weightsync.spec.refusal import refusal_text
 from weightsync.spec.states import (
     Collective,
     PauseMode,
@@ -201,21 +202,21 @@ class VLLMAdapter:
             effects.append(tuple(tr.effects))
         return effects
 
-    def _refuse_if_failed(
+    def _refuse(
         self, event: RankEvent, args: Sequence[dict[str, Any]], effects: list[tuple[str, ...]]
     ) -> None:
         if not any("refuse" in e for e in effects):
             return
         counts = [self._counts(u) for u in self._unfinished(self.timeout_s)]
-        for r, e in enumerate(effects):
-            if "refuse" in e:
-                self._fire(r, event, dict(args[r]), counts[r])
-        failed = [r for r, e in enumerate(effects) if "refuse" in e]
-        raise LocalProtocolError(
-            f"rank(s) {', '.join(map(str, failed))}: {event.value} refused in state failed (a weight-transfer "
-            "round failed; the weights may be partial and are not served); recover with a new round: "
-            "start_weight_update -> update_weights -> finish_weight_update (not sent to vLLM)"
+        refused = [r for r, e in enumerate(effects) if "refuse" in e]
+        first = self.machines[refused[0]]
+        state, row = first.state, first.select(event, args[refused[0]])
+        for r in refused:
+            self._fire(r, event, dict(args[r]), counts[r])
+        text = refusal_text(
+            ", ".join(map(str, refused)), event.value, state, event, row.rule if row else "", ""
         )
+        raise LocalProtocolError(text + " (not sent to vLLM)")
 
     def _lose(self, why: str) -> None:
         self.lost = why
@@ -287,7 +288,7 @@ class VLLMAdapter:
         with self._lock:
             probe = [{"mode": m, "clear_cache": bool(clear_cache), "running": 0}] * self.dp_size
             effects = self._preflight(RankEvent.PAUSE, probe)
-            self._refuse_if_failed(RankEvent.PAUSE, probe, effects)
+            self._refuse(RankEvent.PAUSE, probe, effects)
             try:
                 before, after = self._vllm_pause(m.value, bool(clear_cache), t)
                 paused = self._is_paused(t)
@@ -316,7 +317,7 @@ class VLLMAdapter:
         with self._lock:
             probe: list[dict[str, Any]] = [{}] * self.dp_size
             effects = self._preflight(RankEvent.RESUME, probe)
-            self._refuse_if_failed(RankEvent.RESUME, probe, effects)
+            self._refuse(RankEvent.RESUME, probe, effects)
             if not any(ENTER_RESUME_BARRIER in e for e in effects):
                 counts = [self._counts(u) for u in self._unfinished(t)]
                 for r in range(self.dp_size):
@@ -351,7 +352,7 @@ class VLLMAdapter:
         with self._lock:
             probe: list[dict[str, Any]] = [{}] * self.dp_size
             effects = self._preflight(event, probe)
-            self._refuse_if_failed(event, probe, effects)
+            self._refuse(event, probe, effects)
             counts = [self._counts(u) for u in self._unfinished(t)]
         # not under the lock: update_weights runs for as long as the trainer sends
         try:
