@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from weightsync.cli import main
-from weightsync.impl.engine.repro import EXPECTED
+from weightsync.repro.engine import EXPECTED
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ import pytest
 
 from weightsync.cli import main
 from weightsync.demo.config import KILL_ENV
-from weightsync.impl.checked import replay_trace
+from weightsync.impl.trace_replay import replay_trace
 
 
 def _demo(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
@@ -164,7 +164,7 @@ def test_both_demos_refuse_a_bad_shared_setting_before_starting(
 
     configs: list[RLRunConfig] = [DemoConfig()]
     try:
-        from weightsync.vllm.demo import VllmDemoConfig
+        from weightsync.vllm_tools.demo import VllmDemoConfig
 
         configs.append(VllmDemoConfig())
     except ImportError:

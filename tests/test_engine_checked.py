@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from weightsync.cli import main
-from weightsync.impl.checked import CheckedEngine, replay_trace
+from weightsync.impl.checked import CheckedEngine
+from weightsync.impl.trace_replay import replay_trace
 from weightsync.model.replay import TraceChecker
 from weightsync.spec.errors import LocalProtocolError
 

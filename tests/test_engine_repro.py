@@ -1,5 +1,5 @@
 """``weightsync repro`` on the reference engine (real processes, gloo on 127.0.0.1): the model's counterexample,
-compiled from its labels and states by :mod:`weightsync.schedule`, drives two DP ranks step by step, and the
+compiled from its labels and states by :mod:`weightsync.repro.schedule`, drives two DP ranks step by step, and the
 run is judged against the model.
 
 - ``two-phase`` is ``"reproduced"``: every model step followed (each row the step fires is the rank's next
@@ -35,12 +35,12 @@ from weightsync.impl.engine.messages import (
     UtilityCall,
     WaveComplete,
 )
-from weightsync.impl.engine.repro import BUGGY, end_check
-from weightsync.impl.engine.repro_driver import TIMEOUT, ScheduleDriver, wire
 from weightsync.impl.models.sampling import SamplingParams
 from weightsync.model.check import build_model
-from weightsync.schedule import Action, FinalState, compile_schedule, final_state, model_counterexample
-from weightsync.schedule import wire as model_wire
+from weightsync.repro.driver import TIMEOUT, ScheduleDriver, wire
+from weightsync.repro.engine import BUGGY, end_check
+from weightsync.repro.schedule import Action, FinalState, compile_schedule, final_state, model_counterexample
+from weightsync.repro.schedule import wire as model_wire
 
 
 @functools.cache

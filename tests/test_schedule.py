@@ -1,4 +1,4 @@
-"""The compiler behind ``weightsync repro`` on both engines (:mod:`weightsync.schedule`; no engine is started:
+"""The compiler behind ``weightsync repro`` on both engines (:mod:`weightsync.repro.schedule`; no engine is started:
 the model only). First for ``--engine vllm``:
 
 - The model's shortest vllm-0.32 counterexample compiles, from its labels and the states the successor
@@ -20,14 +20,8 @@ from __future__ import annotations
 import pytest
 
 from weightsync.model.check import build_model
-from weightsync.schedule import (
-    channels,
-    compile_schedule,
-    fired_events,
-    fix_divergence,
-    fix_schedule,
-    model_counterexample,
-)
+from weightsync.repro.fixed import fix_divergence, fix_schedule
+from weightsync.repro.schedule import channels, compile_schedule, fired_events, model_counterexample
 
 
 @pytest.fixture(scope="module")

@@ -223,16 +223,24 @@ def test_protocol_rules_match_the_table() -> None:
 
 
 def test_vllm_032_rows_cite_vllm_lines() -> None:
-    """Every row of vllm-0.32 cites a vLLM 0.32 file and line; the fix's rows cite vLLM 0.32 or weightsync."""
+    """Every row of vllm-0.32 cites a vLLM 0.32 file and line. A row of the fix cites vLLM 0.32 lines too,
+    unless it is a row of the fix's own (named ``weightsync vllm-0.32-epoch...``): a row without a vLLM line
+    that is not attributed to the fix fails, which the old ``or "weightsync" in rule`` let through."""
     import re
+
+    from weightsync.spec.rank_vllm032 import R_EPOCH_032
 
     cite = re.compile(r"vLLM 0\.32 .*\w+\.py:\d+")
     for (s, e), rows in VARIANTS["vllm-0.32"].table.items():
         for tr in rows:
             assert cite.search(tr.rule), (s, e, tr)
+    fix_rows = 0
     for (s, e), rows in VARIANTS["vllm-0.32-epoch"].table.items():
         for tr in rows:
-            assert cite.search(tr.rule) or "weightsync" in tr.rule, (s, e, tr)
+            own = tr.rule.startswith(R_EPOCH_032 + ":") or tr.rule.startswith(R_EPOCH_032 + " (")
+            assert cite.search(tr.rule) or own, (s, e, tr)
+            fix_rows += not cite.search(tr.rule)
+    assert fix_rows > 0
 
 
 def test_vllm_032_cadence_mirror_and_resume() -> None:

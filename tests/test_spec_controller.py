@@ -16,15 +16,8 @@ import pytest
 
 from weightsync.impl.engine.controller import UpdateFailedError, update_round
 from weightsync.model.system import FAILED_REPLY, REPLIED, Bounds, Config, G, Model
-from weightsync.spec.controller import (
-    PHASE_CALL,
-    CtrlEvent,
-    CtrlVars,
-    Phase,
-    Policy,
-    controller_choices,
-    controller_table,
-)
+from weightsync.spec.calls import PHASE_CALL, Phase
+from weightsync.spec.controller import CtrlEvent, CtrlVars, Policy, controller_choices, controller_table
 from weightsync.spec.states import PauseMode
 
 
@@ -216,7 +209,7 @@ def test_call_args_are_vllms_pause_arguments_with_its_defaults_and_the_ranks_run
     """The one builder of a call's table arguments (engine, model, trace walker): vLLM 0.32's defaults
     (``pause_generation(mode="abort", clear_cache=True)``), a precise error for a bad value or argument, and
     no table argument for a weight-transfer call (its kwargs are the worker's payload)."""
-    from weightsync.spec.controller import CALL_ARGS, DEFERRED_REPLY, call_args
+    from weightsync.spec.calls import CALL_ARGS, DEFERRED_REPLY, call_args
     from weightsync.spec.rank_vars import EFFECTS
     from weightsync.spec.states import PauseMode, RankEvent
 

@@ -1,8 +1,11 @@
 """The DP coordinator and the API front-end are tables (weightsync/spec/coordinator.py, front_end.py) that
 the model and the reference engine both run: the same random message sequences go through the model's
 coordinator step and through a real coordinator process, and their START_DP_WAVE broadcasts and
-``(current_wave, engines_running)`` must agree after every message. The tables themselves are checked
-against vLLM 0.32's rules."""
+``(current_wave, engines_running)`` must agree after every message. Those two comparisons are between two
+interpreters of one table, so alone they could not catch a wrong row: both would agree on it. The
+independent checks are the row-by-row tests against vLLM 0.32's source lines
+(``test_table_follows_vllm_032``, ``test_front_end_table_follows_vllm_032``) and a message sequence whose
+every outcome was computed by hand from those lines (``test_coordinator_on_a_hand_computed_trace``)."""
 
 from __future__ import annotations
 
@@ -153,6 +156,34 @@ def test_table_follows_vllm_032() -> None:
     f = coordinator_fire(t, running, CoordEvent.START_WAVE, {"wave": 5, "sender": 0})
     assert f.after == CoordVars(CoordState.RUNNING, 5) and f.broadcasts == ((5, 0),)
     assert coordinator_fire(t, idle, CoordEvent.START_WAVE, {"wave": 2, "sender": 0}).after == idle
+
+
+#: (message, args) -> (engines_running, current_wave, START_DP_WAVE broadcasts as (wave, excluded rank)),
+#: computed by hand from vLLM 0.32 ``v1/engine/coordinator.py:363-375, 432-461`` for a coordinator that
+#: starts idle at wave 0: FIRST_REQ broadcasts to all while idle and never latches; wave_complete advances
+#: past the reported wave unless it is older; start_wave adopts a newer wave (the current one while idle).
+HAND_TRACE: list[tuple[CoordEvent, dict[str, int], tuple[bool, int, tuple[tuple[int, int], ...]]]] = [
+    (CoordEvent.FIRST_REQ, {"wave": 0, "exclude": 1}, (False, 0, ((0, -1),))),
+    (CoordEvent.START_WAVE, {"wave": 0, "sender": 0}, (True, 0, ((0, 0),))),
+    (CoordEvent.FIRST_REQ, {"wave": 0, "exclude": 1}, (True, 0, ())),
+    (CoordEvent.WAVE_COMPLETE, {"wave": 0}, (False, 1, ())),
+    (CoordEvent.WAVE_COMPLETE, {"wave": 0}, (False, 1, ())),
+    (CoordEvent.START_WAVE, {"wave": 1, "sender": 1}, (True, 1, ((1, 1),))),
+    (CoordEvent.START_WAVE, {"wave": 3, "sender": 0}, (True, 3, ((3, 0),))),
+    (CoordEvent.WAVE_COMPLETE, {"wave": 3}, (False, 4, ())),
+    (CoordEvent.START_WAVE, {"wave": 2, "sender": 0}, (False, 4, ())),
+    (CoordEvent.FIRST_REQ, {"wave": 2, "exclude": 0}, (False, 4, ((4, -1),))),
+]
+
+
+def test_coordinator_on_a_hand_computed_trace() -> None:
+    t = coordinator_table(latches=False, excludes=False)
+    v = CoordVars(CoordState.IDLE, 0)
+    for k, (event, args, (running, wave, broadcasts)) in enumerate(HAND_TRACE):
+        f = coordinator_fire(t, v, event, args)
+        got = (f.after.state is CoordState.RUNNING, f.after.current_wave, f.broadcasts)
+        assert got == (running, wave, broadcasts), (k, event, args)
+        v = f.after
 
 
 def test_latching_and_exclusion_flags() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from weightsync.model.trace_walk import TraceFormatError, read_trace, walk_trace
-from weightsync.trace_selftest import CASES
+from weightsync.repro.selftest import CASES
 
 pytestmark = pytest.mark.timeout(600)
 

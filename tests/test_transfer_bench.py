@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.bench.transfer import run_transfer_bench, synthetic_spec
+from weightsync.bench.transfer import run_transfer_bench
+from weightsync.bench.workload import synthetic_spec
 
 
 def test_synthetic_model_size() -> None:

@@ -17,7 +17,7 @@ require_vllm()
 
 from weightsync.bench.vllm import METHODS  # noqa: E402
 from weightsync.cli import main  # noqa: E402
-from weightsync.vllm.bench import run_vllm_bench  # noqa: E402
+from weightsync.vllm_tools.bench import run_vllm_bench  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 
@@ -99,7 +99,7 @@ def test_bad_input_fails_before_anything_starts(kw: dict[str, object], match: st
 def test_cli_names_make_venv_when_vllm_is_missing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "weightsync.vllm.bench", None)  # the import now raises ImportError
+    monkeypatch.setitem(sys.modules, "weightsync.vllm_tools.bench", None)  # the import now raises ImportError
     assert main(["bench", "vllm", "--json"]) == 2
     out = json.loads(capsys.readouterr().out)
     assert "make venv" in out["error"]

@@ -31,9 +31,9 @@ from vllm_served import Served, assert_serves  # noqa: E402
 from weightsync.cli import main  # noqa: E402
 from weightsync.impl.checked import CheckedEngine  # noqa: E402
 from weightsync.spec.errors import LocalProtocolError  # noqa: E402
-from weightsync.vllm.checked import AsyncLLMAdapter  # noqa: E402
-from weightsync.vllm.models import perturbed_state  # noqa: E402
 from weightsync.vllm.trainer import WeightsyncBroadcastTrainer, update_info_of  # noqa: E402
+from weightsync.vllm_tools.checked import AsyncLLMAdapter  # noqa: E402
+from weightsync.vllm_tools.models import perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 #: the utility calls of the controller surface, as they leave the front-end

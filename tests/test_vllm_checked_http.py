@@ -17,7 +17,7 @@ import pytest
 
 from weightsync.cli import main
 from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
-from weightsync.vllm.checked import VLLMCallError, checked_http
+from weightsync.vllm_tools.checked import VLLMCallError, checked_http
 
 
 class Stub:

@@ -26,9 +26,9 @@ from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainer
 
 from weightsync.cli import main  # noqa: E402
 from weightsync.spec.errors import LocalProtocolError  # noqa: E402
-from weightsync.vllm.checked import checked_http  # noqa: E402
-from weightsync.vllm.models import build_tiny_llama, perturbed_state  # noqa: E402
 from weightsync.vllm.trainer import WeightsyncTrainerInitInfo  # noqa: E402
+from weightsync.vllm_tools.checked import checked_http  # noqa: E402
+from weightsync.vllm_tools.models import build_tiny_llama, perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(400)]
 LAUNCH = Path(__file__).with_name("vllm_serve_launch.py")

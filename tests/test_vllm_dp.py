@@ -28,8 +28,8 @@ from vllm_served import Served, assert_serves  # noqa: E402
 
 from weightsync.cli import main  # noqa: E402
 from weightsync.impl.checked import CheckedEngine  # noqa: E402
-from weightsync.vllm.checked import AsyncLLMAdapter  # noqa: E402
-from weightsync.vllm.models import perturbed_state  # noqa: E402
+from weightsync.vllm_tools.checked import AsyncLLMAdapter  # noqa: E402
+from weightsync.vllm_tools.models import perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 MAX_TOKENS = 200

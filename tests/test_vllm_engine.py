@@ -24,7 +24,7 @@ require_vllm()
 from vllm_served import PROBES, Served, assert_serves  # noqa: E402
 
 from weightsync.spec.errors import WireMismatchError  # noqa: E402
-from weightsync.vllm.models import perturbed_state  # noqa: E402
+from weightsync.vllm_tools.models import perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 

@@ -33,8 +33,8 @@ require_vllm()
 
 from vllm_served import PROBES, Served, assert_serves  # noqa: E402
 
-from weightsync.vllm.models import build_tiny_mixtral, checkpoint_state, perturbed_state  # noqa: E402
 from weightsync.vllm.reload import MOE_RELOAD_BUG_VERSIONS, moe_reload_fix_applies  # noqa: E402
+from weightsync.vllm_tools.models import build_tiny_mixtral, checkpoint_state, perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 #: what "changed" means: far above the 1e-4 agreement of a correct engine (measured: 0.072 by both arms)

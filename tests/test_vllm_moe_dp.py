@@ -33,7 +33,7 @@ from collective_roles import collectives_role  # noqa: E402
 from vllm_served import Served, assert_serves_on  # noqa: E402
 
 from weightsync.vllm import cpu_collectives  # noqa: E402
-from weightsync.vllm.models import build_tiny_mixtral, checkpoint_state, perturbed_state  # noqa: E402
+from weightsync.vllm_tools.models import build_tiny_mixtral, checkpoint_state, perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 

@@ -3,7 +3,7 @@ veth pair (iproute2), syncing through weightsync's broadcast backend (``weightsy
 ``HTTPVLLMWeightSyncClient``. Needs root and ``ip netns`` (skipped, saying which, without them).
 
 Namespace A holds the trainer (``tests/netns_trainer.py``), B the server (``python -m
-weightsync.vllm.serve``, ``VLLM_SERVER_DEV_MODE=1``); each has its loopback up and one end of the veth,
+weightsync.vllm_tools.serve``, ``VLLM_SERVER_DEV_MODE=1``); each has its loopback up and one end of the veth,
 ``A_ADDR`` and ``B_ADDR``, and no other interface, so every byte between them (the HTTP API on
 ``B_ADDR``, the rendezvous TCPStore the trainer hosts on ``A_ADDR``, gloo's connections) crosses the veth.
 Both namespaces are new, so fixed ports below the ephemeral range are free in each.
@@ -61,7 +61,7 @@ from vllm_server import ROOT, Server  # noqa: E402
 
 from weightsync.impl.transfer.control import STORE_GRACE_S  # noqa: E402
 from weightsync.impl.transfer.secret import TOKEN_ENV, TOKEN_FILE_ENV, write_token  # noqa: E402
-from weightsync.vllm.models import build_tiny_llama, perturbed_state  # noqa: E402
+from weightsync.vllm_tools.models import build_tiny_llama, perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(360)]
 

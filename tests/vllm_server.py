@@ -1,5 +1,5 @@
 """Shared by the tests that run a real ``vllm serve``: the server process (``python -m
-weightsync.vllm.serve``, optionally inside a network namespace) and an HTTP client of its routes.
+weightsync.vllm_tools.serve``, optionally inside a network namespace) and an HTTP client of its routes.
 
 ``ServerAPI`` needs only the URL, so a process in another network namespace (the netns test's trainer)
 uses the same calls as the test that started the server. Import only after ``vllm_util.require_vllm()``.
@@ -66,7 +66,7 @@ class ServerAPI:
 
 
 class Server(ServerAPI):
-    """``python -m weightsync.vllm.serve MODEL ...`` in its own process group, logging to ``log``.
+    """``python -m weightsync.vllm_tools.serve MODEL ...`` in its own process group, logging to ``log``.
 
     Args:
         host, port: where it listens (``port`` None: a free port of this namespace).
@@ -100,7 +100,7 @@ class Server(ServerAPI):
             *(["ip", "netns", "exec", netns] if netns else []),
             sys.executable,
             "-m",
-            "weightsync.vllm.serve",
+            "weightsync.vllm_tools.serve",
             self.model,
             "--host",
             host,

@@ -6,9 +6,9 @@
 - :mod:`weightsync.bench.explorer`: the model checker's exploration against a networkx BFS baseline;
 - :mod:`weightsync.bench.vllm`: one sync round into a real ``AsyncLLM`` against raw and per-tensor
   broadcasts. Only :mod:`weightsync.vllm` may import vllm, so the part that drives vLLM is
-  :mod:`weightsync.vllm.bench` (the trainer side) and :mod:`weightsync.vllm.bench_worker` (run inside vLLM's
+  :mod:`weightsync.vllm_tools.bench` (the trainer side) and :mod:`weightsync.vllm_tools.bench_worker` (run inside vLLM's
   worker); this module holds the benchmark's definition, its figures and their rendering, and the command
-  imports :mod:`weightsync.vllm.bench` only when it runs.
+  imports :mod:`weightsync.vllm_tools.bench` only when it runs.
 
-The command is :mod:`weightsync.commands.bench`.
+The command is :mod:`weightsync.cli.bench`.
 """

@@ -62,7 +62,7 @@ engine parameter matches.
 Targets (judged at full size only): ``vs_raw >= 0.7`` and ``vs_per_tensor >= 1.5``.
 
 This module is the benchmark without vLLM (its sizes, figures and rendering); the run is
-:func:`weightsync.vllm.bench.run_vllm_bench` and the worker side :mod:`weightsync.vllm.bench_worker`, since
+:func:`weightsync.vllm_tools.bench.run_vllm_bench` and the worker side :mod:`weightsync.vllm_tools.bench_worker`, since
 only :mod:`weightsync.vllm` imports vllm.
 """
 
@@ -162,7 +162,7 @@ def figures(
     vllm_version: str,
     loadavg_start: list[float],
 ) -> dict[str, Any]:
-    """The result of :func:`weightsync.vllm.bench.run_vllm_bench` from its rounds: per method
+    """The result of :func:`weightsync.vllm_tools.bench.run_vllm_bench` from its rounds: per method
     (:func:`method_summary`), the headline GB/s and ratios of medians, the reload share, verification and
     the targets (judged at full size only)."""
     methods = {m: method_summary(results[m], model_bytes) for m in METHODS}

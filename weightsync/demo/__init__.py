@@ -12,6 +12,6 @@ every step, with the next rollouts in flight, and checks every sync.
 - :mod:`weightsync.demo.trainer`: the trainer (policy model, GRPO step, probe logits);
 - :mod:`weightsync.demo.rl_task`: the byte tokenizer, the digit-pattern task and its reward.
 
-The same loop on a real vLLM is :mod:`weightsync.vllm.demo` (it imports vllm, so it lives there); the
-command is :mod:`weightsync.commands.demo`.
+The same loop on a real vLLM is :mod:`weightsync.vllm_tools.demo` (it imports vllm, so it lives there); the
+command is :mod:`weightsync.cli.demo`.
 """

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import pathlib
 import signal
+import time
 from dataclasses import dataclass
 
 from weightsync.spec.errors import WeightSyncError
 from weightsync.spec.states import PauseMode
+
+
+def default_trace_path() -> pathlib.Path:
+    """A fresh trace file under ``traces/`` for the demo's CheckedEngine."""
+    d = pathlib.Path("traces")
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl"
+
 
 __all__ = [
     "KILL_ENV",
@@ -18,6 +29,7 @@ __all__ = [
     "EngineDiedError",
     "RLRunConfig",
     "SyncRecord",
+    "default_trace_path",
 ]
 
 KILL_ENV = "WEIGHTSYNC_DEMO_KILL_RANK"
@@ -62,7 +74,7 @@ class EngineDiedError(WeightSyncError):
 @dataclass
 class RLRunConfig:
     """The settings every RL demo loop shares (``weightsync demo``'s on the reference engine,
-    :class:`DemoConfig`, and on a real vLLM, :class:`weightsync.vllm.demo.VllmDemoConfig`).
+    :class:`DemoConfig`, and on a real vLLM, :class:`weightsync.vllm_tools.demo.VllmDemoConfig`).
 
     Attributes:
         steps: trainer steps, each followed by a sync (>= 0; the initial sync is checked too).

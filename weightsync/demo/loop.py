@@ -16,8 +16,9 @@ The loop (one iteration per trainer step ``i = 1..steps``):
    (:meth:`weightsync.demo.trainer.Trainer.trainer_step`);
 4. the controller runs ``pause(mode) -> start_weight_update -> update_weights`` (the trainer sends
    concurrently, packed) ``-> finish_weight_update(weight_version="step-i") -> resume``
-   (:func:`weightsync.impl.engine.controller.update_round`, resume in a ``finally``). The trainer is
-   vLLM 0.32's API over weightsync's transports
+   (:func:`weightsync.impl.engine.controller.update_round`: it resumes only on a complete set of weights,
+   never after weights started moving in a failed round; the spec's controller policy ``one_round``). The
+   trainer is vLLM 0.32's API over weightsync's transports
    (:class:`~weightsync.impl.transfer.trainer.BroadcastTrainerEngine` /
    :class:`~weightsync.impl.transfer.trainer.IPCTrainerEngine`, ``trainer_init(init_info, client=...,
    source=...)``) with the checked engine client as its client; its source declares the checkpoint
@@ -26,13 +27,11 @@ The loop (one iteration per trainer step ``i = 1..steps``):
    (``clear_cache=True``: their KV is recomputed); with ``abort`` they end with ``finish_reason="abort"`` and
    the next step trains on the finished samples only;
 5. checks: every rank reports ``weight_version`` ``"step-i"`` (``"step-0"`` after the initial sync); on the
-   fixed probe prompts every
-   engine's logits equal the trainer's (``torch.equal`` in float32; otherwise the max abs difference is
-   reported).
+   fixed probe prompts every engine's logits equal the trainer's (``torch.equal`` in float32; otherwise the
+   max abs difference is reported).
 
-The runtime checker is on by default: :class:`~weightsync.impl.checked.CheckedEngine` wraps the client,
-checks every controller call against the spec table of every rank and records the JSONL trace that
-``weightsync replay`` validates.
+The runtime checker is on by default: :class:`~weightsync.impl.checked.CheckedEngine` wraps the client, checks
+every controller call against every rank's spec table and records the trace ``weightsync replay`` validates.
 
 Failure handling: every wait has a deadline (``timeout_s``). When an engine process dies (e.g. the test-only
 ``kill_rank_during_update`` hook SIGKILLs one in the middle of an update), the demo notices within 0.1 s,
@@ -46,7 +45,6 @@ the checks :mod:`weightsync.demo.checks` and the rendering :mod:`weightsync.demo
 from __future__ import annotations
 
 import contextlib
-import os
 import pathlib
 import tempfile
 import time
@@ -64,9 +62,10 @@ from weightsync.demo.checks import (
     probe_diff,
     torch_threads,
 )
-from weightsync.demo.config import TRANSPORTS, DemoConfig, DemoUsageError, SyncRecord
+from weightsync.demo.config import TRANSPORTS, DemoConfig, DemoUsageError, SyncRecord, default_trace_path
 from weightsync.demo.guard import ClientGuard
 from weightsync.demo.rl_task import EOS_ID, DigitPatternTask, Prompt, Sample
+from weightsync.demo.trainer import load_trainer_model
 from weightsync.spec.errors import WeightSyncError
 
 __all__ = ["run_demo"]
@@ -76,23 +75,6 @@ __all__ = ["run_demo"]
 class _Batch:
     prompts: dict[str, Prompt] = field(default_factory=dict)
     streams: list[Any] = field(default_factory=list)
-
-
-def _default_trace_path() -> pathlib.Path:
-    d = pathlib.Path("traces")
-    d.mkdir(parents=True, exist_ok=True)
-    return d / f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl"
-
-
-def _load_trainer_model(cfg: DemoConfig) -> Any:
-    from weightsync.demo.trainer import build_default_model, load_hf_model
-
-    if cfg.model_dir is None:
-        return build_default_model(cfg.seed)
-    try:
-        return load_hf_model(cfg.model_dir)
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        raise DemoUsageError(f"--model {cfg.model_dir}: {exc}") from None
 
 
 def run_demo(
@@ -119,7 +101,7 @@ def run_demo(
     cfg.validate()
     emit = on_event or (lambda kind, data: None)
     t_start = time.perf_counter()
-    model = _load_trainer_model(cfg)
+    model = load_trainer_model(cfg)
     return _Run(cfg, model, emit, t_start).run()
 
 
@@ -356,7 +338,7 @@ class _Run:
             guard.on_pause_done = self._on_pause_done
             engine = guard
             if cfg.check:
-                self.trace_path = pathlib.Path(cfg.trace) if cfg.trace else _default_trace_path()
+                self.trace_path = pathlib.Path(cfg.trace) if cfg.trace else default_trace_path()
                 self.trace_path.parent.mkdir(parents=True, exist_ok=True)
                 engine = CheckedEngine(guard, trace_path=self.trace_path)
             # ---- transfer group: the trainer hosts the store (rank 0) while every engine joins

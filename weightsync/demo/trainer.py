@@ -33,9 +33,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from weightsync.demo.config import DemoConfig, DemoUsageError
 from weightsync.demo.rl_task import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, DigitPatternTask, Prompt, Sample
 from weightsync.impl.models.config import SUPPORTED_ARCHITECTURES, LMConfig
 from weightsync.impl.models.sampling import RequestSampler, SamplingParams
+
+
+def load_trainer_model(cfg: DemoConfig) -> Any:
+    """The trainer's model: the built-in policy, or ``cfg.model_dir``'s checkpoint."""
+    if cfg.model_dir is None:
+        return build_default_model(cfg.seed)
+    try:
+        return load_hf_model(cfg.model_dir)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise DemoUsageError(f"--model {cfg.model_dir}: {exc}") from None
+
 
 __all__ = [
     "DEFAULT_MODEL_KWARGS",
@@ -45,6 +57,7 @@ __all__ = [
     "build_default_model",
     "iter_checkpoint_weights",
     "load_hf_model",
+    "load_trainer_model",
     "local_rollouts",
     "probe_prompt_tokens",
     "run_local_loop",

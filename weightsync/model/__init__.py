@@ -14,17 +14,11 @@ Public API (for ``export``, ``prove``, ``replay``):
 - :data:`~weightsync.model.check.PROPERTIES` (name -> statement, source).
 """
 
-from weightsync.model.check import (
-    PROPERTIES,
-    build_model,
-    check,
-    check_mode,
-    counterexample_record,
-    replay_labels,
-    step_edge,
-)
+from weightsync.model.check import build_model, check, check_mode, counterexample_record
 from weightsync.model.explorer import Exploration, explore
 from weightsync.model.export import counterexample_mermaid, state_graph
+from weightsync.model.labels import replay_labels, step_edge
+from weightsync.model.properties import PROPERTIES
 from weightsync.model.system import Bounds, Config, Model, Step, describe
 
 __all__ = [

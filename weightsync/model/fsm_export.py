@@ -12,19 +12,17 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-from weightsync.spec.collectives import COLLECTIVES, collectives_digest
-from weightsync.spec.controller import (
+from weightsync.spec.calls import (
     CALL_ARGS,
     CALL_EVENT,
-    CTRL_EFFECTS,
     DEFERRED_REPLY,
     PAUSE_ARGS,
     PHASE_CALL,
     TRAINER_COLLECTIVE,
     Phase,
-    controller_digest,
-    controller_table,
 )
+from weightsync.spec.collectives import COLLECTIVES, collectives_digest
+from weightsync.spec.controller import CTRL_EFFECTS, controller_digest, controller_table
 from weightsync.spec.coordinator import coordinator_digest, coordinator_table
 from weightsync.spec.front_end import FRONT_END_TABLE, front_end_digest
 from weightsync.spec.rank import EFFECTS, VARIANTS, Variant, spec_digest

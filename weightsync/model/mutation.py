@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from weightsync.model.check import SOMETIMES, VIOLATED, check_mode
+from weightsync.model.check import check_mode
+from weightsync.model.properties import SOMETIMES, VIOLATED
 from weightsync.model.system import Bounds, Config, Model
 from weightsync.spec.rank import GUARDS, RankVars, Table, get_variant
 from weightsync.spec.states import PauseMode

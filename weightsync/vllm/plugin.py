@@ -11,8 +11,8 @@ It also supplies, on vLLM 0.32.x only, the two collectives the CPU communicator 
 parallelism > 1 needs them: :mod:`weightsync.vllm.cpu_collectives`), since the plugin runs in every worker.
 
 Two opt-in hooks act only when their environment variable is set (the engine processes inherit the
-driver's environment): the resume-epoch fix (:mod:`weightsync.vllm.fix`, ``WEIGHTSYNC_VLLM_FIX=epoch``,
-vLLM 0.32.0 only) and then the protocol-event probe (:mod:`weightsync.vllm.probe`,
+driver's environment): the resume-epoch fix (:mod:`weightsync.vllm_tools.fix`, ``WEIGHTSYNC_VLLM_FIX=epoch``,
+vLLM 0.32.0 only) and then the protocol-event probe (:mod:`weightsync.vllm_tools.probe`,
 ``WEIGHTSYNC_VLLM_EVENTS=<dir>``), which wraps whichever methods are installed, patched or not.
 """
 
@@ -62,7 +62,7 @@ def register() -> None:
 
     Raises:
         RuntimeError: another package already registered one of these names with its own class; or
-            ``WEIGHTSYNC_VLLM_FIX`` is set and the fix cannot be installed (:func:`weightsync.vllm.fix.install`).
+            ``WEIGHTSYNC_VLLM_FIX`` is set and the fix cannot be installed (:func:`weightsync.vllm_tools.fix.install`).
         ValueError: ``WEIGHTSYNC_VLLM_FIX`` or ``WEIGHTSYNC_VLLM_HOLD`` has a value the hooks do not know.
     """
     from vllm.distributed.weight_transfer.factory import (
@@ -70,7 +70,8 @@ def register() -> None:
         WeightTransferTrainerFactory,
     )
 
-    from weightsync.vllm import cpu_collectives, fix, probe
+    from weightsync.vllm import cpu_collectives
+    from weightsync.vllm_tools import fix, probe
 
     for name, (emod, ecls, tmod, tcls) in _BACKENDS.items():
         _register_one(WeightTransferEngineFactory, name, emod, ecls)

@@ -28,15 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from weightsync.spec.controller import (
-    ONE_ROUND_ARGS,
-    PHASE_CALL,
-    CtrlEvent,
-    CtrlVars,
-    Phase,
-    controller_next,
-    controller_table,
-)
+from weightsync.spec.calls import PHASE_CALL, Phase
+from weightsync.spec.controller import ONE_ROUND_ARGS, CtrlEvent, CtrlVars, controller_next, controller_table
 from weightsync.spec.errors import WeightSyncError
 
 

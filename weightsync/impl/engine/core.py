@@ -24,12 +24,10 @@ every pending call with the error, stops stepping and serves only queries and sh
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import queue
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -50,11 +48,13 @@ from weightsync.impl.engine.messages import (
     WaveComplete,
 )
 from weightsync.impl.engine.records import INITIAL_WEIGHT_VERSION, record_line, trace_line, vars_dict
+from weightsync.impl.engine.replies import CallReplies
 from weightsync.impl.engine.tracing import StepTracer, jsonable, open_trace
+from weightsync.spec.calls import CALL_EVENT, DEFERRED_REPLY, call_args, worker_outcome
 from weightsync.spec.collectives import ENTER_EFFECT, FAIL_PHASE, outcome_args
-from weightsync.spec.controller import CALL_EVENT, DEFERRED_REPLY, call_args, worker_outcome
-from weightsync.spec.errors import LocalProtocolError, PeerFailedError
+from weightsync.spec.errors import LocalProtocolError
 from weightsync.spec.rank import EFFECTS, RankMachine, effect_acts_on, relabel_weight_version
+from weightsync.spec.refusal import ILLEGAL_CALL, IllegalCallPolicy, halted_text
 from weightsync.spec.states import RankEvent
 from weightsync.spec.table import Fired
 
@@ -67,8 +67,8 @@ class _RoundFailed(Exception):
     remaining effects)."""
 
 
-class EngineCore:
-    """One DP engine rank (runs in its own process; see :func:`run_engine`).
+class EngineCore(CallReplies):
+    """One DP engine rank (runs in its own process; see :func:`weightsync.impl.engine.process.run_engine`).
 
     Args:
         cfg: cluster configuration.
@@ -334,59 +334,9 @@ class EngineCore:
     def _fail_init(self, fired: Fired) -> None:
         self.worker.fail_init()
 
-    def _reply_error(self, call: UtilityCall | None, exc: BaseException) -> None:
-        if call is None:
-            return
-        self._pending_calls.pop(call.call_id, None)
-        self._forget_deferred(call)
-        self.q.out.put(
-            UtilityReply(self.rank, call.call_id, None, f"{type(exc).__name__}: {exc}", type(exc).__name__)
-        )
-
-    def _reply_failure(self, fired: Fired) -> None:
-        err = self._round_error or PeerFailedError([self.rank], str(fired.after.state), "round failed")
-        self._reply_error(self._ctx_call, err)
-
-    def _refuse(self, fired: Fired) -> None:
-        call = self._ctx_call
-        why = f"{type(self._round_error).__name__}: {self._round_error}" if self._round_error else "unknown"
-        self._reply_error(
-            call,
-            LocalProtocolError(
-                f"rank {self.rank}: {call.method if call else fired.event.value} refused in state failed "
-                f"(a weight-transfer round failed: {why}); the weights may be partial and are not served; "
-                "recover with a new round: start_weight_update -> update_weights -> finish_weight_update"
-            ),
-        )
-
     def _clear_cache(self, fired: Fired) -> None:
         if fired.after.clear_cache:
             self.sched.clear_cache()
-
-    def _reply_to(self, call: UtilityCall, result: Any = None) -> None:
-        self._pending_calls.pop(call.call_id, None)
-        self.q.out.put(UtilityReply(self.rank, call.call_id, result))
-
-    def _forget_deferred(self, call: UtilityCall) -> None:
-        for pending in self._deferred.values():
-            if call in pending:
-                pending.remove(call)
-
-    def _reply_pause(self, fired: Fired) -> None:
-        pending, self._deferred["reply_pause"] = self._deferred["reply_pause"], []
-        for call in pending:
-            self._reply_to(call)
-
-    def _reply_resume(self, fired: Fired) -> None:
-        assert self._ctx_call is not None
-        self._reply_to(self._ctx_call)
-
-    def _reply(self, fired: Fired) -> None:
-        assert self._ctx_call is not None
-        self._reply_to(self._ctx_call)
-
-    def _current_kwargs(self) -> dict[str, Any]:
-        return dict(self._ctx_call.kwargs) if self._ctx_call is not None else {}
 
     # ------------------------------------------------------------------ inputs
     CALL_EVENTS: ClassVar[dict[str, RankEvent]] = CALL_EVENT  # spec/controller.py
@@ -422,14 +372,15 @@ class EngineCore:
                 )
             return
         event = self.CALL_EVENTS.get(call.method)
-        if event is None or self.failure is not None:
-            why = (
-                f"unknown utility method {call.method!r}"
-                if event is None
-                else f"rank {self.rank} failed earlier: {self.failure.error if self.failure else ''}"
+        if event is None:
+            why = f"unknown utility method {call.method!r}"
+            self.q.out.put(UtilityReply(self.rank, call.call_id, None, f"ValueError: {why}", "ValueError"))
+            return
+        if self.failure is not None:  # halted (spec/refusal.py HALTED): every protocol call is refused
+            why = halted_text(self.rank, call.method, self.failure.error)
+            self.q.out.put(
+                UtilityReply(self.rank, call.call_id, None, f"PeerFailedError: {why}", "PeerFailedError")
             )
-            etype = "ValueError" if event is None else "PeerFailedError"
-            self.q.out.put(UtilityReply(self.rank, call.call_id, None, f"{etype}: {why}", etype))
             return
         try:
             args = call_args(event, call.kwargs, len(self.sched.running))
@@ -440,9 +391,8 @@ class EngineCore:
         self._pending_calls[call.call_id] = call
         if event in DEFERRED_REPLY:
             self._deferred[DEFERRED_REPLY[event]].append(call)
-        if self.machine.select(event, args) is None:
-            # An illegal call is refused before it reaches the table: the caller gets the table's
-            # LocalProtocolError and the rank stays unharmed (the machine does not enter `error`).
+        if ILLEGAL_CALL is IllegalCallPolicy.NON_STICKY and self.machine.select(event, args) is None:
+            # spec/refusal.py ILLEGAL_CALL: refused before the table fires; the rank is unchanged
             self._reply_error(call, LocalProtocolError(self.machine.explain_illegal(event, args)))
             self._ctx_call = None
             return
@@ -508,41 +458,10 @@ class EngineCore:
                     return n
         return n
 
-    # ------------------------------------------------------------------ failure
-    def _fail(self, exc: BaseException, phase: str) -> None:
-        if self.failure is not None:
-            return
-        cur = self.dp.current
-        kind, _, seq = cur.partition("#")
-        try:
-            peers = self.dp.board()
-        except Exception:
-            peers = {}
-        missing = tuple(getattr(exc, "missing_ranks", ()))
-        self.failure = EngineFailure(
-            self.rank,
-            getattr(exc, "phase", phase),
-            f"{type(exc).__name__}: {exc}",
-            type(exc).__name__,
-            kind if kind != "idle" else "",
-            int(seq) if seq.isdigit() else -1,
-            missing,
-            peers,
-            self.machine.state.value,
-        )
-        self.q.out.put(self.failure)
-        for call in list(self._pending_calls.values()):
-            self.q.out.put(
-                UtilityReply(self.rank, call.call_id, None, self.failure.error, self.failure.error_type)
-            )
-        self._pending_calls.clear()
-        for pending in self._deferred.values():
-            pending.clear()
-
     # ------------------------------------------------------------------ loop
     def may_step(self) -> bool:
         """Whether the loop may fire its next STEP now: always (``weightsync repro``'s engine,
-        :class:`~weightsync.impl.engine.gated.GatedEngineCore`, holds acting steps at a gate)."""
+        ``weightsync.repro.gated.GatedEngineCore``, holds acting steps at a gate)."""
         return True
 
     def run(self) -> None:
@@ -567,31 +486,4 @@ class EngineCore:
         self.dp.close()
 
 
-def run_engine(cfg: EngineConfig, rank: int, queues: EngineQueues) -> None:
-    """Process entry point of one engine rank (``torch.multiprocessing`` spawn target)."""
-    try:
-        cls = EngineCore
-        if cfg.core:
-            mod, _, name = cfg.core.partition(":")
-            cls = getattr(importlib.import_module(mod), name)
-        core = cls(cfg, rank, queues)
-    except Exception as exc:
-        queues.out.put(
-            EngineFailure(
-                rank,
-                "startup",
-                f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
-                type(exc).__name__,
-                "",
-                -1,
-                (),
-                {},
-                "running",
-            )
-        )
-        return
-    queues.out.put(UtilityReply(rank, -1, {"ready": True, "pid": os.getpid()}))
-    core.run()
-
-
-__all__ = ["EngineCore", "run_engine"]
+__all__ = ["EngineCore"]

@@ -20,7 +20,6 @@ import torch.multiprocessing as tmp
 
 from weightsync.impl.engine.config import EngineConfig, EngineQueues
 from weightsync.impl.engine.coordinator import run_coordinator
-from weightsync.impl.engine.core import run_engine
 from weightsync.impl.engine.messages import (
     EngineFailure,
     RankRecord,
@@ -31,6 +30,7 @@ from weightsync.impl.engine.messages import (
     TransitionRecord,
     UtilityReply,
 )
+from weightsync.impl.engine.process import run_engine
 from weightsync.impl.engine.tracing import open_trace
 from weightsync.spec.errors import (
     IncompleteUpdateError,
@@ -148,8 +148,6 @@ class Launcher:
             raise ValueError("EngineConfig.model is required")
         if cfg.dp_port == 0:
             cfg = replace(cfg, dp_port=free_port(cfg.host))
-        if hold and not cfg.core:  # repro: every rank runs behind a step gate
-            cfg = replace(cfg, core="weightsync.impl.engine.gated:GatedEngineCore")
         self.cfg = cfg
         self.variant = get_variant(cfg.variant)
         self.dp_size = cfg.dp_size

@@ -28,6 +28,7 @@ from weightsync.model.system.state import (
     _new_tuple,
     _ScratchState,
 )
+from weightsync.spec.calls import CALL_ARGS, WORKER_OUTCOME, call_args, worker_outcome
 from weightsync.spec.collectives import (
     CALL_FAIL_PHASE,
     OUTCOME_KINDS,
@@ -35,7 +36,6 @@ from weightsync.spec.collectives import (
     outcome_args,
     reduce_values,
 )
-from weightsync.spec.controller import CALL_ARGS, WORKER_OUTCOME, call_args, worker_outcome
 from weightsync.spec.front_end import RANK_EFFECT_EVENT
 from weightsync.spec.rank import EFFECT_RANKS, RankVars, effect_acts_on
 from weightsync.spec.states import (

@@ -25,11 +25,10 @@ from weightsync.model.system.state import (
     _new_tuple,
     _ScratchState,
 )
+from weightsync.spec.calls import TRAINER_COLLECTIVE, Phase
 from weightsync.spec.controller import (
-    TRAINER_COLLECTIVE,
     CtrlEvent,
     CtrlVars,
-    Phase,
     call_version,
     controller_choices,
     controller_event,

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from weightsync.spec.calls import CALL_EVENT as CALL_EVENT
+from weightsync.spec.calls import PHASE_CALL as PHASE_CALL
+from weightsync.spec.calls import Phase
 from weightsync.spec.collectives import DONE_EVENT as DONE_EVENT
 from weightsync.spec.collectives import DP_KINDS as DP_KINDS
 from weightsync.spec.collectives import ENTER_EFFECT as ENTER_EFFECT
 from weightsync.spec.collectives import FAIL_PHASE as FAIL_PHASE
 from weightsync.spec.collectives import TRANSFER_KINDS as TRANSFER_KINDS
-from weightsync.spec.controller import CALL_EVENT as CALL_EVENT
-from weightsync.spec.controller import PHASE_CALL as PHASE_CALL
 from weightsync.spec.controller import X_PAUSE as X_PAUSE
 from weightsync.spec.controller import X_RESUME as X_RESUME
-from weightsync.spec.controller import Phase
 from weightsync.spec.rank import RankVars
 from weightsync.spec.states import PauseMode
 from weightsync.spec.worker import WorkerVars

@@ -1,0 +1,84 @@
+"""``weightsync check``: the model checker on one variant and bound."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from weightsync.cli.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit
+
+
+def check(args: argparse.Namespace) -> int:
+    """``weightsync check``: :func:`weightsync.model.check.check`; exit 1 on a counterexample."""
+    from weightsync.model.check import check
+    from weightsync.model.system import Bounds
+    from weightsync.spec.rank import VARIANTS
+
+    err = None
+    if args.variant not in VARIANTS:
+        err = f"unknown variant {args.variant!r}; known: {', '.join(VARIANTS)}"
+    # numeric bounds are checked by the parser's types (exit 2 naming the flag)
+    if err:
+        msg = err
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
+    bounds = Bounds(
+        requests=args.requests,
+        cycles=args.cycles,
+        sync_interval=args.sync_interval,
+        tokens=args.tokens,
+        init_transfer=args.init_transfer,
+        stray_resume=args.stray_resume,
+        repeat_resume=args.repeat_resume,
+        failures=args.failures,
+        pause_during_update=args.pause_during_update,
+        resume_during_update=args.resume_during_update,
+    )
+    out = check(
+        args.variant,
+        args.ranks,
+        mode=args.mode,
+        channels=args.channels,
+        bounds=bounds,
+        symmetry=args.symmetry,
+        max_states=args.max_states,
+        workers=args.workers,
+        stalls=args.stalls,
+    )
+    emit(out, args.json, lambda: print_human(out))
+    return EXIT_OK if out["verdict"] == "verified" else EXIT_VIOLATION
+
+
+def print_human(result: dict[str, Any]) -> None:
+    """Print a :func:`weightsync.model.check.check` result for people (rich table of properties, numbered counterexample)."""
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    from weightsync.model.properties import PROPERTIES
+
+    con = Console()
+    colour = {"verified": "green", "counterexample": "red"}.get(result["verdict"], "yellow")
+    con.print(
+        f"[bold]{result['variant']}[/bold]  N={result['ranks']}  mode={result['mode']}  "
+        f"channels={result['channels']}  bounds={result['bounds']}  symmetry={result['symmetry']}"
+    )
+    con.print(
+        f"[{colour}]{result['verdict']}[/{colour}]: {result['states']:,} states, "
+        f"{result['transitions']:,} transitions, depth {result['depth']}, {result['seconds']:.2f} s, "
+        f"peak RSS {result['peak_rss_mb']:.0f} MB"
+    )
+    t = RichTable("property", "result", "statement (source)")
+    for name, val in result["properties"].items():
+        c = {"holds": "green", "violated": "red"}.get(val, "yellow")
+        st, src = PROPERTIES[name]
+        t.add_row(name, f"[{c}]{val}[/{c}]", f"{st} ({src})")
+    con.print(t)
+    cx = result.get("counterexample")
+    if cx:
+        con.print(f"[bold red]counterexample[/bold red] for {cx['property']} (mode {cx['mode']}):")
+        for line in cx["steps"]:
+            con.print("  " + line, markup=False, highlight=False)
+
+
+__all__ = ["check", "print_human"]

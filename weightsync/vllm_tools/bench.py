@@ -1,0 +1,363 @@
+"""``weightsync bench vllm``, the trainer side: one sync round into a real ``AsyncLLM`` against two baselines.
+
+The benchmark (its methods, statistics, verification and targets) is described in :mod:`weightsync.bench.vllm`,
+which also computes the figures and renders them; the functions run in vLLM's worker are
+:mod:`weightsync.vllm_tools.bench_worker`. This module starts the engine, runs the interleaved rounds and verifies
+each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import vllm
+
+from weightsync.bench.vllm import (
+    FULL_MODEL,
+    METHODS,
+    QUICK_BUCKET_BYTES,
+    QUICK_MODEL,
+    RAW_KEY,
+    REPEATS,
+    RoundResult,
+    figures,
+)
+from weightsync.bench.workload import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS
+from weightsync.impl.engine.client import free_port
+from weightsync.impl.transfer.base import InitInfo, dtype_name
+from weightsync.impl.transfer.broadcast import BroadcastGroup, join_group
+from weightsync.impl.transfer.packing import as_bytes, crc32
+from weightsync.vllm.clients import AsyncLLMWeightSyncClient
+from weightsync.vllm.trainer import WeightsyncBroadcastTrainer
+from weightsync.vllm_tools.bench_worker import (
+    PHASE,
+    worker_raw,
+    worker_recv_all,
+    worker_recv_one,
+    worker_reload_finish,
+    worker_reload_start,
+    worker_report,
+    worker_setup,
+    worker_teardown,
+)
+from weightsync.vllm_tools.models import build_tiny_llama
+from weightsync.vllm_tools.serving import LoopThread, connect_trainer, start_async_llm
+
+T = TypeVar("T")
+INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+
+
+def _crcs(pairs: Iterator[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    return {n: crc32(as_bytes(t.detach().contiguous())) for n, t in pairs}
+
+
+class _Bench:
+    """The engine on its loop thread, the weightsync trainer, the baseline group and the methods."""
+
+    def __init__(self, model_dir: Path, hf: torch.nn.Module, bucket: int, buffers: int, timeout_s: float):
+        self.hf = hf
+        self.params = [(n, p) for n, p in hf.named_parameters()]
+        self.nbytes = {n: p.numel() * p.element_size() for n, p in self.params}
+        self.model_bytes = sum(self.nbytes.values())
+        self.timeout_s = timeout_s
+        self.rounds = 0
+        self.lt = LoopThread("bench-vllm-loop")
+        self.loop = self.lt.loop
+        self.llm: Any = None
+        self.trainer: WeightsyncBroadcastTrainer | None = None
+        self.group: BroadcastGroup | None = None
+        self.worker_ready = False
+        self.llm, self.start_s = start_async_llm(self.lt, model_dir, dp=1, max_num_seqs=4)
+        self.flat = torch.empty(self.model_bytes, dtype=torch.uint8)
+        self.flat.fill_(0)
+        client = AsyncLLMWeightSyncClient(self.llm, self.loop, timeout_s=timeout_s)
+        tr = connect_trainer(
+            self.llm,
+            hf,
+            client=client,
+            packed_buffer_size_bytes=bucket,
+            packed_num_buffers=buffers,
+            timeout_s=timeout_s,
+        )
+        assert isinstance(tr, WeightsyncBroadcastTrainer)
+        self.trainer = tr
+        rinfo = {
+            "master_address": "127.0.0.1",
+            "master_port": free_port(),
+            "rank_offset": 1,
+            "world_size": 2,
+            "timeout_s": timeout_s,
+            "group_backend": "gloo",
+        }
+        parsed = InitInfo.parse(rinfo)
+        groups: list[BroadcastGroup] = []
+        self.worker_pid = self._alongside(
+            worker_setup, (rinfo, self.model_bytes), lambda: groups.append(join_group(parsed, 0))
+        )
+        self.worker_ready = True
+        self.group = groups[0]
+
+    # ------------------------------------------------------------------------------------- plumbing
+    def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float, what: str) -> T:
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise RuntimeError(f"bench vllm: {what} did not return within {timeout_s:g} s") from None
+
+    def rpc(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(worker, *args)`` in the worker; its result (one worker)."""
+        return self._run(self.llm.collective_rpc(fn, args=args), self.timeout_s, fn.__name__)[0]
+
+    def _alongside(self, fn: Callable[..., Any], args: tuple[Any, ...], local: Callable[[], object]) -> Any:
+        """Start ``fn`` in the worker, run ``local`` (the trainer's side of the same collective) meanwhile,
+        then wait for the worker's reply (as an ad-hoc integration does with ``ray.get``).
+
+        Raises:
+            the worker's error when it failed (chained to the trainer's, if that failed too); the
+            trainer's error; RuntimeError when the worker does not answer within ``timeout_s``.
+        """
+        fut = asyncio.run_coroutine_threadsafe(self.llm.collective_rpc(fn, args=args), self.loop)
+        try:
+            local()
+        except BaseException as exc:
+            try:
+                worker_exc = fut.exception(timeout=min(5.0, self.timeout_s))
+            except concurrent.futures.TimeoutError:
+                worker_exc = None
+            if worker_exc is not None:
+                raise worker_exc from exc
+            raise
+        try:
+            return fut.result(self.timeout_s)[0]
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(
+                f"bench vllm: {fn.__name__} did not return within {self.timeout_s:g} s"
+            ) from None
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        g = self.group
+        assert g is not None
+        g.wait(g.broadcast(as_bytes(t.detach())), PHASE)
+
+    # -------------------------------------------------------------------------------------- methods
+    def raw(self) -> None:
+        self._alongside(worker_raw, (), lambda: self._broadcast(self.flat))
+
+    def per_tensor(self) -> None:
+        self.rpc(worker_reload_start)
+        for name, p in self.params:
+            meta = (name, dtype_name(p.dtype), list(p.shape))
+            self._alongside(worker_recv_one, meta, functools.partial(self._broadcast, p))
+        self.rpc(worker_reload_finish)
+
+    def per_tensor_bare(self) -> None:
+        self.rpc(worker_reload_start)
+        metas = [(n, dtype_name(p.dtype), list(p.shape)) for n, p in self.params]
+
+        def local() -> None:
+            for _, p in self.params:
+                self._broadcast(p)
+
+        self._alongside(worker_recv_all, (metas,), local)
+        self.rpc(worker_reload_finish)
+
+    def weightsync(self) -> None:
+        assert self.trainer is not None
+        self.trainer.send_weights(weight_version=f"bench-{self.rounds}")
+
+    # ------------------------------------------------------------------------------------ one round
+    def round(self, method: str) -> RoundResult:
+        """Negate the weights, send them with ``method`` inside a pause bracket, verify (module docstring)."""
+        self.rounds += 1
+        with torch.no_grad():
+            for _, p in self.params:
+                p.neg_()
+        raw = method == "raw"
+        if raw:
+            off = 0
+            for name, p in self.params:
+                n = self.nbytes[name]
+                self.flat[off : off + n].copy_(as_bytes(p.detach()))
+                off += n
+            sent = {RAW_KEY: crc32(self.flat)}
+            sizes = {RAW_KEY: self.model_bytes}
+        else:
+            sent = _crcs(iter(self.params))
+            sizes = self.nbytes
+        fn: Callable[[], None] = getattr(self, method)
+        self._run(self.llm.pause_generation(mode="keep"), self.timeout_s, "pause_generation")
+        t0 = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - t0
+        self._run(self.llm.resume_generation(), self.timeout_s, "resume_generation")
+        rep = self.rpc(worker_report, raw)
+        got: dict[str, int] = rep["digests"]
+        good = [n for n, c in sent.items() if got.get(n) == c]
+        problems = []
+        if len(good) < len(sent):
+            bad = [n for n in sent if n not in good]
+            problems.append(
+                f"{len(bad)} of {len(sent)} tensors not bit-exact on the engine (first: {bad[0]})"
+            )
+        extra = sorted(set(got) - set(sent))
+        if extra or (not raw and rep["loaded"] != len(sent)):
+            problems.append(
+                f"the engine loaded {rep['loaded']} tensors for {len(sent)} sent (extra: {extra[:3]})"
+            )
+        engine: dict[str, int] = {n: c for n, c in rep["engine"].items() if n in sent}
+        wrong = sorted(n for n, c in engine.items() if c != sent[n])
+        if wrong:
+            problems.append(f"engine parameters differ from what was sent after the round: {wrong[:3]}")
+        if not raw and not engine:
+            problems.append("no engine parameter could be read back")
+        return RoundResult(
+            seconds=seconds,
+            reload_s=float(rep["reload_s"]),
+            load_s=float(rep["load_s"]),
+            bytes_verified=sum(sizes[n] for n in good),
+            engine_params_checked=len(engine),
+            ok=not problems,
+            problem="; ".join(problems),
+        )
+
+    def close(self) -> None:
+        """Tear everything down, best effort (each step bounded)."""
+        steps: list[Callable[[], object]] = []
+        if self.worker_ready:
+            steps.append(lambda: self.rpc(worker_teardown))
+        if self.trainer is not None:
+            steps.append(self.trainer.shutdown)
+        if self.group is not None:
+            steps.append(self.group.close)
+        if self.llm is not None:
+            steps.append(self.llm.shutdown)
+        for step in steps:
+            with contextlib.suppress(Exception):
+                step()
+        self.lt.close()
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _measure(
+    bench: _Bench, reps: int, say: Callable[[str], None]
+) -> tuple[dict[str, RoundResult], dict[str, list[RoundResult]]]:
+    """One warm-up round per method, then ``reps`` interleaved repetitions (order rotated each time)."""
+    warm = {m: bench.round(m) for m in METHODS}
+    say("warm-up: " + ", ".join(f"{m} {r.seconds:.3f} s" for m, r in warm.items()))
+    results: dict[str, list[RoundResult]] = {m: [] for m in METHODS}
+    for rep in range(reps):
+        k = rep % len(METHODS)
+        order = METHODS[k:] + METHODS[:k]
+        for m in order:
+            results[m].append(bench.round(m))
+        say(
+            f"repetition {rep + 1}/{reps}: " + ", ".join(f"{m} {results[m][-1].seconds:.3f} s" for m in order)
+        )
+    return warm, results
+
+
+def run_vllm_bench(
+    quick: bool = False,
+    repeats: int | None = None,
+    bucket_bytes: int | None = None,
+    num_buffers: int = DEFAULT_NUM_BUFFERS,
+    timeout_s: float = 120.0,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark (:mod:`weightsync.bench.vllm`) and return its figures.
+
+    Args:
+        quick: the 6.5 MiB model, 1 MiB buckets and 2 repetitions (for tests).
+        repeats: timed repetitions of every method (default 5; quick: 2).
+        bucket_bytes: weightsync's ``packed_buffer_size_bytes`` (default 64 MiB, the transfer bench's CPU
+            default; quick: 1 MiB).
+        num_buffers: weightsync's ``packed_num_buffers`` (default 2).
+        timeout_s: deadline of every collective, RPC and rendezvous, seconds (the engine start gets 600 s).
+        log: progress lines (e.g. ``print`` to stderr); None: silent.
+
+    Returns:
+        ``weightsync_gbps``, ``raw_gbps``, ``per_tensor_gbps``, ``per_tensor_bare_gbps`` (GB/s, medians;
+        ``*_gbps_best`` from the fastest round), ``vs_raw``, ``vs_per_tensor``, ``vs_per_tensor_bare``
+        (ratios of medians; ``*_best`` of minima), ``reload_seconds`` / ``reload_seconds_min`` (weightsync
+        rounds, seconds inside vLLM's layerwise reload), ``reload_share`` (of the weightsync round's median),
+        ``reload_over_raw`` (reload seconds / the raw round's median seconds: above 1 / 0.7 the reload
+        alone exceeds what the ``vs_raw`` target allows), ``model_bytes``, ``num_tensors``,
+        ``repetitions``, ``methods`` (per method: every round's seconds, reload seconds and
+        ``load_weights`` seconds, median, min, verification counts), ``verified``, ``targets``,
+        ``targets_met``, ``targets_judged`` (False for ``quick``), ``ok`` (verified, and at full size the
+        targets met), ``loadavg`` (``os.getloadavg()`` at the end), ``loadavg_start``,
+        ``engine_start_seconds``, ``vllm_version``, ``model_config`` and the settings.
+
+    Raises:
+        ValueError: ``repeats``, ``bucket_bytes`` or ``num_buffers`` not an integer >= 1, or ``timeout_s``
+            not a finite number > 0, before anything starts.
+        RuntimeError: the engine did not start, or an RPC did not answer within ``timeout_s``.
+        TransferTimeoutError / PeerFailedError: a collective of a baseline missed its deadline or failed;
+            the weightsync round's own errors (``WeightsyncBroadcastTrainer.send_weights``).
+    """
+    reps = REPEATS[1] if quick else REPEATS[0]
+    reps = reps if repeats is None else repeats
+    bucket = (QUICK_BUCKET_BYTES if quick else DEFAULT_BUCKET_BYTES) if bucket_bytes is None else bucket_bytes
+    for what, v in (("repeats", reps), ("bucket_bytes", bucket), ("num_buffers", num_buffers)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"bench vllm: {what} must be an integer >= 1, got {v!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"bench vllm: timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+    say = log or (lambda _m: None)
+    overrides = QUICK_MODEL if quick else FULL_MODEL
+    loadavg_start = list(os.getloadavg())
+    with tempfile.TemporaryDirectory(prefix="weightsync-bench-vllm-") as tmp, _env(INSECURE_ENV, "1"):
+        model_dir = Path(tmp) / "llama"
+        hf = build_tiny_llama(model_dir, **overrides)
+        say(f"checkpoint: {sum(p.numel() for p in hf.parameters()) * 4 / 2**20:.1f} MiB in {model_dir}")
+        bench: _Bench | None = None
+        try:
+            bench = _Bench(model_dir, hf, bucket, num_buffers, float(timeout_s))
+            say(f"AsyncLLM up in {bench.start_s:.1f} s (worker pid {bench.worker_pid})")
+            warm, results = _measure(bench, reps, say)
+            model_bytes, num_tensors, start_s = bench.model_bytes, len(bench.params), bench.start_s
+        finally:
+            if bench is not None:
+                bench.close()
+    return figures(
+        warm,
+        results,
+        quick=quick,
+        model_bytes=model_bytes,
+        num_tensors=num_tensors,
+        start_s=start_s,
+        overrides=overrides,
+        bucket=bucket,
+        num_buffers=num_buffers,
+        reps=reps,
+        vllm_version=str(vllm.__version__),
+        loadavg_start=loadavg_start,
+    )
+
+
+__all__ = ["run_vllm_bench"]
