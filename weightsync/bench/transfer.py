@@ -109,9 +109,7 @@ def run_transfer_bench(
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(
-            target=_child, args=(r, world, ports, quick, bucket, num_buffers, token, q), daemon=True
-        )
+        ctx.Process(target=_child, args=(r, world, ports, quick, bucket, num_buffers, token, q), daemon=True)
         for r in range(world)
     ]
     for p in procs:

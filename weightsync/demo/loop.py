@@ -269,15 +269,9 @@ class _Run:
         from weightsync.impl.engine.client import DPEngineClient, free_port
         from weightsync.impl.engine.config import EngineConfig
         from weightsync.impl.models.config import LMConfig
+        from weightsync.impl.transfer import trainer as tx
         from weightsync.impl.transfer.base import meta_of
         from weightsync.impl.transfer.packing import plan_buckets
-        from weightsync.impl.transfer.trainer import (
-            BroadcastTrainerEngine,
-            IPCTrainerEngine,
-            IPCTrainerInitInfo,
-            ParamMeta,
-            TrainerInitInfo,
-        )
 
         cfg = self.cfg
         backend = TRANSPORTS[cfg.transport]
@@ -304,8 +298,8 @@ class _Run:
         class CheckpointSource:
             """The trainer's checkpoint tensors as a WeightSource: declared up front, streamed per bucket."""
 
-            def metadata(self) -> list[ParamMeta]:
-                return [ParamMeta(m.name, m.dtype, m.shape) for m in metas]
+            def metadata(self) -> list[tx.ParamMeta]:
+                return [tx.ParamMeta(m.name, m.dtype, m.shape) for m in metas]
 
             def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
                 return iter_checkpoint_weights(model)
@@ -359,14 +353,14 @@ class _Run:
                 "rank": 0,
             }
             if backend == "nccl":
-                tr = BroadcastTrainerEngine.trainer_init(
-                    TrainerInitInfo(**tinfo, group_backend="gloo"),  # the demo's tensors live on the CPU
+                tr = tx.BroadcastTrainerEngine.trainer_init(
+                    tx.TrainerInitInfo(**tinfo, group_backend="gloo"),  # the demo's tensors live on the CPU
                     client=engine,
                     source=CheckpointSource(),
                 )
             else:
-                tr = IPCTrainerEngine.trainer_init(
-                    IPCTrainerInitInfo(**tinfo, device="cpu"), client=engine, source=CheckpointSource()
+                tr = tx.IPCTrainerEngine.trainer_init(
+                    tx.IPCTrainerInitInfo(**tinfo, device="cpu"), client=engine, source=CheckpointSource()
                 )
 
             self.authenticated = tr.authenticated

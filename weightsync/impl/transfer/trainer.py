@@ -48,14 +48,12 @@ Rules:
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import math
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol, Self, TypeVar, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, Self, runtime_checkable
 
 import torch
 
@@ -68,12 +66,8 @@ from weightsync.impl.transfer.base import (
     WireArgs,
 )
 from weightsync.impl.transfer.fields import field_int
-from weightsync.impl.transfer.rounds import pair_problem
+from weightsync.impl.transfer.trainer_calls import Declared, chunks, concurrently, update_info_of
 from weightsync.spec.errors import TransferTimeoutError
-
-T = TypeVar("T")
-#: ``(name, dtype, shape)`` of every tensor of a round, in order.
-Declared = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
 
 @runtime_checkable
@@ -195,97 +189,6 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = "ipc"
 
     device: str | None = None
-
-
-def _wire_dtype(dtype: torch.dtype) -> str:
-    # vLLM's trainer convention (nccl_engine.py:334): the torch attribute name
-    return str(dtype).removeprefix("torch.")
-
-
-def update_info_of(declared: Declared) -> dict[str, Any]:
-    """The ``update_info`` dict of one round over ``declared`` ``(name, dtype, shape)``: exactly vLLM's
-    ``NCCLWeightTransferUpdateInfo`` fields (``names``, ``dtype_names``, ``shapes``). Not validated here: a
-    dtype the wire cannot carry is vetoed in the round's wire agreement, so the engines are told too."""
-    return {
-        "names": [n for n, _, _ in declared],
-        "dtype_names": [_wire_dtype(d) for _, d, _ in declared],
-        "shapes": [list(s) for _, _, s in declared],
-    }
-
-
-def chunks(pairs: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Rule 3: consecutive chunks of ``pairs``, each closed after the tensor that makes it exceed ``limit``
-    bytes; a chunk is released by this generator before the next is pulled.
-
-    Raises:
-        ValueError: an item that is not a ``(str, Tensor)`` pair, naming its position (before the chunk
-            that would hold it is announced to any engine).
-    """
-    cur: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for i, item in enumerate(pairs):
-        why = pair_problem(i, item)
-        if why is not None:
-            raise ValueError(f"send_weights: {why}")
-        name, t = item
-        cur.append((name, t))
-        size += t.numel() * t.element_size()
-        if size > limit:
-            yield cur
-            cur, size = [], 0
-    if cur:
-        yield cur
-
-
-def concurrently(
-    rpc: Callable[[], object], local: Callable[[], T], timeout_s: float, phase: str, basis: str = ""
-) -> T:
-    """Run the engine-side RPC and the trainer's side of the data plane together (rule 2).
-
-    Returns ``local``'s result once both succeeded. ``local`` bounds its own waits; after it finished, the
-    RPC gets ``timeout_s`` (``basis``: how it was sized, quoted in the timeout error). If the RPC fails
-    first, ``local`` gets a few seconds to fail with its own (more precise, rank-naming) error, else the
-    RPC's error is raised. Threads still blocked are left to their own deadlines (the endpoint is unusable
-    afterwards).
-
-    Raises:
-        the first error of either side; TransferTimeoutError (phase ``<phase>/rpc``) if the RPC does not
-        return within ``timeout_s`` after the data plane finished.
-    """
-    exe = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="weightsync-trainer")
-    try:
-        f_rpc = exe.submit(rpc)
-        f_loc = exe.submit(local)
-        pending: set[concurrent.futures.Future[Any]] = {f_rpc, f_loc}
-        while f_loc in pending:
-            done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-            if f_loc in done:
-                exc = f_loc.exception()
-                if exc is not None:
-                    raise exc
-            if f_rpc in done and f_rpc.exception() is not None:
-                rpc_exc = f_rpc.exception()
-                assert rpc_exc is not None
-                try:
-                    f_loc.result(timeout=min(5.0, timeout_s))
-                except concurrent.futures.TimeoutError:
-                    pass
-                except BaseException as loc_exc:
-                    raise loc_exc from rpc_exc
-                raise rpc_exc
-        t0 = time.monotonic()
-        try:
-            f_rpc.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise TransferTimeoutError(
-                f"{phase}/rpc",
-                [],
-                time.monotonic() - t0,
-                "the engines' RPC did not return after the data plane" + (f" ({basis})" if basis else ""),
-            ) from None
-        return f_loc.result()
-    finally:
-        exe.shutdown(wait=False)
 
 
 class Endpoint(Protocol):
