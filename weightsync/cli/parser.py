@@ -69,7 +69,10 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (one subcommand per command)."""
-    p = _Parser(prog="weightsync", description=__doc__.splitlines()[0] if __doc__ else None)
+    import weightsync.cli
+
+    doc = weightsync.cli.__doc__
+    p = _Parser(prog="weightsync", description=doc.splitlines()[0] if doc else None)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
