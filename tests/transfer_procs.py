@@ -9,7 +9,9 @@ then the pool is killed and the missing roles are reported as ``("hung", ...)``.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import queue
 import socket
 import time
@@ -20,6 +22,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+
+from weightsync.impl.transfer.secret import TOKEN_ENV, TOKEN_FILE_ENV
 
 # ------------------------------------------------------------------------------------------- the model
 
@@ -327,3 +331,18 @@ def err(result: tuple[Any, ...], type_name: str) -> tuple[str, dict[str, Any]]:
 
 def iter_pairs(pairs: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     yield from pairs
+
+
+@contextlib.contextmanager
+def secret_env(token: str | None) -> Iterator[None]:
+    """This process's deployment secret is ``token`` (None: none) inside the block (the pool's processes are reused)."""
+    saved = {k: os.environ.pop(k, None) for k in (TOKEN_ENV, TOKEN_FILE_ENV)}
+    if token is not None:
+        os.environ[TOKEN_ENV] = token
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
