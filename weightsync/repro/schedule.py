@@ -35,6 +35,8 @@ from weightsync.model.check import check
 from weightsync.model.labels import replay_labels
 from weightsync.model.system import CALL_EVENT, DONE_EVENT, G, Model, message_event
 from weightsync.model.system.effects import collective_args as model_collective_args
+from weightsync.spec.collectives import done_args
+from weightsync.spec.front_end import FrontEvent
 from weightsync.spec.rank import RankVars
 from weightsync.spec.states import RankEvent
 
@@ -225,7 +227,7 @@ def fired_events(
         coll = str(lab[1])
         common = collective_args(model, s, coll)
         return [
-            (i, DONE_EVENT[coll], (("has_work", bool(model._has_work(r))), *common))
+            (i, DONE_EVENT[coll], done_args(coll, common, bool(model._has_work(r))))
             for i, r in enumerate(s.ranks)
         ]
     if kind == "fe":
@@ -322,7 +324,10 @@ def _vllm(model: Model, a: Action, lab: list[Any], s: G, t: G) -> None:
     step = a.step
     if kind == "send":
         a.kind, a.rank = "add", int(lab[1])
-        a.arg = {"first_req": not bool(s.front.believed_running)}
+        # the front-end's table (spec/front_end.py) decides: FIRST_REQ goes out when its row sends one (not
+        # while the front-end-pause gate holds the request, nor while it believes the engines running)
+        effects, _ = model._front(s.front, FrontEvent.SEND_REQUEST, target=a.rank)
+        a.arg = {"first_req": "send_first_req" in effects}
     elif kind == "fan":
         if int(lab[2]) >= 0:
             raise ValueError(f"step {step}: a fan-out to one rank ({lab!r}) is not driven on vLLM")

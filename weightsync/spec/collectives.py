@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from weightsync.spec.states import Collective, PauseState, RankEvent, unfinished_for_sync
 from weightsync.spec.table import table_digest
@@ -146,6 +146,20 @@ def outcome_args(kind: str, reduced: Sequence[int]) -> tuple[tuple[str, int], ..
     return tuple(sorted(zip(COLLECTIVES[Collective(kind)].outcome, reduced, strict=True)))
 
 
+#: The collectives whose completion event also carries the member's ``has_work`` (its scheduler's, right
+#: after the collective; the rank table's guards read it on DP_STEP_DONE and DP_SYNC_DONE, spec/rank_vars.py).
+#: The resume barrier's and the transfers' completions carry none.
+DONE_CARRIES_HAS_WORK: frozenset[str] = frozenset({str(C.DP_STEP.value), str(C.DP_SYNC.value)})
+
+
+def done_args(kind: str, outcome: Sequence[tuple[str, Any]], has_work: bool) -> tuple[tuple[str, Any], ...]:
+    """The arguments of ``kind``'s completion event on one member: its ``has_work`` where the completion
+    carries it (:data:`DONE_CARRIES_HAS_WORK`), then the ``outcome`` (:func:`outcome_args`). The engines, the
+    model, the repro schedule, the vLLM adapter and the vLLM trace build them here."""
+    lead: tuple[tuple[str, Any], ...] = (("has_work", has_work),) if kind in DONE_CARRIES_HAS_WORK else ()
+    return (*lead, *outcome)
+
+
 def collectives_digest() -> str:
     """SHA-256 of the collectives' data and the failure phases (``weightsync prove --check``)."""
     lines = [
@@ -161,6 +175,7 @@ def collectives_digest() -> str:
 __all__ = [
     "CALL_FAIL_PHASE",
     "COLLECTIVES",
+    "DONE_CARRIES_HAS_WORK",
     "DONE_EVENT",
     "DP_KINDS",
     "ENTER_EFFECT",
@@ -172,6 +187,7 @@ __all__ = [
     "Reduction",
     "collectives_digest",
     "contribution",
+    "done_args",
     "outcome_args",
     "reduce_values",
 ]

@@ -58,8 +58,15 @@ from weightsync.spec.calls import (
     call_args,
     worker_outcome,
 )
-from weightsync.spec.collectives import CALL_FAIL_PHASE, DONE_EVENT, outcome_args, reduce_values
-from weightsync.spec.states import PauseMode, PauseState, RankEvent, schedulable
+from weightsync.spec.collectives import (
+    CALL_FAIL_PHASE,
+    COLLECTIVES,
+    DONE_EVENT,
+    done_args,
+    outcome_args,
+    reduce_values,
+)
+from weightsync.spec.states import Collective, PauseMode, PauseState, RankEvent, schedulable
 
 #: vLLM's variables that the table has under the same name (compared by replay)
 OBSERVED = ("engines_running", "current_wave", "pending_pause", "ignore_start_dp_wave", "pause_state")
@@ -77,6 +84,13 @@ WEIGHT_CALLS: dict[str, tuple[RankEvent, RankEvent | None]] = {
 }
 #: the ``phase`` of ``transfer_failed`` for each weight call (spec/collectives.py)
 PHASE = {call: CALL_FAIL_PHASE[CALL_EVENT[call]] for call in WEIGHT_CALLS}
+
+
+def _logged(entry: list[Any], name: str) -> int:
+    """Contribution ``name`` (spec/collectives.py's names) of one member to a DP collective, as vLLM logged
+    it: the wave from the entry record, the flags (bools) from the completion record."""
+    _, enter, done = entry
+    return int(enter["vllm"]["current_wave"]) if name == "current_wave" else int(bool(done[name]))
 
 
 def _obs(rec: dict[str, Any]) -> dict[str, Any]:
@@ -135,17 +149,10 @@ def to_replay_trace(
             raise ValueError(f"DP collective #{seq}: the ranks entered {sorted(kinds)} (not matched)")
         kind = kinds.pop()
         # each member's contribution as vLLM logged it, reduced by the spec (spec/collectives.py)
+        names = COLLECTIVES[Collective(kind)].contributes
         contribs: list[tuple[int, ...]] | None = None
-        if kind == "dp_sync" and all(colls[r][seq][2] is not None for r in ranks):
-            contribs = [
-                (int(colls[r][seq][2]["has_unfinished"]), int(colls[r][seq][2]["pending_pause"]))
-                for r in ranks
-            ]
-        elif kind == "resume_barrier":
-            contribs = [
-                (int(bool(colls[r][seq][2]["has_unfinished"])), int(colls[r][seq][1]["vllm"]["current_wave"]))
-                for r in ranks
-            ]
+        if names and all(colls[r][seq][2] is not None for r in ranks):
+            contribs = [tuple(_logged(colls[r][seq], n) for n in names) for r in ranks]
         args: dict[str, Any] = (
             {} if contribs is None else dict(outcome_args(kind, reduce_values(kind, contribs)))
         )
@@ -197,10 +204,9 @@ def to_replay_trace(
                 if (r, where[1]) not in outcome:
                     break  # a collective the peers never completed (the trace's end)
                 event = DONE_EVENT[kind].value
-                args = dict(outcome[(r, where[1])])
-                if kind != "resume_barrier":
-                    v = rec["vllm"]
-                    args["has_work"] = schedulable(PauseState(v["pause_state"]), v["waiting"], v["running"])
+                v = rec["vllm"]
+                work = schedulable(PauseState(v["pause_state"]), v["waiting"], v["running"])
+                args = dict(done_args(kind, tuple(outcome[(r, where[1])].items()), work))
                 emit(
                     t,
                     {**base, "event": event, "args": args, "coll_seq": where[1] + 1, "observed": _obs(rec)},

@@ -51,7 +51,14 @@ from weightsync.impl.engine.records import INITIAL_WEIGHT_VERSION, record_line, 
 from weightsync.impl.engine.replies import CallReplies
 from weightsync.impl.engine.tracing import StepTracer, jsonable, open_trace
 from weightsync.spec.calls import CALL_EVENT, DEFERRED_REPLY, call_args, worker_outcome
-from weightsync.spec.collectives import ENTER_EFFECT, FAIL_PHASE, outcome_args
+from weightsync.spec.collectives import (
+    DONE_EVENT,
+    ENTER_EFFECT,
+    FAIL_PHASE,
+    contribution,
+    done_args,
+    outcome_args,
+)
 from weightsync.spec.errors import LocalProtocolError
 from weightsync.spec.rank import EFFECTS, RankMachine, effect_acts_on, relabel_weight_version
 from weightsync.spec.refusal import ILLEGAL_CALL, IllegalCallPolicy, halted_text
@@ -279,19 +286,25 @@ class EngineCore(CallReplies):
         self.tracer.begin(completion=True)  # the completion is the next step
         return out
 
+    def _enter_dp(self, kind: str) -> None:
+        """Join DP collective ``kind`` with this rank's contribution and fire its completion (both spec's:
+        :func:`~weightsync.spec.collectives.contribution`, :func:`~weightsync.spec.collectives.done_args`)."""
+        v, s = self.machine.vars, self.sched
+        mine = contribution(
+            kind, s.pause_state, len(s.waiting), len(s.running), v.pending_pause, v.current_wave
+        )
+        a, b = (*mine, 0, 0)[:2]
+        out = self._join(kind, a, b)
+        self.fire(DONE_EVENT[kind], **dict(done_args(kind, outcome_args(kind, out), s.has_work())))
+
     def _enter_dp_step(self, fired: Fired) -> None:
-        self._join("dp_step", 0, 0)
-        self.fire(RankEvent.DP_STEP_DONE, has_work=self.sched.has_work())
+        self._enter_dp("dp_step")
 
     def _enter_dp_sync(self, fired: Fired) -> None:
-        out = self._join("dp_sync", self.sched.unfinished(), int(self.machine.vars.pending_pause))
-        self.fire(
-            RankEvent.DP_SYNC_DONE, has_work=self.sched.has_work(), **dict(outcome_args("dp_sync", out))
-        )
+        self._enter_dp("dp_sync")
 
     def _enter_resume_barrier(self, fired: Fired) -> None:
-        out = self._join("resume_barrier", self.sched.unfinished(), int(self.machine.vars.current_wave))
-        self.fire(RankEvent.RESUME_BARRIER_DONE, **dict(outcome_args("resume_barrier", out)))
+        self._enter_dp("resume_barrier")
 
     def _enter_weight_broadcast(self, fired: Fired) -> None:
         self.dp.post("weight_broadcast")

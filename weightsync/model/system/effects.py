@@ -33,6 +33,7 @@ from weightsync.spec.collectives import (
     CALL_FAIL_PHASE,
     OUTCOME_KINDS,
     contribution,
+    done_args,
     outcome_args,
     reduce_values,
 )
@@ -328,7 +329,7 @@ class RankEffects(ModelBase):
             rank = scratch.ranks[i]._replace(blocked="")
             scratch.ranks[i] = rank
             before = rank.vars
-            extra = (("has_work", self._has_work(rank)), *common)
+            extra = common if fail else done_args(kind, common, self._has_work(rank))
             tr, after = self.fire(i, before, ev, extra)
             scratch.ranks[i] = rank._replace(vars=after)
             if tr is not None:

@@ -20,6 +20,7 @@ from weightsync.spec.collectives import (
     DP_KINDS,
     ENTER_EFFECT,
     contribution,
+    done_args,
     outcome_args,
     reduce_values,
 )
@@ -239,9 +240,7 @@ class VLLMAdapter:
             kind = self.machines[0].vars.collective
             outcome = self._outcome(kind, counts)
             for r, m in enumerate(self.machines):
-                args = {"has_work": self._has_work(m, counts[r]), **outcome}
-                if kind == "resume_barrier":
-                    args = dict(outcome)
+                args = dict(done_args(kind, tuple(outcome.items()), self._has_work(m, counts[r])))
                 self._fire(r, DONE_EVENT[kind], args, counts[r])
         states = [
             f"rank {r}: {m.state.value} {m.vars.collective or ''}".strip()
