@@ -189,39 +189,6 @@ def test_generated_spec_files_are_fresh() -> None:
     assert stale_spec_files(ROOT / "spec") == [], "run `weightsync prove` and commit spec/"
 
 
-def test_protocol_rules_match_the_table() -> None:
-    """The claims of spec/PROTOCOL.md's rules 8-10, checked against the rows (not restated)."""
-    from weightsync.spec.rank import VARIANTS
-    from weightsync.spec.table import ALWAYS
-
-    epoch = VARIANTS["two-phase-epoch"].table
-    # rule 10: in two-phase-epoch a resume reaching a running rank is a local no-op
-    (row,) = epoch[(RankState.RUNNING, RankEvent.RESUME)]
-    assert row.guard == ALWAYS and row.target is RankState.RUNNING and not row.updates
-    assert row.effects == ("reply_resume",)
-    # ... and in vLLM's two-phase it depends on engines_running (the idle rank enters the barrier)
-    shipped = VARIANTS["two-phase"].table[(RankState.RUNNING, RankEvent.RESUME)]
-    assert [t.guard for t in shipped] == ["engines_running", "engines_stopped"]
-    assert shipped[1].target is RankState.RESUMING
-    for v in VARIANTS.values():
-        if v.name == "vllm-0.32":
-            continue  # vLLM 0.32 as shipped: no weightsync states, weight calls in any state (rule 14)
-        t = v.table
-        # rule 8: the version moves only on FINISH_DONE (the workers' finish returned), never on a failure
-        movers = {(s, e) for (s, e), rows in t.items() for r in rows if "set_weight_version" in r.updates}
-        assert movers == {(RankState.UPDATING, RankEvent.FINISH_DONE)}, v.name
-        # rule 9: a failed rank never steps, refuses every call but start/init, and leaves only by start
-        assert all(not r.effects for r in t[(RankState.FAILED, RankEvent.STEP)])
-        for e in (RankEvent.PAUSE, RankEvent.RESUME, RankEvent.UPDATE_WEIGHTS, RankEvent.FINISH_UPDATE):
-            assert [r.effects for r in t[(RankState.FAILED, e)]] == [("refuse",)], (v.name, e)
-        exits = {r.target for (s, e), rows in t.items() if s is RankState.FAILED for r in rows}
-        assert exits == {RankState.FAILED, RankState.UPDATING}, v.name
-        # every failure outcome leads to failed
-        assert {r.target for (s, e), rows in t.items() if e is RankEvent.TRANSFER_FAILED for r in rows} == {
-            RankState.FAILED
-        }
-
-
 def test_vllm_032_rows_cite_vllm_lines() -> None:
     """Every row of vllm-0.32 cites a vLLM 0.32 file and line. A row of the fix cites vLLM 0.32 lines too,
     unless it is a row of the fix's own (named ``weightsync vllm-0.32-epoch...``): a row without a vLLM line

@@ -121,7 +121,8 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "two-phase-epoch",
             "two-phase pause/resume whose resume barrier agrees on the wave (MAX(current_wave) + 1), a "
-            "resume that is a no-op unless verified, and vLLM 0.32's non-latching coordinator",
+            "resume that is a no-op on a running rank (a barrier from verified, refused elsewhere), and vLLM 0.32's "
+            "non-latching coordinator",
             "weightsync: closes the resume-time race of two-phase and the stray-resume deadlock",
             two_phase_table(epoch=True, safe_resume=True, mirror_start_wave=True),
             resume_barrier_carries_wave=True,
@@ -172,7 +173,7 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "vllm-0.32-epoch",
             "weightsync's fix on vLLM 0.32: the resume all-reduce agrees on MAX(current_wave) + 1 and resets the "
-            "step counter; a resume is a no-op unless verified; weight calls only inside a pause; a pause or "
+            "step counter; a resume is a no-op on a running rank; weight calls only inside a pause; a pause or "
             "resume during an update refused",
             "weightsync on vLLM 0.32.0 (the environment of vllm-0.32 unchanged)",
             vllm032_table(epoch=True),

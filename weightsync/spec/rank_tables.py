@@ -192,7 +192,7 @@ def _running_rows(stale_add_rearms: bool = True, mirror_start_wave: bool = False
 def two_phase_table(epoch: bool, safe_resume: bool = False, mirror_start_wave: bool = False) -> Table:
     """vLLM PR #39366 as shipped (``epoch=False``) or weightsync's ``two-phase-epoch`` fix (``epoch=True``).
 
-    ``safe_resume``: a resume is a local no-op unless the rank is verified (weightsync; vLLM's rule, "no-op
+    ``safe_resume``: a resume on a running rank is a local no-op, whatever its engines_running (weightsync; vLLM's rule, "no-op
     if engines_running", is a per-rank belief, and a stray resume with one rank busy and one idle sends
     the idle one alone into the resume barrier). ``mirror_start_wave``: rank 0 reports the not-running ->
     running edge to the coordinator (vLLM 0.32), which then no longer latches on FIRST_REQ.
@@ -254,8 +254,8 @@ def two_phase_table(epoch: bool, safe_resume: bool = False, mirror_start_wave: b
                 _S.RUNNING,
                 (),
                 ("reply_resume",),
-                "weightsync: a resume is a local no-op unless the rank is verified (stray, repeated or "
-                "racing resumes are safe)",
+                "weightsync: a resume on a running rank is a local no-op (stray, repeated or racing "
+                "resumes are safe)",
             ),
         )
     else:

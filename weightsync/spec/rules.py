@@ -1,7 +1,8 @@
 """The protocol's rules in numbered prose (trio-design-doc style), rendered into ``spec/PROTOCOL.md``.
 
 Each rule names where it comes from. The tables in :mod:`weightsync.spec.rank` implement them; the
-model checker (:mod:`weightsync.model`) checks the properties they promise.
+model checker (:mod:`weightsync.model`) checks the properties they promise, and ``tests/test_rules.py`` checks
+each rule's claims against the rows (one check per rule, keyed by its title).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "Fail closed and stay failed",
-        "An illegal local call raises LocalProtocolError, an illegal message or collective outcome raises "
-        "RemoteProtocolError; either moves the rank machine to the sticky error state before any effect "
-        "runs, and no further weights move. The engine asks the table before it fires a call, so an illegal "
-        "call from a client is refused with that LocalProtocolError and the rank stays unharmed.",
+        "An illegal message or collective outcome (no row takes it) raises RemoteProtocolError and moves the "
+        "rank machine to the sticky error state before any effect runs; no row leaves error and no further "
+        "weights move. An illegal local call is refused instead (policy non-sticky, spec/refusal.py): the "
+        "engine asks the table before it fires a call, the caller gets the table's LocalProtocolError and the "
+        "rank is unchanged. An engine whose loop failed (a DP collective timed out) halts: it fires nothing "
+        "more and answers every protocol call with that failure.",
         "weightsync; h2 stream.py",
     ),
     Rule(
@@ -117,9 +120,13 @@ RULES: tuple[Rule, ...] = (
         "weightsync",
     ),
     Rule(
-        "Every pause is followed by a resume",
-        "The controller resumes in a finally block, so a failed update never leaves engines paused; an "
-        "engine never serves on a partial update.",
+        "A pause is resumed only on a complete set of weights",
+        "The controller (policy one_round) resumes after a round that finished and after a start that failed "
+        "before any weight moved (then raises the start's error). Once update_weights began, a failed round "
+        "is not resumed, since a resume would serve a mix of old and new weights: the ranks stay failed, "
+        "serve nothing, and a new round recovers them (the model's policy recover runs it). A failed pause "
+        "is raised without a resume (the ranks may stand in different states). An engine never serves on a "
+        "partial update.",
         "AReaL #1160; slime #1420",
     ),
     Rule(
