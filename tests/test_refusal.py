@@ -78,3 +78,13 @@ def test_illegal_calls_are_not_sticky() -> None:
     assert refusal_text(1, "pause", RankState.UPDATING, RankEvent.PAUSE, "r").startswith(
         "rank 1: pause refused in state updating (event pause; row: r); finish the round first"
     )
+
+
+def test_a_round_error_is_named_only_where_it_put_the_rank() -> None:
+    """The engine passes its last round error to every refusal; spec (``NAMES_CAUSE``) names it only for a
+    refusal in ``failed``: a pause refused during a later update is about the update, not the old error."""
+    err = TimeoutError("bucket 3")
+    text = _engine_reply(RankState.UPDATING, RankEvent.PAUSE, "vllm-0.32-epoch", err)
+    assert "refused in state updating (event pause" in text and "bucket 3" not in text
+    text = _engine_reply(RankState.FAILED, RankEvent.PAUSE, "vllm-0.32-epoch", err)
+    assert "after TimeoutError: bucket 3" in text

@@ -48,15 +48,20 @@ RECOVERY: dict[RankState, str] = {
     RankState.RESUMING: "wait for the resume to complete",
 }
 
+#: The states whose refusals also name the error that put the rank there (a failed round's); elsewhere a
+#: refusal is about the call, not about an earlier error.
+NAMES_CAUSE: frozenset[RankState] = frozenset({RankState.FAILED})
+
 #: The halted engine's state (after an ``EngineFailure``), as its refusals name it.
 HALTED = "halted"
 
 
 def refusal_text(rank: Any, call: str, state: RankState, event: RankEvent, rule: str, cause: str = "") -> str:
     """The error text of call ``call`` refused by the row ``(state, event)`` of rule ``rule`` on ``rank``
-    (an int or a list such as ``"0, 1"``); ``cause``: what put the rank there (a failed round's error)."""
+    (an int or a list such as ``"0, 1"``); ``cause``: the engine's last round error, if any, named only in
+    the states of :data:`NAMES_CAUSE`."""
     text = f"rank {rank}: {call} refused in state {state.value} (event {event.value}; row: {rule})"
-    if cause:
+    if cause and state in NAMES_CAUSE:
         text += f" after {cause}"
     hint = RECOVERY.get(state)
     return text + (f"; {hint}" if hint else "")
@@ -72,6 +77,7 @@ def halted_text(rank: int, call: str, error: str) -> str:
 __all__ = [
     "HALTED",
     "ILLEGAL_CALL",
+    "NAMES_CAUSE",
     "RECOVERY",
     "IllegalCallPolicy",
     "halted_text",

@@ -13,7 +13,6 @@ from weightsync.impl.engine.messages import EngineFailure, UtilityCall, UtilityR
 from weightsync.spec.errors import LocalProtocolError, PeerFailedError
 from weightsync.spec.rank import RankMachine
 from weightsync.spec.refusal import refusal_text
-from weightsync.spec.states import RankState
 from weightsync.spec.table import Fired
 
 if TYPE_CHECKING:
@@ -51,11 +50,7 @@ class CallReplies:
         and the row's reason (:func:`~weightsync.spec.refusal.refusal_text`)."""
         call = self._ctx_call
         err = self._round_error
-        cause = (
-            f"{type(err).__name__}: {err}"
-            if err is not None and fired.before.state is RankState.FAILED
-            else ""
-        )
+        cause = "" if err is None else f"{type(err).__name__}: {err}"
         text = refusal_text(
             self.rank,
             call.method if call else fired.event.value,
