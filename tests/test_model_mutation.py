@@ -84,6 +84,8 @@ def test_extended_bounds_verify_every_mode() -> None:
             _unmutated_holds("all", c.bounds)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_equivalence_classifier_agrees_with_the_checker() -> None:
     """A mutant that fires identically on every reachable lookup survives the checker (its transition
     system is the original's), and one that differs is reported with the first differing lookup."""
@@ -152,6 +154,8 @@ def test_mutation_full_matches_the_checked_in_report() -> None:
     assert r["score"] >= 0.9, r["score"]
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_an_interrupted_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     """Verdicts are appended to a checkpoint as they arrive; a run of the same table skips the mutants
     it already holds (their verdicts are kept), another table's checkpoint is ignored, and a last line cut

@@ -31,6 +31,8 @@ def self_test(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, 
     return p.returncode, json.loads(p.stdout), d
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_self_test_rejects_every_broken_engine_at_its_fault(
     self_test: tuple[int, dict[str, Any], Path],
 ) -> None:
@@ -72,6 +74,8 @@ def _edit(lines: list[str], pick: Any, change: Any) -> tuple[list[str], dict[str
     raise AssertionError("no record to edit")
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_the_healthy_trace_is_accepted_and_every_edit_of_it_rejected_at_its_line(
     self_test: tuple[int, dict[str, Any], Path],
 ) -> None:

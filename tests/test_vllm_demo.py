@@ -1,7 +1,7 @@
 """``weightsync demo --engine vllm``: the RL loop on a real ``AsyncLLM(data_parallel_size=2)``.
 
 Each case starts real vLLM engines (about 60 s here), so the module is ``slow``; ``.ci/run`` runs it once
-(``make test-vllm-slow``).
+(``make test-slow-ci``).
 
 - Dense policy, 3 steps, with the deployment's secret in ``WEIGHTSYNC_TOKEN_FILE`` (a 0600 file from
   ``weightsync token new``, read by the trainer and by every vLLM worker process itself): the engines are
@@ -28,7 +28,7 @@ require_vllm()
 from weightsync.cli import main  # noqa: E402
 from weightsync.impl.transfer.secret import TOKEN_ENV, TOKEN_FILE_ENV, write_token  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(900)]
 
 
 def _demo(capsys: Any, tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:

@@ -63,7 +63,7 @@ from weightsync.impl.transfer.control import STORE_GRACE_S  # noqa: E402
 from weightsync.impl.transfer.secret import TOKEN_ENV, TOKEN_FILE_ENV, write_token  # noqa: E402
 from weightsync.vllm_tools.models import build_tiny_llama, perturbed_state  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(360)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(360)]
 
 A_ADDR, B_ADDR = "10.231.0.1", "10.231.0.2"
 SERVE_PORT, MASTER_PORT = 8000, 29500

@@ -2,7 +2,7 @@
 
 Each test starts a real ``AsyncLLM(data_parallel_size=2)`` of a tiny Mixtral (MoE: lockstep
 ``DPEngineCoreProc`` ranks) on CPU, 50-70 s on this machine, so they are ``slow``; ``.ci/run`` runs them
-once (``make test-vllm-slow``).
+once (``make test-slow-ci``).
 
 - ``weightsync repro vllm-0.32 --engine vllm``: vLLM as shipped follows every step of the model's
   shortest counterexample, rank 0 ends inside its DP step and rank 1 idle, and rank 0's collective raises
@@ -30,7 +30,7 @@ from weightsync.model.replay import TraceChecker  # noqa: E402
 from weightsync.repro.vllm.run import run_vllm_repro  # noqa: E402
 from weightsync.vllm_tools.trace import record_cycles  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(900)]
 
 
 def test_the_race_reproduces_on_vllm_as_shipped() -> None:

@@ -24,6 +24,7 @@ every pending call with the error, stops stepping and serves only queries and sh
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -53,6 +54,7 @@ from weightsync.impl.engine.tracing import StepTracer, jsonable, open_trace
 from weightsync.spec.calls import CALL_EVENT, DEFERRED_REPLY, call_args, worker_outcome
 from weightsync.spec.collectives import (
     DONE_EVENT,
+    DP_KINDS,
     ENTER_EFFECT,
     FAIL_PHASE,
     contribution,
@@ -131,6 +133,9 @@ class EngineCore(CallReplies):
         self.effects: dict[str, Callable[[Fired], None]] = {
             name: getattr(self, f"_{name}") for name in EFFECTS if hasattr(self, f"_{name}")
         }
+        # the DP collectives' entries (enter_dp_step, enter_dp_sync, enter_resume_barrier) share one method
+        entries = {e: functools.partial(self._enter_dp, k) for e, k in ENTER_EFFECT.items() if k in DP_KINDS}
+        self.effects.update(entries)
         missing = set(EFFECTS) - set(self.effects)
         if missing:  # the table grew an effect this engine cannot run
             raise NotImplementedError(f"engine rank {rank}: no implementation of effect(s) {sorted(missing)}")
@@ -286,7 +291,7 @@ class EngineCore(CallReplies):
         self.tracer.begin(completion=True)  # the completion is the next step
         return out
 
-    def _enter_dp(self, kind: str) -> None:
+    def _enter_dp(self, kind: str, fired: Fired) -> None:
         """Join DP collective ``kind`` with this rank's contribution and fire its completion (both spec's:
         :func:`~weightsync.spec.collectives.contribution`, :func:`~weightsync.spec.collectives.done_args`)."""
         v, s = self.machine.vars, self.sched
@@ -296,15 +301,6 @@ class EngineCore(CallReplies):
         a, b = (*mine, 0, 0)[:2]
         out = self._join(kind, a, b)
         self.fire(DONE_EVENT[kind], **dict(done_args(kind, outcome_args(kind, out), s.has_work())))
-
-    def _enter_dp_step(self, fired: Fired) -> None:
-        self._enter_dp("dp_step")
-
-    def _enter_dp_sync(self, fired: Fired) -> None:
-        self._enter_dp("dp_sync")
-
-    def _enter_resume_barrier(self, fired: Fired) -> None:
-        self._enter_dp("resume_barrier")
 
     def _enter_weight_broadcast(self, fired: Fired) -> None:
         self.dp.post("weight_broadcast")
