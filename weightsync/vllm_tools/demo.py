@@ -49,6 +49,7 @@ from weightsync.demo.config import RLRunConfig
 from weightsync.demo.rl_task import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, DigitPatternTask, Prompt, Sample
 from weightsync.spec.errors import WeightSyncError
 from weightsync.spec.states import IN_FLIGHT_FINISH, PauseMode
+from weightsync.vllm_tools.fix import VARIANT, chosen_fix
 from weightsync.vllm_tools.serving import LoopThread
 
 MAX_LOGPROB_DIFF = 1e-4
@@ -110,6 +111,7 @@ def run_vllm_demo(cfg: VllmDemoConfig, log: Callable[[str], None] | None = None)
         WeightSyncError: vLLM or the round failed (the message names the step and the call).
     """
     cfg.validate()
+    chosen_fix()  # an unknown WEIGHTSYNC_VLLM_FIX fails here, before anything starts
     say = log or (lambda _m: None)
     t0 = time.monotonic()
     from weightsync.vllm_tools import probe
@@ -131,16 +133,17 @@ def run_vllm_demo(cfg: VllmDemoConfig, log: Callable[[str], None] | None = None)
         events = probe.read_events(events_dir)
         engine_trace = trace.with_name(trace.stem + "-engines.jsonl")
         if events:  # lockstep DP engines (MoE): the engines' own protocol events
-            to_replay_trace(events, engine_trace)
+            to_replay_trace(events, engine_trace, variant=VARIANT[chosen_fix()])
     from weightsync.impl.trace_replay import replay_trace
     from weightsync.model.replay import TraceChecker
 
     result["trace"] = str(trace)
     result["engine_trace"] = str(engine_trace) if events else None
+    result["vllm_fix"] = chosen_fix()  # the plugin's resume-epoch fix in the engines: "epoch" or "none"
     oks = []
     for key, path, variant in (
         ("trace", trace, None),
-        ("engine_trace", engine_trace if events else None, "vllm-0.32"),
+        ("engine_trace", engine_trace if events else None, VARIANT[chosen_fix()]),
     ):
         if path is None:
             continue

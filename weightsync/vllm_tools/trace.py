@@ -230,7 +230,14 @@ def to_replay_trace(
         f.write(json.dumps(header) + "\n")
         for _, _, line in lines:
             f.write(json.dumps(line) + "\n")
-    return {"path": str(p), "lines": len(lines), "ranks": n, "sync_interval": k, "collectives": m}
+    return {
+        "path": str(p),
+        "variant": variant,
+        "lines": len(lines),
+        "ranks": n,
+        "sync_interval": k,
+        "collectives": m,
+    }
 
 
 def record_cycles(
@@ -245,7 +252,9 @@ def record_cycles(
     write the replay trace to ``out`` (see the module docstring) and the probe's raw engine logs to
     ``<out>.engines/``. Returns a summary: ``cycles``,
     ``requests``, ``finished``, ``aborted``, ``modes`` (count per mode), ``versions`` (vLLM's
-    ``get_weight_version()`` after each cycle), ``seconds``, and :func:`to_replay_trace`'s fields.
+    ``get_weight_version()`` after each cycle), ``seconds``, and :func:`to_replay_trace`'s fields. The
+    engines run the plugin's fix as ``WEIGHTSYNC_VLLM_FIX`` chooses (on by default), and the trace's header
+    names the variant they follow (``vllm-0.32-epoch``, or ``vllm-0.32`` with the fix off).
 
     Raises:
         ValueError: ``cycles`` < 1 or a mode that is not abort / wait / keep.
@@ -257,6 +266,9 @@ def record_cycles(
     if bad or not modes:
         raise ValueError(f"modes {list(modes)}: each must be one of {[pm.value for pm in PauseMode]}")
     say = log or (lambda _m: None)
+    from weightsync.vllm_tools.fix import VARIANT, chosen_fix
+
+    chosen_fix()  # an unknown WEIGHTSYNC_VLLM_FIX fails here, before any engine starts
     rng = random.Random(seed)
     t0 = time.monotonic()
     from weightsync.vllm_tools import probe
@@ -318,7 +330,7 @@ def record_cycles(
             llm.shutdown()
             lt.close()
         events = probe.read_events(events_dir)
-        summary = to_replay_trace(events, out)
+        summary = to_replay_trace(events, out, variant=VARIANT[chosen_fix()])
         raw = Path(str(out) + ".engines")
         raw.mkdir(parents=True, exist_ok=True)
         for f in events_dir.glob("engine-*.jsonl"):

@@ -66,6 +66,7 @@ from weightsync.repro.schedule import (
     model_counterexample,
 )
 from weightsync.repro.vllm.driver import _Driver, _Observer
+from weightsync.vllm_tools.fix import OFF
 from weightsync.vllm_tools.serving import LoopThread, start_async_llm
 
 # --------------------------------------------------------------------------------------------- the driver
@@ -108,7 +109,7 @@ def run_vllm_repro(
         actions, div = compile_schedule(buggy, labels, texts), {"impossible_step": None, "fix_rows": []}
     impossible = div["impossible_step"]
     res = ReproResult(
-        variant, "vllm", fix, variant, "not reproduced", mode=mode, property=str(cx["property"])
+        variant, "vllm", fix or OFF, variant, "not reproduced", mode=mode, property=str(cx["property"])
     )
     res.timeout_s = timeout_s
     res.fix_rows = list(div["fix_rows"])
@@ -150,9 +151,15 @@ def _serve(work: Path, events: Path, fix: str | None, timeout_s: int, say: Calla
     os.environ[probe.ENV_HOLD] = "START_DP_WAVE"
     if fix:
         fix_mod.patched_core_source()  # fails here, with the reason, before any engine starts
-        os.environ[fix_mod.ENV_FIX] = fix
-    else:
-        os.environ.pop(fix_mod.ENV_FIX, None)
+        if fix == fix_mod.DEFAULT_FIX:  # the plugin installs it by default: the path a user's engines take
+            os.environ.pop(fix_mod.ENV_FIX, None)
+        else:
+            os.environ[fix_mod.ENV_FIX] = fix
+    else:  # vLLM as shipped: the plugin's default fix is turned off for this run
+        os.environ[fix_mod.ENV_FIX] = fix_mod.OFF
+        say(
+            f"vLLM as shipped: the plugin's resume-epoch fix is off for this run ({fix_mod.ENV_FIX}={fix_mod.OFF})"
+        )
     lt = LoopThread("vllm-repro-loop")
     try:
         llm, start_s = start_async_llm(
