@@ -52,7 +52,7 @@ from weightsync.vllm_tools.bench_worker import (
     worker_teardown,
 )
 from weightsync.vllm_tools.models import build_tiny_llama
-from weightsync.vllm_tools.serving import LoopThread, connect_trainer, start_async_llm
+from weightsync.vllm_tools.serving import LoopThread, connect_trainer, shutdown_async_llm, start_async_llm
 
 T = TypeVar("T")
 INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
@@ -243,7 +243,7 @@ class _Bench:
         if self.group is not None:
             steps.append(self.group.close)
         if self.llm is not None:
-            steps.append(self.llm.shutdown)
+            steps.append(lambda: shutdown_async_llm(self.llm, self.lt))
         for step in steps:
             with contextlib.suppress(Exception):
                 step()

@@ -50,7 +50,7 @@ from weightsync.demo.rl_task import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, DigitPat
 from weightsync.spec.errors import WeightSyncError
 from weightsync.spec.states import IN_FLIGHT_FINISH, PauseMode
 from weightsync.vllm_tools.fix import VARIANT, chosen_fix
-from weightsync.vllm_tools.serving import LoopThread
+from weightsync.vllm_tools.serving import LoopThread, shutdown_async_llm
 
 MAX_LOGPROB_DIFF = 1e-4
 PROBE_TOKENS = 6
@@ -307,7 +307,7 @@ def _run(
     finally:
         if trainer_tr is not None:
             trainer_tr.shutdown()
-        llm.shutdown()
+        shutdown_async_llm(llm, loop)
     lost = sum(1 for r in outcomes.values() if r not in IN_FLIGHT_FINISH[PauseMode(cfg.mode)])
     every = [first, *syncs]
     return {

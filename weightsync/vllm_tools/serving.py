@@ -6,6 +6,7 @@ to connect weightsync's trainer to it through vLLM's public API.
 - :func:`start_async_llm`: ``AsyncLLM.from_engine_args`` with the settings these commands share on CPU:
   eager mode, float32, a 128-token context (``max_model_len``), stats off, the ``weightsync`` weight-transfer backend
   (``weight_transfer_config={"backend": "weightsync"}``), ``data_parallel_size``.
+- :func:`shutdown_async_llm`: vLLM's shutdown without its shutdown tracebacks.
 - :func:`connect_trainer`: ``WeightTransferTrainerFactory.trainer_init(init_info, client=..., source=...)``
   (vLLM's ``distributed/weight_transfer/factory.py``) with :class:`~weightsync.vllm.trainer.WeightsyncTrainerInitInfo`
   on 127.0.0.1 and a free port; ``world_size`` is the trainer plus one worker per DP engine.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Coroutine
@@ -100,6 +102,33 @@ def start_async_llm(
     return llm, time.monotonic() - t0
 
 
+async def _stop_output_handler(llm: Any) -> None:
+    handler = getattr(llm, "output_handler", None)
+    if handler is None or handler.done():
+        return
+    handler.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await handler
+
+
+def shutdown_async_llm(llm: Any, lt: LoopThread, timeout_s: float = 30.0) -> None:
+    """Shut ``llm`` (an ``AsyncLLM`` driven on ``lt``) down without vLLM's shutdown tracebacks.
+
+    vLLM 0.32's ``AsyncLLM.shutdown`` (``v1/engine/async_llm.py:296-308``) stops the engine cores first and
+    cancels its output handler last, so the handler, still awaiting ``get_output_async``, meets the dead
+    engines and logs ``EngineDeadError`` with a traceback (``async_llm.py:905-907``) after a run that
+    succeeded. Here the handler is cancelled first, on its own loop, then vLLM's shutdown runs; afterwards
+    the instance's ``shutdown`` is a no-op, so ``AsyncLLM.__del__`` (``async_llm.py:293-294``) does not run
+    it again at interpreter exit, when module globals are gone (``TypeError: 'NoneType' object is not
+    callable``, printed as an ignored exception). A handler that does not stop within ``timeout_s``
+    seconds is left to vLLM's own cancel.
+    """
+    with contextlib.suppress(TimeoutError, RuntimeError):  # the loop may be closed already
+        lt.run(_stop_output_handler(llm), timeout_s)
+    llm.shutdown()
+    llm.shutdown = lambda *args, **kwargs: None  # see above: vLLM's __del__ at interpreter exit
+
+
 def connect_trainer(llm: Any, source: Any, *, client: Any, **info_fields: Any) -> Any:
     """weightsync's broadcast trainer for ``llm`` through vLLM's factory, with ``client`` (a
     ``VLLMWeightSyncClient``: :class:`~weightsync.vllm.clients.AsyncLLMWeightSyncClient`, or a checked
@@ -121,4 +150,4 @@ def connect_trainer(llm: Any, source: Any, *, client: Any, **info_fields: Any) -
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(source))
 
 
-__all__ = ["START_TIMEOUT_S", "LoopThread", "connect_trainer", "start_async_llm"]
+__all__ = ["START_TIMEOUT_S", "LoopThread", "connect_trainer", "shutdown_async_llm", "start_async_llm"]

@@ -273,7 +273,7 @@ def record_cycles(
     t0 = time.monotonic()
     from weightsync.vllm_tools import probe
     from weightsync.vllm_tools.models import build_tiny_mixtral, checkpoint_state, perturbed_state
-    from weightsync.vllm_tools.serving import LoopThread, connect_trainer, start_async_llm
+    from weightsync.vllm_tools.serving import LoopThread, connect_trainer, shutdown_async_llm, start_async_llm
 
     with tempfile.TemporaryDirectory(prefix="weightsync-vllm-trace-") as tmp:
         events_dir = Path(tmp) / "events"
@@ -327,7 +327,7 @@ def record_cycles(
         finally:
             if trainer is not None:
                 trainer.shutdown()
-            llm.shutdown()
+            shutdown_async_llm(llm, lt)
             lt.close()
         events = probe.read_events(events_dir)
         summary = to_replay_trace(events, out, variant=VARIANT[chosen_fix()])

@@ -67,7 +67,7 @@ from weightsync.repro.schedule import (
 )
 from weightsync.repro.vllm.driver import _Driver, _Observer
 from weightsync.vllm_tools.fix import OFF
-from weightsync.vllm_tools.serving import LoopThread, start_async_llm
+from weightsync.vllm_tools.serving import LoopThread, shutdown_async_llm, start_async_llm
 
 # --------------------------------------------------------------------------------------------- the driver
 
@@ -136,7 +136,7 @@ class _Served:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # the engines may be dead already (the hang's timeout)
-            self.llm.shutdown()
+            shutdown_async_llm(self.llm, self.lt)
         self.lt.close()
 
 
