@@ -18,6 +18,7 @@ from weightsync.impl.engine.scheduler import reference_generate
 from weightsync.impl.engine.weights import random_weights
 from weightsync.impl.models.causal_lm import CausalLM
 from weightsync.impl.transfer.trainer import BroadcastTrainerEngine, TrainerInitInfo, WeightSyncClient
+from weightsync.spec.errors import StaleWeightVersionError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -70,6 +71,23 @@ def test_trainer_init_and_send_weights_drive_the_reference_engine() -> None:
         c.client.resume()
         assert c.client.get_weight_version() == "step-2"
         _served_by(c, ws, "step-2", "state-dict")
+        # issue 22: a replayed older round with monotonic=True is refused before start_weight_update; no
+        # rank is failed, both keep serving ws under step-2, and the next correct round succeeds
+        n = len(c.client.transitions)
+        c.client.pause("keep")
+        with pytest.raises(StaleWeightVersionError, match=r"'step-1'.*the engines' weight_version 'step-2'"):
+            tr.send_weights(dict(ws2), weight_version="step-1", monotonic=True)
+        c.client.resume()
+        events = [(t.event, t.after["state"]) for t in c.client.transitions[n:]]
+        assert not any(e in ("start_weight_update", "update_weights") for e, _ in events), events
+        assert not any(s == "failed" for _, s in events), events
+        assert c.client.get_weight_versions() == ["step-2", "step-2"]
+        _served_by(c, ws, "step-2", "refused")
+        c.client.pause("keep")
+        tr.send_weights(dict(ws2), weight_version="step-3", monotonic=True, check_finite=True)
+        c.client.resume()
+        assert c.client.get_weight_version() == "step-3"
+        _served_by(c, ws2, "step-3", "after-refusal")
     finally:
         if tr is not None:
             tr.shutdown()

@@ -31,7 +31,7 @@ from weightsync.impl.transfer.trainer import (
     WeightSyncClient,
 )
 from weightsync.impl.transfer.worker import WeightTransferWorker
-from weightsync.spec.errors import TransferTimeoutError
+from weightsync.spec.errors import StaleWeightVersionError, TransferTimeoutError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -252,3 +252,50 @@ def test_worker_payload_is_vllms_shape() -> None:
     assert not extra.is_sender
     assert InitInfo.parse(extra.worker_payload()) == extra.worker_init_info()
     assert {"timeout_s": 5, "verify": True}.items() <= extra.worker_payload().items()
+
+
+class VersionedClient(WorkerClient):
+    """A client that also reports the engines' served version (vLLM's ``AsyncLLM.get_weight_version``)."""
+
+    def get_weight_version(self) -> str:
+        self.calls.append(("get_weight_version", None))
+        return self.version
+
+
+def test_monotonic_refuses_an_older_version_before_start_and_check_finite_reaches_the_worker() -> None:
+    """Issue 22 item 2 on the trainer side: ``send_weights(..., monotonic=True)`` compares with the engines'
+    version and with the last one this trainer set, and refuses an older one before ``start_weight_update``:
+    nothing reaches the worker, its weights, round and version stay. ``check_finite=True`` from
+    ``send_weights`` reaches the worker, which refuses a NaN before loading it."""
+    model = DictModel(model_spec())
+    client = VersionedClient(model)
+    tr = _trainer(client)
+    tr.send_weights(make_tensors(3), weight_version="step-3", monotonic=True)
+    kept = {n: t.clone() for n, t in model.weights().items()}
+    rounds = client.worker.machine.vars.weight_version
+    n = len(client.calls)
+    with pytest.raises(StaleWeightVersionError, match=r"'step-1'.*the engines' weight_version 'step-3'"):
+        tr.send_weights(make_tensors(1), weight_version="step-1", monotonic=True)
+    client.version = "step-0"  # the engines relabelled: the trainer's own record still refuses the replay
+    with pytest.raises(StaleWeightVersionError, match=r"last weight_version this trainer set 'step-3'"):
+        tr.send_weights(make_tensors(1), weight_version="step-1", monotonic=True)
+    with pytest.raises(ValueError, match="needs a weight_version"):
+        tr.send_weights(make_tensors(1), monotonic=True)
+    with pytest.raises(ValueError, match="no trailing step number"):
+        tr.send_weights(make_tensors(1), weight_version="latest", monotonic=True)
+    assert {c for c, _ in client.calls[n:]} == {"get_weight_version"}  # no start, no update, no finish
+    assert client.worker.machine.vars.weight_version == rounds and tr.broken is None
+    assert all(bytes_equal(model.weights()[k], v) for k, v in kept.items())
+    tr.send_weights(make_tensors(4), weight_version="step-4", monotonic=True)  # the next correct round
+    assert client.version == "step-4"
+    assert all(bytes_equal(model.weights()[k], t.contiguous()) for k, t in make_tensors(4))
+    bad = [(k, t.clone().fill_(float("nan")) if t.dtype.is_floating_point else t) for k, t in make_tensors(5)]
+    m = len(client.calls)
+    with pytest.raises(Exception, match="check_finite=True"):
+        tr.send_weights(bad, weight_version="step-5", check_finite=True)
+    sent = [p for c, p in client.calls[m:] if c == "update"]
+    assert sent and all(p["check_finite"] is True for p in sent)
+    assert client.version == "step-4"
+    assert all(bytes_equal(model.weights()[k], t.contiguous()) for k, t in make_tensors(4))
+    tr.shutdown()
+    client.worker.shutdown()

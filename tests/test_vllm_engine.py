@@ -23,7 +23,7 @@ require_vllm()
 
 from vllm_served import PROBES, Served, assert_serves  # noqa: E402
 
-from weightsync.spec.errors import WireMismatchError  # noqa: E402
+from weightsync.spec.errors import StaleWeightVersionError, WireMismatchError  # noqa: E402
 from weightsync.vllm_tools.models import perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
@@ -85,4 +85,24 @@ def test_rejected_request_fails_fast_and_leaves_the_weights_as_they_were(served:
     served.hf.load_state_dict(perturbed_state(served.hf, seed=4, scale=0.5))
     tr.send_weights(weight_version="step-4")
     assert served.version() == "step-4"
+    assert_serves(served, served.hf)
+
+
+def test_a_replayed_older_round_is_refused_before_start_and_nothing_changes(served: Served) -> None:
+    """Issue 22 item 2 on real vLLM: ``send_weights(weights, weight_version="step-1", monotonic=True)`` after
+    step-4 is refused by the trainer before ``start_weight_update`` (it asked vLLM's
+    ``get_weight_version()``); vLLM's version, greedy tokens and logprobs are unchanged, and the next
+    correct round (with ``check_finite`` from ``send_weights``) succeeds."""
+    tr = served.trainer or served.connect()
+    version = served.version()
+    old = perturbed_state(served.hf, seed=9, scale=0.5)
+    n = len(served.client.calls)
+    with pytest.raises(StaleWeightVersionError, match=rf"'step-1'.*the engines' weight_version '{version}'"):
+        tr.send_weights(old, weight_version="step-1", monotonic=True)
+    assert served.client.calls[n:] == ["get_weight_version"]  # no weight call reached vLLM
+    assert served.version() == version
+    assert_serves(served, served.hf)  # the weights it served before
+    served.hf.load_state_dict(old)
+    tr.send_weights(weight_version="step-9", monotonic=True, check_finite=True)
+    assert served.version() == "step-9"
     assert_serves(served, served.hf)

@@ -69,6 +69,25 @@ class IncompleteUpdateError(WeightSyncError):
         )
 
 
+class StaleWeightVersionError(WeightSyncError, ValueError):
+    """A round with ``monotonic=True`` would move the served ``weight_version`` backwards; refused before
+    ``start_weight_update``, so no byte moves and every rank keeps serving its weights and version.
+
+    Attributes:
+        version: the version the round was to set.
+        served: the newer version it was compared with.
+        where: whose version that is (the engines', or the last this trainer sent).
+    """
+
+    def __init__(self, version: str, served: str, where: str) -> None:
+        self.version, self.served, self.where = version, served, where
+        super().__init__(
+            f"send_weights(weight_version={version!r}, monotonic=True): {where} {served!r} is newer; the "
+            "monotonic guard refuses a version that moves backwards (refused before start_weight_update: "
+            "nothing was sent and the engines keep their weights)"
+        )
+
+
 class PeerFailedError(WeightSyncError):
     """A peer process died or reported a failure while this process was waiting on it.
 
@@ -91,6 +110,7 @@ __all__ = [
     "LocalProtocolError",
     "PeerFailedError",
     "RemoteProtocolError",
+    "StaleWeightVersionError",
     "TransferTimeoutError",
     "WeightSyncError",
     "WireMismatchError",

@@ -128,11 +128,20 @@ def version_order(version: int | str) -> int:
     return int(m.group(1))
 
 
+def version_older(new: int | str, served: int | str) -> bool:
+    """The opt-in monotonic guard's rule: ``new`` would move the served version backwards
+    (:func:`version_order`). The rank table's ``version_older`` row and the trainer's check before
+    ``start_weight_update`` (:meth:`weightsync.impl.transfer.trainer.TrainerEngine.send_weights`) both ask it.
+
+    Raises:
+        ValueError: a version :func:`version_order` cannot order.
+    """
+    return version_order(new) < version_order(served)
+
+
 def _version_older(v: RankVars, a: Args) -> bool:
     new = a.get("weight_version")
-    return (
-        bool(a.get("monotonic")) and new is not None and version_order(new) < version_order(v.weight_version)
-    )
+    return bool(a.get("monotonic")) and new is not None and version_older(new, v.weight_version)
 
 
 def _first_step_rank0(v: RankVars, a: Args) -> bool:

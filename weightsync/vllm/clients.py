@@ -54,5 +54,10 @@ class AsyncLLMWeightSyncClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._run("finish_weight_update", self.llm.finish_weight_update(weight_version=weight_version))
 
+    def get_weight_version(self) -> str:
+        """vLLM's served weight version (``AsyncLLM.get_weight_version``, ``v1/engine/async_llm.py:1361-1363``):
+        what the trainer's ``send_weights(monotonic=True)`` compares with before a round."""
+        return str(self._run("get_weight_version", self.llm.get_weight_version()))
+
 
 __all__ = ["AsyncLLMWeightSyncClient"]

@@ -67,7 +67,8 @@ from weightsync.impl.transfer.base import (
 )
 from weightsync.impl.transfer.fields import field_int
 from weightsync.impl.transfer.trainer_calls import Declared, chunks, concurrently, update_info_of
-from weightsync.spec.errors import TransferTimeoutError
+from weightsync.spec.errors import StaleWeightVersionError, TransferTimeoutError
+from weightsync.spec.rank_vars import version_older, version_order
 
 
 @runtime_checkable
@@ -250,6 +251,7 @@ class TrainerEngine(ABC):
         self.send_error: BaseException | None = None
         self._sending = False  # the data plane of the current round is running
         self.rounds = 0
+        self.sent_version: str | None = None  # the weight_version of the last round this trainer finished
 
     @abstractmethod
     def _open(self) -> Endpoint:
@@ -281,7 +283,14 @@ class TrainerEngine(ABC):
         )
         return engine
 
-    def send_weights(self, weights: Any = None, *, weight_version: str | None = None) -> None:
+    def send_weights(
+        self,
+        weights: Any = None,
+        *,
+        weight_version: str | None = None,
+        monotonic: bool = False,
+        check_finite: bool = False,
+    ) -> None:
         """One full round (rule 2) from ``weights`` (this round only) or the ``source`` given at init.
 
         Args:
@@ -289,10 +298,19 @@ class TrainerEngine(ABC):
                 dict or an iterable of ``(name, tensor)`` pairs (rule 3).
             weight_version: passed to ``client.finish_weight_update``: the engines' version afterwards
                 (None: unchanged, vLLM's ``async_llm.py:1351-1355``).
+            monotonic: refuse, before ``start_weight_update``, a ``weight_version`` older
+                (:func:`~weightsync.spec.rank_vars.version_older`) than the last one this trainer set or
+                the engines' own (``client.get_weight_version()``, where the client has it).
+            check_finite: every engine refuses NaN / +-Inf in the received floating-point weights before
+                they are loaded (``update_info['check_finite']``, :mod:`weightsync.impl.transfer.worker`
+                rule 7).
 
         Raises:
-            ValueError: no source, a ``weight_version`` that is not a str (before any RPC); a source that
+            ValueError: no source, a ``weight_version`` that is not a str, ``monotonic`` without a
+                ``weight_version`` or with one the guard cannot order (before any RPC); a source that
                 disagrees with its metadata; a rejected request.
+            StaleWeightVersionError: ``monotonic`` and an older ``weight_version`` (before any RPC but
+                the version query).
             RuntimeError: an earlier round broke the endpoint (rule 6: re-run ``trainer_init``).
             WireMismatchError / PeerFailedError / TransferTimeoutError, or the engines' RPC error.
         """
@@ -307,19 +325,37 @@ class TrainerEngine(ABC):
                 pass
             return
         self._require_endpoint()
+        if monotonic:
+            self._refuse_stale(weight_version)
         self.client.start_weight_update()
-        self.update(source)
+        self.update(source, check_finite=check_finite)
         if weight_version is None:
             self.client.finish_weight_update()
         else:
             self.client.finish_weight_update(weight_version)
+            self.sent_version = weight_version
         self.rounds += 1
 
-    def update(self, weights: Any = None) -> None:
+    def _refuse_stale(self, weight_version: str | None) -> None:
+        """The monotonic guard on the trainer's side (see :meth:`send_weights`)."""
+        if weight_version is None:
+            raise ValueError("send_weights(monotonic=True) needs a weight_version to compare")
+        version_order(weight_version)  # a version the guard cannot order is refused before any RPC
+        get = getattr(self.client, "get_weight_version", None)
+        served = [("the engines' weight_version", str(get()))] if callable(get) else []
+        if self.sent_version is not None:
+            served.append(("the last weight_version this trainer set", self.sent_version))
+        for where, version in served:
+            if version_older(weight_version, version):
+                raise StaleWeightVersionError(weight_version, version, where)
+
+    def update(self, weights: Any = None, *, check_finite: bool = False) -> None:
         """Only the ``update_weights`` part of a round (rules 2-3), for a caller that opens and closes
         the round itself (``start_weight_update`` / ``finish_weight_update`` through its own client: a
         controller that times the phases, or one sending the rest after ``finish_weight_update`` reported
         missing weights). Sender only.
+
+        ``check_finite``: as :meth:`send_weights`.
 
         Raises:
             as :meth:`send_weights`.
@@ -332,10 +368,11 @@ class TrainerEngine(ABC):
             metadata = getattr(source, "metadata", None)
             if callable(metadata):
                 declared: Declared = [(m.name, m.dtype, tuple(int(d) for d in m.shape)) for m in metadata()]
-                self._round(endpoint, declared, iter(source))
+                self._round(endpoint, declared, iter(source), check_finite)
             else:
                 for chunk in chunks(source, self.wire.packed_buffer_size_bytes):
-                    self._round(endpoint, [(n, t.dtype, tuple(t.shape)) for n, t in chunk], iter(chunk))
+                    declared = [(n, t.dtype, tuple(t.shape)) for n, t in chunk]
+                    self._round(endpoint, declared, iter(chunk), check_finite)
                     del chunk  # before the next chunk is pulled: hold one chunk at a time
         except BaseException as exc:
             # rule 6: the group survives a round every rank aborted together; not one whose data plane is
@@ -363,9 +400,17 @@ class TrainerEngine(ABC):
         return source
 
     def _round(
-        self, endpoint: Endpoint, declared: Declared, stream: Iterator[tuple[str, torch.Tensor]]
+        self,
+        endpoint: Endpoint,
+        declared: Declared,
+        stream: Iterator[tuple[str, torch.Tensor]],
+        check_finite: bool = False,
     ) -> None:
         update_info = update_info_of(declared)
+        if (
+            check_finite
+        ):  # weightsync's optional field, sent only when set (vLLM's dataclasses parse the rest)
+            update_info["check_finite"] = True
         sendable: Sequence[tuple[str, torch.dtype, Sequence[int]]] = declared
         nbytes = sum(math.prod(s) * d.itemsize for _, d, s in declared)
         deadline, basis = self.worker_info.round_deadline(nbytes)  # the transport's own (rounds rule 0)
