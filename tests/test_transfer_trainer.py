@@ -299,3 +299,21 @@ def test_monotonic_refuses_an_older_version_before_start_and_check_finite_reache
     assert all(bytes_equal(model.weights()[k], t.contiguous()) for k, t in make_tensors(4))
     tr.shutdown()
     client.worker.shutdown()
+
+
+def test_check_finite_from_the_init_info() -> None:
+    """``TrainerInitInfo(check_finite=True)`` makes it every round's default (trainer side only: the workers'
+    init info does not carry it); a non-bool is refused at construction."""
+    with pytest.raises(ValueError, match="check_finite"):
+        TrainerInitInfo(master_address="h", master_port=1, world_size=2, rank=0, check_finite=1)  # type: ignore[arg-type]
+    model = DictModel(model_spec())
+    client = WorkerClient(model)
+    tr = _trainer(client, check_finite=True)
+    assert "check_finite" not in client.calls[0][1]
+    bad = [(k, t.clone().fill_(float("inf")) if t.dtype.is_floating_point else t) for k, t in make_tensors(1)]
+    with pytest.raises(Exception, match="check_finite=True"):
+        tr.send_weights(bad, weight_version="step-1")
+    assert client.version == "default"
+    assert all(p["check_finite"] is True for c, p in client.calls if c == "update")
+    tr.shutdown()
+    client.worker.shutdown()

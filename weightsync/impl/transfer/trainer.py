@@ -65,7 +65,7 @@ from weightsync.impl.transfer.base import (
     InitInfo,
     WireArgs,
 )
-from weightsync.impl.transfer.fields import field_int
+from weightsync.impl.transfer.fields import field_bool, field_int
 from weightsync.impl.transfer.trainer_calls import Declared, chunks, concurrently, update_info_of
 from weightsync.spec.errors import StaleWeightVersionError, TransferTimeoutError
 from weightsync.spec.rank_vars import version_older, version_order
@@ -125,6 +125,8 @@ class TrainerInitInfo(InitExtras):
         packed, packed_buffer_size_bytes, packed_num_buffers: the wire parameters (trainer defaults, as
             vLLM's: packed, 1 GiB, 2); sent to the workers at init.
         rank: this trainer process's rank (keyword-only, as vLLM's ``TrainerInitInfo``); 0 sends.
+        check_finite: the default of :meth:`TrainerEngine.send_weights`' ``check_finite`` (weightsync;
+            trainer-side only: it goes into each round's ``update_info``, not to the workers at init).
 
     Class attributes:
         backend: the backend this info selects (vLLM's factory dispatches on it).
@@ -144,9 +146,11 @@ class TrainerInitInfo(InitExtras):
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     rank: int
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         field_int(self.__dict__, "rank", "trainer init_info", 0)
+        field_bool(self.__dict__, "check_finite", "trainer init_info")
         self.worker_init_info()
 
     @property
@@ -289,7 +293,7 @@ class TrainerEngine(ABC):
         *,
         weight_version: str | None = None,
         monotonic: bool = False,
-        check_finite: bool = False,
+        check_finite: bool | None = None,
     ) -> None:
         """One full round (rule 2) from ``weights`` (this round only) or the ``source`` given at init.
 
@@ -303,7 +307,7 @@ class TrainerEngine(ABC):
                 the engines' own (``client.get_weight_version()``, where the client has it).
             check_finite: every engine refuses NaN / +-Inf in the received floating-point weights before
                 they are loaded (``update_info['check_finite']``, :mod:`weightsync.impl.transfer.worker`
-                rule 7).
+                rule 7); None: the init info's ``check_finite``.
 
         Raises:
             ValueError: no source, a ``weight_version`` that is not a str, ``monotonic`` without a
@@ -349,7 +353,7 @@ class TrainerEngine(ABC):
             if version_older(weight_version, version):
                 raise StaleWeightVersionError(weight_version, version, where)
 
-    def update(self, weights: Any = None, *, check_finite: bool = False) -> None:
+    def update(self, weights: Any = None, *, check_finite: bool | None = None) -> None:
         """Only the ``update_weights`` part of a round (rules 2-3), for a caller that opens and closes
         the round itself (``start_weight_update`` / ``finish_weight_update`` through its own client: a
         controller that times the phases, or one sending the rest after ``finish_weight_update`` reported
@@ -362,6 +366,7 @@ class TrainerEngine(ABC):
         """
         endpoint = self._require_endpoint()
         source = self._source(weights)
+        check_finite = self.init_info.check_finite if check_finite is None else check_finite
         self.send_error = None
         self._sending = False
         try:
