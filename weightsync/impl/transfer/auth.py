@@ -61,6 +61,10 @@ AUTH_LIMIT_BYTES = 64 * 1024
 #: The tag scheme named in a challenge.
 SCHEME = "hmac-sha256"
 _POLL_S = 0.002
+#: Seconds a worker waits for the host's verdict beyond its own ``timeout_s``: the host's deadline, which
+#: started first, decides the round, and an admitted worker then hears its signed ``fail`` (with the reason)
+#: instead of timing out at nearly the same instant.
+VERDICT_GRACE_S = 2.0
 
 
 # --------------------------------------------------------------------------------------------- rule 3
@@ -144,7 +148,12 @@ def host_handshake(
     try:
         while len(admitted) < world_size - 1:
             posted = int(store.add(f"{base}/claims", 0))
-            while read < posted and store.check([f"{base}/claim/{read + 1}"]):
+            # the deadline holds inside the drain too: a flood of claims cannot keep the host judging past it
+            while (
+                read < posted
+                and time.monotonic() - t0 < timeout_s
+                and store.check([f"{base}/claim/{read + 1}"])
+            ):
                 read += 1
                 raw = store.get(f"{base}/claim/{read}")
                 why = _judge(secret, round_id, nonce, world_size, admitted, raw)
@@ -236,7 +245,8 @@ def worker_handshake(
             logs it), when the host rejects this worker's claim or fails the round (its reason), or when an
             accept that is not for this worker arrives.
         WireMismatchError: the host's ``world_size`` differs from this worker's.
-        TransferTimeoutError: phase ``"<what>/auth"``, naming rank 0, no hello, accept or reject came in time.
+        TransferTimeoutError: phase ``"<what>/auth"``, naming rank 0: no hello came within ``timeout_s``, or
+            no accept, reject or fail within ``timeout_s`` + :data:`VERDICT_GRACE_S`.
     """
     t0 = time.monotonic()
     hello = _wait_json(cp, "auth/hello", t0, timeout_s, what, "the host's hello")
@@ -300,7 +310,7 @@ def worker_handshake(
             parts = ("reject", round_id, slot, reason) if kind == "reject" else ("fail", round_id, reason)
             if secret.verify(msg.get("mac"), *parts):
                 raise AuthenticationError(f"{what}: the trainer refused rank {rank}: {reason}")
-        if time.monotonic() - t0 >= timeout_s:
+        if time.monotonic() - t0 >= timeout_s + VERDICT_GRACE_S:
             raise TransferTimeoutError(
                 f"{what}/auth", [0], time.monotonic() - t0, f"the trainer admitted rank {rank} in no time"
             )
@@ -326,6 +336,7 @@ def _wait_json(cp: ControlPlane, key: str, t0: float, timeout_s: float, what: st
 __all__ = [
     "AUTH_LIMIT_BYTES",
     "AUTH_VERSION",
+    "VERDICT_GRACE_S",
     "Session",
     "host_handshake",
     "worker_handshake",
