@@ -27,7 +27,9 @@ def _repro_vllm(args: argparse.Namespace) -> int:
     out = res.as_dict()
 
     def human() -> None:
-        print(f"{res.variant} on vLLM ({'fix ' + res.fix if res.fix else 'as shipped'}): {res.result}")
+        print(
+            f"{res.variant} on vLLM ({'as shipped' if res.fix == 'none' else 'fix ' + str(res.fix)}): {res.result}"
+        )
         print(f"  followed {res.followed_steps} model steps; diverged at {res.diverged_at}; {res.reason}")
         for r, w in sorted(res.ranks.items()):
             print(f"  rank {r}: {'blocked in ' + w if w else 'idle'} {res.errors.get(r, '')}")

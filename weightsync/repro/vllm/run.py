@@ -348,7 +348,7 @@ def _finish(
     from weightsync.vllm_tools.probe import read_events
 
     d = served.driver
-    if res.fix is None:
+    if res.fix == OFF:  # vLLM as shipped (the plugin's default fix turned off)
         states, _ = replay_labels(buggy, labels)
         final = states[-1]
         want = {str(i): final.ranks[i].blocked for i in range(buggy.n)}
