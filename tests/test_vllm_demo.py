@@ -10,7 +10,7 @@ Each case starts real vLLM engines (about 60 s here), so the module is ``slow``;
   ``get_weight_version()`` equal to ``step-N`` on both engines; the CheckedEngine trace replays.
 - MoE policy (tiny Mixtral: lockstep DP ranks, vLLM's waves and two-phase pause), without a secret (on
   loopback that still works, unauthenticated): the same, and the
-  engines' own probe trace replays against ``vllm-0.32`` too.
+  engines' own probe trace replays against ``vllm-0.32-epoch`` (the plugin's fix is on by default).
 - MoE without weightsync's MoE reload fix: the checks fail (exit 1): they bite.
 """
 
@@ -91,6 +91,7 @@ def test_moe_demo_on_real_vllm(capsys: Any, tmp_path: Path, monkeypatch: pytest.
     _assert_healthy(rc, out)
     assert out["authenticated"] is False
     assert out["engine_trace"] and out["engine_trace_steps"] > 100
+    assert out["vllm_fix"] == "epoch"  # the plugin's default: the engines' trace replayed on vllm-0.32-epoch
 
 
 def test_the_checks_bite_without_the_moe_reload_fix(capsys: Any, tmp_path: Path) -> None:

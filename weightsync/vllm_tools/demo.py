@@ -28,7 +28,8 @@ vLLM sees it), which records ``trace``. With ``moe``
 the engines run vLLM's DP protocol, and their own events, recorded by the plugin's probe
 (:mod:`weightsync.vllm_tools.probe`), become ``engine_trace`` (:mod:`weightsync.vllm_tools.trace`; a dense model's DP
 engines are independent and run no DP protocol). The run replays both (``trace_ok``; the engines' trace
-against ``vllm-0.32``). ``moe_reload_fix=False`` runs the MoE policy without weightsync's fix for vLLM 0.32's CPU
+against the variant they run: ``vllm-0.32-epoch`` with the plugin's default fix, ``vllm-0.32`` with
+``WEIGHTSYNC_VLLM_FIX=none``; the result's ``vllm_fix`` says which). ``moe_reload_fix=False`` runs the MoE policy without weightsync's fix for vLLM 0.32's CPU
 MoE reload (``weightsync.vllm.reload``): the checks then fail, which shows that they bite.
 """
 
