@@ -9,6 +9,7 @@ import os
 import sys
 
 from weightsync.cli.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit, progress, vllm_module
+from weightsync.spec.errors import WeightSyncError
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -40,7 +41,12 @@ def _demo_vllm(args: argparse.Namespace) -> int:
         moe_reload_fix=False if args.no_moe_reload_fix else None,
         trace=args.trace,
     )
-    out = mod.run_vllm_demo(cfg, log=progress(args))
+    try:
+        out = mod.run_vllm_demo(cfg, log=progress(args))
+    except (ValueError, WeightSyncError) as exc:  # bad settings, or the run failed: said, no traceback
+        msg = f"weightsync demo --engine vllm: {type(exc).__name__}: {exc}"
+        emit({"ok": False, "error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_VIOLATION if isinstance(exc, WeightSyncError) else EXIT_USAGE
 
     def human() -> None:
         print(

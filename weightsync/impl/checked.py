@@ -120,6 +120,7 @@ class CheckedEngine:
             for rec in buffered:
                 self._on_transition(rec)
             if self.trace_path is not None:
+                self.trace_path.parent.mkdir(parents=True, exist_ok=True)  # e.g. traces/ in another cwd
                 with self.trace_path.open("a", encoding="utf-8") as f:
                     hdr = _header(self.variant_name, self.dp_size, self.sync_interval, init)
                     f.write(json.dumps(hdr) + "\n")
