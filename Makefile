@@ -17,7 +17,7 @@ export VLLM_CPU_OMP_THREADS_BIND ?= nobind
 export VLLM_TARGET_DEVICE ?= cpu
 endif
 
-.PHONY: venv demo demo-vllm test test-slow-ci lint prove-check ci clean
+.PHONY: venv demo demo-reference test test-slow-ci lint prove-check ci clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,12 +47,15 @@ endif
 
 venv: $(VLLM_STAMP)
 
-demo: $(STAMP)
-	$(BIN)/weightsync demo
+# the main job on the real vLLM: the RL loop into AsyncLLM(data_parallel_size=2) of a tiny MoE (lockstep DP
+# engines, vLLM's waves and two-phase pause, the plugin's resume-epoch fix on by default); installs the
+# vllm extra first
+demo: $(VLLM_STAMP)
+	$(BIN)/weightsync demo --engine vllm --moe
 
-# the same loop on a real vLLM (AsyncLLM, 2 DP engines): installs the vllm extra first
-demo-vllm: $(VLLM_STAMP)
-	$(BIN)/weightsync demo --engine vllm
+# the same loop on weightsync's reference DP engines (no vLLM needed)
+demo-reference: $(STAMP)
+	$(BIN)/weightsync demo --engine reference
 
 # with vLLM installed its tests must run: a broken `import vllm` fails them instead of skipping
 test: $(VLLM_STAMP)
