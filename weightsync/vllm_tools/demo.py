@@ -112,7 +112,7 @@ def run_vllm_demo(cfg: VllmDemoConfig, log: Callable[[str], None] | None = None)
         WeightSyncError: vLLM or the round failed (the message names the step and the call).
     """
     cfg.validate()
-    chosen_fix()  # an unknown WEIGHTSYNC_VLLM_FIX fails here, before anything starts
+    fix = chosen_fix()  # an unknown WEIGHTSYNC_VLLM_FIX fails here, before anything starts
     say = log or (lambda _m: None)
     t0 = time.monotonic()
     from weightsync.vllm_tools import probe
@@ -134,17 +134,17 @@ def run_vllm_demo(cfg: VllmDemoConfig, log: Callable[[str], None] | None = None)
         events = probe.read_events(events_dir)
         engine_trace = trace.with_name(trace.stem + "-engines.jsonl")
         if events:  # lockstep DP engines (MoE): the engines' own protocol events
-            to_replay_trace(events, engine_trace, variant=VARIANT[chosen_fix()])
+            to_replay_trace(events, engine_trace, variant=VARIANT[fix])
     from weightsync.impl.trace_replay import replay_trace
     from weightsync.model.replay import TraceChecker
 
     result["trace"] = str(trace)
     result["engine_trace"] = str(engine_trace) if events else None
-    result["vllm_fix"] = chosen_fix()  # the plugin's resume-epoch fix in the engines: "epoch" or "none"
+    result["vllm_fix"] = fix  # the plugin's resume-epoch fix in the engines: "epoch" or "none"
     oks = []
     for key, path, variant in (
         ("trace", trace, None),
-        ("engine_trace", engine_trace if events else None, VARIANT[chosen_fix()]),
+        ("engine_trace", engine_trace if events else None, VARIANT[fix]),
     ):
         if path is None:
             continue

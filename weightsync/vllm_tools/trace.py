@@ -268,7 +268,7 @@ def record_cycles(
     say = log or (lambda _m: None)
     from weightsync.vllm_tools.fix import VARIANT, chosen_fix
 
-    chosen_fix()  # an unknown WEIGHTSYNC_VLLM_FIX fails here, before any engine starts
+    variant = VARIANT[chosen_fix()]  # an unknown WEIGHTSYNC_VLLM_FIX fails here, before any engine starts
     rng = random.Random(seed)
     t0 = time.monotonic()
     from weightsync.vllm_tools import probe
@@ -330,7 +330,7 @@ def record_cycles(
             shutdown_async_llm(llm, lt)
             lt.close()
         events = probe.read_events(events_dir)
-        summary = to_replay_trace(events, out, variant=VARIANT[chosen_fix()])
+        summary = to_replay_trace(events, out, variant=variant)
         raw = Path(str(out) + ".engines")
         raw.mkdir(parents=True, exist_ok=True)
         for f in events_dir.glob("engine-*.jsonl"):
