@@ -35,9 +35,9 @@ Rules:
    bucket, ``finalize_layerwise_reload`` at finish. Tensors are copied before ``load_weights``: the
    reload keeps references to them until their layer is complete (``reload/layerwise.py:185``) and the
    transports reuse their buffers. ``finish_weight_update`` raises ``IncompleteUpdateError`` naming the
-   parameters still missing (vLLM would silently keep old weights, or process uninitialised memory); the
-   round stays open. A round that failed inside ``update_weights`` is abandoned: the pending layers get
-   their previous weights back (``weightsync.vllm.reload``).
+   parameters still missing (vLLM would silently keep old weights, or process uninitialised memory). A
+   round that failed inside ``update_weights`` or ``finish_weight_update`` is abandoned: the pending layers
+   get their previous weights back (``weightsync.vllm.reload``), and a new round recovers.
 5. **CPU.** vLLM's ``update_weights`` ends with ``torch.accelerator.synchronize()``
    (``distributed/weight_transfer/base.py:502``), which raises on a CPU-only torch; these engines
    synchronise only a CUDA device.
@@ -308,8 +308,15 @@ class _WeightsyncEngine(WeightTransferEngine):
     def finish_weight_update(self) -> None:
         """Close the round: completeness, then vLLM's ``finalize_layerwise_reload`` (rule 4).
 
+        A finish that raises abandons the round, as a failed ``update_weights`` does: the pending layers get
+        their previous weights back, and only a new round (``start_weight_update`` ... ``finish``) moves the
+        weights (the worker table's ``active --fail_round--> ready``, :mod:`weightsync.spec.worker`). vLLM
+        0.32's worker keeps its session open after a failed finish (``v1/worker/gpu_worker.py:1592-1600``,
+        unlike ``update_weights`` at ``:1580-1584``); the plugin's patch ``0003`` ends it
+        (:mod:`weightsync.vllm_tools.fix`), so the new round's ``start_weight_update`` is accepted.
+
         Raises:
-            IncompleteUpdateError: naming the parameters still missing; the round stays open.
+            IncompleteUpdateError: naming the parameters still missing; the round is abandoned.
         """
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -317,6 +324,8 @@ class _WeightsyncEngine(WeightTransferEngine):
             raise RuntimeError("finish_weight_update without start_weight_update")
         missing = incomplete_parameters(self.model)
         if missing:
+            abandon_layerwise_reload(self.model)
+            self._received, self._moe_layers = None, []
             raise IncompleteUpdateError(missing)
         moe = moe_layers_reprocessable(self.model, self._moe_layers)
         finalize_layerwise_reload(self.model, self.model_config)

