@@ -55,7 +55,10 @@ def test_weightsync_round_into_real_asyncllm(served: Served) -> None:
     assert served.client.calls[-3:] == ["start_weight_update", "update_weights", "finish_weight_update"]
 
 
-def test_incomplete_round_is_refused_names_the_missing_and_can_be_completed(served: Served) -> None:
+def test_incomplete_round_is_refused_names_the_missing_and_a_new_round_recovers(served: Served) -> None:
+    """A finish that names missing weights abandons the round (the worker table's ``fail_round``): the
+    version stays, the old weights serve, and a new round (start ... finish) succeeds without a restart
+    (vLLM 0.32's worker would keep its session open and refuse that start; the plugin's patch 0003)."""
     tr = served.trainer or served.connect()
     new = perturbed_state(served.hf, seed=2, scale=0.5)
     held_back = "model.layers.1.mlp.down_proj.weight"
@@ -65,8 +68,10 @@ def test_incomplete_round_is_refused_names_the_missing_and_can_be_completed(serv
         served.client.finish_weight_update("step-2")
     assert "layers.1.mlp.down_proj.weight" in str(exc.value)
     assert served.version() == "step-1"  # nothing committed
-    tr.update([(held_back, new[held_back])])  # the round is still open: send the rest
-    served.client.finish_weight_update("step-2")
+    with pytest.raises(Exception, match="start_weight_update must be called before update_weights"):
+        tr.update([(held_back, new[held_back])])  # the round is over: no late rest
+    tr = served.connect()  # the failed RPC broke the trainer's endpoint (rule 6)
+    tr.send_weights(new, weight_version="step-2")
     served.hf.load_state_dict(new)
     assert served.version() == "step-2"
     assert_serves(served, served.hf)

@@ -33,8 +33,15 @@ def test_the_fix_is_chosen_by_default_and_none_turns_it_off(monkeypatch: pytest.
 def test_the_default_installs_the_patched_methods(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(fix.ENV_FIX, raising=False)
     names = fix.install_from_env()
-    assert {"pause_scheduler", "resume_scheduler", "weight_round"} <= set(names)
-    assert core.DPEngineCoreProc.weight_round == "idle"
+    assert {
+        "DPEngineCoreProc.resume_scheduler",
+        "DPEngineCoreProc.collective_rpc",
+        "DPEngineCoreProc.weight_update_state",
+        "ParallelConfig.sync_dp_resume_state",
+        "Worker.finish_weight_update",
+    } <= set(names)
+    assert not any(n.startswith("Worker.") and n != "Worker.finish_weight_update" for n in names), names
+    assert core.DPEngineCoreProc.weight_update_state == "idle"
 
 
 def test_another_core_py_is_refused_before_anything_changes(

@@ -1,9 +1,12 @@
-"""``weightsync/patches/vllm-0.32-resume-epoch.patch`` against the installed vLLM 0.32: it applies, and vLLM's own
-``DPEngineCoreProc`` code with it behaves as variant ``vllm-0.32-epoch`` says, on a real gloo DP group,
-where the unpatched code deadlocks or keeps the waves apart as variant ``vllm-0.32`` says.
+"""weightsync's patch series for vLLM 0.32 (``weightsync/patches/vllm-0.32/``) against the installed vLLM: it
+applies with ``patch -p1`` in order, and vLLM's own ``DPEngineCoreProc`` code with it behaves as variant
+``vllm-0.32-epoch`` says, on a real gloo DP group, where the shipped code deadlocks or keeps the waves apart
+as variant ``vllm-0.32`` says.
 
 No engine is started: the roles (``tests/vllm_patch_roles.py``) call vLLM's pause/resume methods on its
 class with the attributes those methods read set by hand, so each case costs an import, not an engine.
+The engine-level tests of each patch, written as vLLM tests, are ``tests/vllm_upstream/`` (run by
+``tests/test_vllm_upstream.py``, slow).
 """
 
 from __future__ import annotations
@@ -18,55 +21,81 @@ from vllm_util import require_vllm
 
 vllm = require_vllm()
 
-from transfer_procs import free_port, ok, run_roles  # noqa: E402
+from transfer_procs import free_port, ok, reset_pool, run_roles  # noqa: E402
 from vllm_patch_roles import epoch_resume_role, load_core, make_engine, stray_resume_role  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-PATCH = ROOT / "weightsync" / "patches" / "vllm-0.32-resume-epoch.patch"
-INSTALLED = Path(vllm.__file__).parent / "v1" / "engine" / "core.py"
+from weightsync.vllm_tools import fix  # noqa: E402
+
+SITE = Path(vllm.__file__).parents[1]
 
 
-@pytest.fixture(scope="module")
-def patched(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A copy of the installed ``vllm/v1/engine/core.py`` with the patch applied by ``patch(1)``."""
-    if vllm.__version__ != "0.32.0":
-        pytest.skip(f"the patch is for vLLM 0.32.0, installed: {vllm.__version__}")
-    if shutil.which("patch") is None:
-        pytest.skip("patch(1) is not installed (apt-get install patch)")
-    root = tmp_path_factory.mktemp("vllm-src")
-    dst = root / "vllm" / "v1" / "engine" / "core.py"
-    dst.parent.mkdir(parents=True)
-    shutil.copy(INSTALLED, dst)
-    for args in (["--dry-run"], []):
+def _apply(root: Path, *args: str) -> str:
+    out = []
+    for patch in fix.SERIES:
         r = subprocess.run(
-            ["patch", "-p1", "--forward", *args, "-i", str(PATCH)],
+            ["patch", "-p1", "--forward", "--fuzz=0", *args, "-i", str(patch)],
             cwd=root,
             capture_output=True,
             text=True,
             timeout=30,
         )
-        assert r.returncode == 0, r.stdout + r.stderr
-    return str(dst)
+        assert r.returncode == 0, (patch.name, r.stdout + r.stderr)
+        out.append(r.stdout)
+    return "".join(out)
 
 
-def test_the_patch_applies_to_the_installed_source_tree() -> None:
+@pytest.fixture(scope="module")
+def patched() -> str:
+    if vllm.__version__ != "0.32.0":
+        pytest.skip(f"the patches are for vLLM 0.32.0, installed: {vllm.__version__}")
     if shutil.which("patch") is None:
         pytest.skip("patch(1) is not installed (apt-get install patch)")
-    site = INSTALLED.parents[3]
+    return "patched"
+
+
+def test_the_series_applies_in_order_to_a_copy_of_the_installed_tree(patched: str, tmp_path: Path) -> None:
+    """``patch -p1`` of each patch, in order, with no fuzz, to copies of the files it changes; the
+    installed tree itself is untouched (a dry run there must apply too)."""
+    assert [p.name[:4] for p in fix.SERIES] == ["0001", "0002", "0003"]
+    for rel in fix.SOURCES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(SITE / rel, tmp_path / rel)
+    said = _apply(tmp_path)
+    for rel in fix.SOURCES:
+        assert f"patching file {rel}" in said
+        assert (tmp_path / rel).read_text() == fix.patched_sources()[rel]
+    text = fix.patched_sources()
+    for patch in fix.SERIES:  # upstreamable: no weightsync names, no imports inside methods
+        body = patch.read_text()
+        assert "weightsync" not in body.lower() and "+        import " not in body, patch.name
+    assert "sync_dp_resume_state" in text["vllm/config/parallel.py"]
+
+
+def test_the_first_patch_alone_applies_and_the_gate_needs_it(patched: str, tmp_path: Path) -> None:
+    """0001 applies alone (the race fix does not need the gate); 0002 is written on top of it."""
+    for rel in fix.SOURCES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(SITE / rel, tmp_path / rel)
     r = subprocess.run(
-        ["patch", "-p1", "--dry-run", "--forward", "-i", str(PATCH)],
-        cwd=site,
+        ["patch", "-p1", "--dry-run", "--fuzz=0", "-i", str(fix.SERIES[0])],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "core.py" in r.stdout
+
+
+def _run(roles: list[tuple[Any, tuple[Any, ...]]], deadline_s: float = 60.0) -> list[tuple[Any, ...]]:
+    try:
+        return run_roles(roles, deadline_s=deadline_s)
+    finally:
+        reset_pool()  # a pooled process that grafted the series must not serve a "shipped" role
 
 
 def _pair(role: Any, *args: Any, deadline_s: float = 60.0) -> list[tuple[Any, ...]]:
     port = free_port()
-    return run_roles([(role, (0, port, *args)), (role, (1, port, *args))], deadline_s=deadline_s)
+    return _run([(role, (0, port, *args)), (role, (1, port, *args))], deadline_s=deadline_s)
 
 
 def test_stray_resume_deadlocks_vllm_032_and_not_the_patch(patched: str) -> None:
@@ -74,7 +103,7 @@ def test_stray_resume_deadlocks_vllm_032_and_not_the_patch(patched: str) -> None
     peer, serving, takes its DP step (a SUM all-reduce): mismatched collectives, caught by the 6 s group
     timeout (or by gloo's size check). Patched: the resume is a no-op on both, the idle rank joins the
     wave and the DP step completes with the request counted."""
-    before = [ok(r) for r in _pair(stray_resume_role, str(INSTALLED))]
+    before = [ok(r) for r in _pair(stray_resume_role, "shipped")]
     # rank 0 took the resume as a no-op (engines_running) and stepped; its DP step never matched
     assert before[0]["resume"] == "returned" and "error" in before[0], before
     # rank 1 entered the resume barrier and never came back from it: the group timeout caught it
@@ -94,10 +123,10 @@ def test_resume_barrier_rebases_the_wave(patched: str) -> None:
     port = free_port()
     before = [
         ok(r)
-        for r in run_roles(
+        for r in _run(
             [
-                (epoch_resume_role, (0, port, str(INSTALLED), 3)),
-                (epoch_resume_role, (1, port, str(INSTALLED), 5)),
+                (epoch_resume_role, (0, port, "shipped", 3)),
+                (epoch_resume_role, (1, port, "shipped", 5)),
             ]
         )
     ]
@@ -105,7 +134,7 @@ def test_resume_barrier_rebases_the_wave(patched: str) -> None:
     port = free_port()
     after = [
         ok(r)
-        for r in run_roles(
+        for r in _run(
             [(epoch_resume_role, (0, port, patched, 3)), (epoch_resume_role, (1, port, patched, 5))]
         )
     ]
@@ -121,30 +150,30 @@ def test_weight_calls_are_gated_by_the_pause(patched: str) -> None:
     round finishes."""
     core = load_core(patched)
     running = make_engine(core, None, 0)
-    with pytest.raises(RuntimeError, match="start_weight_update refused: the engines are not paused"):
+    with pytest.raises(RuntimeError, match="start_weight_update called while the engines are not paused"):
         running.collective_rpc("start_weight_update")
-    with pytest.raises(RuntimeError, match="update_weights refused: no weight round is active"):
+    with pytest.raises(RuntimeError, match="update_weights called without an active weight update"):
         running.collective_rpc("update_weights", kwargs={"update_info": {}})
     assert running.model_executor.calls == []
 
     paused = make_engine(core, None, 0, paused=True, fail="update_weights")
     paused.collective_rpc("start_weight_update")
-    assert paused.weight_round == "active"
+    assert paused.weight_update_state == "active"
     state = paused.scheduler.pause_state
-    with pytest.raises(RuntimeError, match="pause_scheduler refused during a weight update"):
+    with pytest.raises(RuntimeError, match="pause_scheduler called during a weight update"):
         paused.pause_scheduler("keep")
-    with pytest.raises(RuntimeError, match="resume_scheduler refused during a weight update"):
+    with pytest.raises(RuntimeError, match="resume_scheduler called during a weight update"):
         paused.resume_scheduler()
     assert paused.scheduler.pause_state == state and paused.ignore_start_dp_wave
     with pytest.raises(RuntimeError, match="worker update_weights failed"):
         paused.collective_rpc("update_weights", kwargs={"update_info": {}})
-    assert paused.weight_round == "failed"
-    with pytest.raises(RuntimeError, match="round failed"):
+    assert paused.weight_update_state == "failed"
+    with pytest.raises(RuntimeError, match=r"during a weight update \(failed\)"):
         paused.resume_scheduler()
     paused.model_executor.fail = ""
     for call in ("start_weight_update", "update_weights", "finish_weight_update"):
         paused.collective_rpc(call)
-    assert paused.weight_round == "idle"
+    assert paused.weight_update_state == "idle"
     assert paused.model_executor.calls[-3:] == [
         "start_weight_update",
         "update_weights",

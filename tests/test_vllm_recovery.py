@@ -44,7 +44,7 @@ from vllm.distributed.weight_transfer import ModuleSource  # noqa: E402
 from vllm_served import Served, assert_serves, hf_greedy  # noqa: E402
 
 from weightsync.impl.checked import CheckedEngine  # noqa: E402
-from weightsync.spec.errors import IncompleteUpdateError, LocalProtocolError  # noqa: E402
+from weightsync.spec.errors import LocalProtocolError  # noqa: E402
 from weightsync.spec.states import RankState  # noqa: E402
 from weightsync.vllm_tools.checked import AsyncLLMAdapter  # noqa: E402
 from weightsync.vllm_tools.models import perturbed_state  # noqa: E402
@@ -101,7 +101,10 @@ def fail_then_recover(rig: Rig, inject: Callable[[], None], error: Any, match: s
     version = s.version()
     kept_progress: list[int] = []
     kept = _generate(
-        s, [1, 40 + seed], SamplingParams(max_tokens=KEPT_TOKENS, temperature=0.0, ignore_eos=True), kept_progress
+        s,
+        [1, 40 + seed],
+        SamplingParams(max_tokens=KEPT_TOKENS, temperature=0.0, ignore_eos=True),
+        kept_progress,
     )
     deadline = time.monotonic() + 60
     while not kept_progress and time.monotonic() < deadline:
@@ -119,7 +122,7 @@ def fail_then_recover(rig: Rig, inject: Callable[[], None], error: Any, match: s
     time.sleep(0.5)
     assert not late.done() and not late_progress  # paused: it waits for the recovery
     tr = s.trainer
-    if tr is None or tr.broken is not None:
+    if tr is None or tr.endpoint is None or tr.broken is not None:
         tr = s.connect(client=eng)  # a new trainer_init: init is legal on a failed rank
     new = perturbed_state(s.hf, seed=seed, scale=0.5)
     tr.send_weights(new, weight_version=f"recovered-{seed}")
@@ -198,11 +201,10 @@ def test_a_raising_source_mid_update_then_a_new_round(rig: Rig) -> None:
 
 def test_a_dropped_peer_mid_update_then_a_new_round(rig: Rig) -> None:
     s = rig.served
-    tr = s.connect(client=rig.eng)
+    tr = s.connect(client=rig.eng, timeout_s=8)  # the engines find the trainer gone at their deadline
 
     def drop() -> None:
-        assert tr.endpoint is not None
-        tr.endpoint.close()
+        tr.shutdown()  # the group and the TCPStore it hosts go; a new trainer must trainer_init again
 
     def inject() -> None:
         tr.send_weights(DroppingSource(s.hf, after=7, drop=drop), weight_version="never")
@@ -221,4 +223,5 @@ def test_an_incomplete_finish_then_a_new_round(rig: Rig) -> None:
         tr.update([(n, t) for n, t in part.items() if n != held_back])
         rig.eng.finish_weight_update(weight_version="never")
 
-    fail_then_recover(rig, inject, IncompleteUpdateError, "layers.1.mlp.down_proj.weight", seed=46)
+    # the worker's IncompleteUpdateError, as vLLM's utility call reports it
+    fail_then_recover(rig, inject, Exception, f"were not received in this round: {held_back}", seed=46)

@@ -316,6 +316,15 @@ def run_roles(
     return out
 
 
+def reset_pool() -> None:
+    """Kill the pooled processes (the next :func:`run_roles` spawns fresh ones): after roles that changed
+    their process (e.g. grafted vLLM's classes), so no later role inherits that."""
+    global _POOL
+    if _POOL is not None:
+        _POOL.kill()
+        _POOL = None
+
+
 def ok(result: tuple[Any, ...]) -> Any:
     """The value of an ``("ok", value)`` result, or fail showing the child's traceback."""
     assert result[0] == "ok", result[-1] if result[0] == "err" else result

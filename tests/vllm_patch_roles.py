@@ -1,5 +1,5 @@
 """Roles for ``tests/test_vllm_patch.py``: vLLM 0.32's own ``DPEngineCoreProc`` methods (as installed, or
-with ``weightsync/patches/vllm-0.32-resume-epoch.patch`` applied to a copy of ``vllm/v1/engine/core.py``) run on a real
+with weightsync's patch series ``weightsync/patches/vllm-0.32/`` grafted as the plugin does) run on a real
 gloo DP group of 2 processes. The engine object is vLLM's class without its ``__init__`` (no model, no
 ZMQ): the attributes its pause/resume code reads are set by hand, the scheduler is a stand-in with the
 three members that code touches (``pause_state``, ``set_pause_state``, ``has_unfinished_requests``).
@@ -7,32 +7,33 @@ three members that code touches (``pause_state``, ``set_pause_state``, ``has_unf
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import queue
-import sys
 from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
 
-def load_core(path: str) -> ModuleType:
-    """``vllm/v1/engine/core.py`` from ``path`` as its own module (the installed one, or a patched copy)."""
+def load_core(which: str) -> ModuleType:
+    """The installed ``vllm.v1.engine.core``: as vLLM ships it (``which="shipped"``), or with weightsync's patch
+    series grafted onto its classes as the plugin does (``"patched"``: :func:`weightsync.vllm_tools.fix.install`,
+    which applies the patches with ``patch(1)`` to copies of the installed files)."""
     for k, v in {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_TARGET_DEVICE": "cpu",
     }.items():
         os.environ.setdefault(k, v)
-    name = "weightsync_test_vllm_core_" + str(abs(hash(path)))
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    import vllm.v1.engine.core as core
+
+    from weightsync.vllm_tools import fix
+
+    assert which in ("shipped", "patched"), which
+    if which == "patched":
+        fix.install()
+    else:
+        assert not fix._installed, "this process runs the patched classes"
+    return core
 
 
 class Scheduler:
@@ -81,7 +82,7 @@ def make_engine(core: ModuleType, dp_group: Any, rank: int, **fields: Any) -> An
         current_wave=0,
         step_counter=0,
         dp_sync_interval=16,
-        weight_round="idle",
+        weight_update_state="idle",
         model_executor=Executor(fields.pop("fail", "")),
         scheduler=Scheduler(
             PauseState.PAUSED_ALL if paused else PauseState.UNPAUSED, fields.pop("unfinished", False)
@@ -104,7 +105,7 @@ def _group(rank: int, port: int, timeout_s: float) -> Any:
     return dist.group.WORLD
 
 
-def stray_resume_role(rank: int, port: int, core_path: str) -> dict[str, Any]:
+def stray_resume_role(rank: int, port: int, which: str) -> dict[str, Any]:
     """The stray-resume scenario of the model (``weightsync check --variant vllm-0.32 --stray-resume``):
     rank 0 serves a request (engines_running), rank 1 has not yet received the wave's START_DP_WAVE. A
     resume no pause preceded reaches both; then rank 1 receives START_DP_WAVE and both take their next DP
@@ -113,7 +114,7 @@ def stray_resume_role(rank: int, port: int, core_path: str) -> dict[str, Any]:
     from vllm.config import ParallelConfig
     from vllm.v1.engine import EngineCoreRequestType
 
-    core = load_core(core_path)
+    core = load_core(which)
     group = _group(rank, port, 6.0)
     eng = make_engine(core, group, rank, engines_running=rank == 0, unfinished=rank == 0)
     out: dict[str, Any] = {"rank": rank}
@@ -131,12 +132,12 @@ def stray_resume_role(rank: int, port: int, core_path: str) -> dict[str, Any]:
     return out
 
 
-def epoch_resume_role(rank: int, port: int, core_path: str, wave: int) -> dict[str, Any]:
+def epoch_resume_role(rank: int, port: int, which: str, wave: int) -> dict[str, Any]:
     """Both ranks paused (pause consensus reached) at different waves, no request left: the resume
     barrier. Returns each rank's wave, step counter and what it told the coordinator."""
     import torch.distributed as dist
 
-    core = load_core(core_path)
+    core = load_core(which)
     group = _group(rank, port, 6.0)
     eng = make_engine(core, group, rank, paused=True, current_wave=wave, step_counter=5)
     try:

@@ -356,8 +356,7 @@ class TrainerEngine(ABC):
     def update(self, weights: Any = None, *, check_finite: bool | None = None) -> None:
         """Only the ``update_weights`` part of a round (rules 2-3), for a caller that opens and closes
         the round itself (``start_weight_update`` / ``finish_weight_update`` through its own client: a
-        controller that times the phases, or one sending the rest after ``finish_weight_update`` reported
-        missing weights). Sender only.
+        controller that times the phases, or one that sends a round in several parts). Sender only.
 
         ``check_finite``: as :meth:`send_weights`.
 

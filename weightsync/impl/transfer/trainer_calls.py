@@ -59,13 +59,20 @@ def chunks(pairs: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[li
         yield cur
 
 
+#: seconds a failed trainer side waits beyond the round's deadline for the engines' answer (their deadline
+#: is the same ``timeout_s``, counted from their last progress, which is a little later than ours)
+SETTLE_GRACE_S = 5.0
+
+
 def concurrently(
     rpc: Callable[[], object], local: Callable[[], T], timeout_s: float, phase: str, basis: str = ""
 ) -> T:
     """Run the engine-side RPC and the trainer's side of the data plane together (rule 2).
 
     Returns ``local``'s result once both succeeded. ``local`` bounds its own waits; after it finished, the
-    RPC gets ``timeout_s`` (``basis``: how it was sized, quoted in the timeout error). If the RPC fails
+    RPC gets ``timeout_s`` (``basis``: how it was sized, quoted in the timeout error). If ``local`` fails,
+    its error is raised once the RPC answered too (the engines abort the same bucket, or reach their own
+    deadline, ``timeout_s``), or after ``timeout_s`` + :data:`SETTLE_GRACE_S`, so the engines' states have settled when the caller goes on. If the RPC fails
     first, ``local`` gets a few seconds to fail with its own (more precise, rank-naming) error, else the
     RPC's error is raised. Threads still blocked are left to their own deadlines (the endpoint is unusable
     afterwards).
@@ -84,6 +91,9 @@ def concurrently(
             if f_loc in done:
                 exc = f_loc.exception()
                 if exc is not None:
+                    # the engines abort the same bucket: let their answer land before the caller goes on
+                    # (a controller's next call must find every rank failed, not still updating)
+                    concurrent.futures.wait({f_rpc}, timeout=timeout_s + SETTLE_GRACE_S)
                     raise exc
             if f_rpc in done and f_rpc.exception() is not None:
                 rpc_exc = f_rpc.exception()
@@ -110,4 +120,4 @@ def concurrently(
         exe.shutdown(wait=False)
 
 
-__all__ = ["Declared", "chunks", "concurrently", "update_info_of"]
+__all__ = ["SETTLE_GRACE_S", "Declared", "chunks", "concurrently", "update_info_of"]
