@@ -115,7 +115,7 @@ def fail_then_recover(rig: Rig, inject: Callable[[], None], error: Any, match: s
         inject()
     assert _states(eng) == {RankState.FAILED}, _states(eng)
     assert s.version() == version  # the version moves only with a round that finished
-    with pytest.raises(LocalProtocolError, match="resume is illegal|a failed rank never serves"):
+    with pytest.raises(LocalProtocolError, match=r"resume is illegal|a failed rank never serves"):
         eng.resume()
     late_progress: list[int] = []
     late = _generate(s, LATE_PROMPT, SamplingParams(max_tokens=8, temperature=0.0), late_progress)

