@@ -42,7 +42,11 @@ def overlay(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copyfile(SITE / rel, root / rel)
     for patch in fix.SERIES:
         r = subprocess.run(
-            ["patch", "-p1", "--fuzz=0", "-i", str(patch)], cwd=root, capture_output=True, text=True, timeout=60
+            ["patch", "-p1", "--fuzz=0", "-i", str(patch)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert r.returncode == 0, (patch.name, r.stdout + r.stderr)
     return root

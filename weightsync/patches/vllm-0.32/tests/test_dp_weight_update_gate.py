@@ -35,9 +35,7 @@ def test_start_weight_update_while_serving_is_refused(dp_moe_engine):
     llm, lt = dp_moe_engine
 
     async def scenario():
-        requests = [
-            asyncio.ensure_future(_generate(llm, f"serving-{r}", r, 24)) for r in (0, 1)
-        ]
+        requests = [asyncio.ensure_future(_generate(llm, f"serving-{r}", r, 24)) for r in (0, 1)]
         await asyncio.sleep(1.0)
         with pytest.raises(Exception, match="not paused"):
             await asyncio.wait_for(llm.start_weight_update(), TIMEOUT_S)
