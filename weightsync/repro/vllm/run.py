@@ -150,7 +150,7 @@ def _serve(work: Path, events: Path, fix: str | None, timeout_s: int, say: Calla
     os.environ[probe.ENV_EVENTS] = str(events)
     os.environ[probe.ENV_HOLD] = "START_DP_WAVE"
     if fix:
-        fix_mod.patched_core_source()  # fails here, with the reason, before any engine starts
+        fix_mod.patched_sources()  # fails here, with the reason, before any engine starts
         if fix == fix_mod.DEFAULT_FIX:  # the plugin installs it by default: the path a user's engines take
             os.environ.pop(fix_mod.ENV_FIX, None)
         else:

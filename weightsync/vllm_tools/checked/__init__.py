@@ -68,10 +68,13 @@ Rules of the adapters:
 4. **Attach to a serving engine.** The adapter starts every rank at the table's initial state (``running``)
    with vLLM's current ``weight_version``; it refuses an engine that ``is_paused()``.
 
-Known divergence: after a ``finish_weight_update`` that failed in vLLM (e.g. weightsync's backend raising
-``IncompleteUpdateError``), vLLM keeps the round open (its worker does not reset ``_weight_update_active``),
-while the table has the rank ``failed``; the table then allows only a new ``start_weight_update``, which
-vLLM's worker refuses while that round is open. Recovering needs vLLM to abandon the round.
+Failed rounds: after a weight call that failed in vLLM (``init``, ``start``, ``update_weights`` or
+``finish_weight_update``, e.g. weightsync's backend raising ``IncompleteUpdateError``), every rank is
+``failed`` in the table and a new round recovers it, in vLLM too: the backend abandons the round
+(:mod:`weightsync.vllm.engine` rule 4), and the plugin's patch ``0003`` makes vLLM 0.32's worker end its
+session on a failed finish (shipped, it keeps ``_weight_update_active``, ``v1/worker/gpu_worker.py:1592-1600``,
+and refuses the new start: run with ``WEIGHTSYNC_VLLM_FIX=none`` to see it). ``tests/test_vllm_recovery.py``
+recovers from a failure at each phase without a restart.
 """
 
 from __future__ import annotations
