@@ -419,17 +419,35 @@ class TrainerEngine(ABC):
         nbytes = sum(math.prod(s) * d.itemsize for _, d, s in declared)
         deadline, basis = self.worker_info.round_deadline(nbytes)  # the transport's own (rounds rule 0)
 
+        source_errors: list[BaseException] = []
+
+        def pulled() -> Iterator[tuple[str, torch.Tensor]]:
+            try:
+                yield from stream
+            except GeneratorExit:  # the transport stopped pulling (its own failure): not the source's
+                raise
+            except BaseException as exc:  # the transport aborts the bucket on every rank, naming it
+                source_errors.append(exc)
+                raise
+
         def send() -> None:
             self._sending = True
             try:
-                endpoint.send_stream(sendable, stream, self.wire)
+                endpoint.send_stream(sendable, pulled(), self.wire)
             except BaseException as exc:
                 self.send_error = exc  # also when the engines' RPC error is the one raised
                 raise
             finally:
                 self._sending = False
 
-        concurrently(lambda: self.client.update_weights(update_info), send, deadline, "update_weights", basis)
+        concurrently(
+            lambda: self.client.update_weights(update_info),
+            send,
+            deadline,
+            "update_weights",
+            basis,
+            engines_told=lambda exc: bool(source_errors),
+        )
 
     def _require_endpoint(self) -> Endpoint:
         if self.broken is not None:

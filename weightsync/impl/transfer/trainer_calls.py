@@ -59,20 +59,28 @@ def chunks(pairs: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[li
         yield cur
 
 
-#: seconds a failed trainer side waits beyond the round's deadline for the engines' answer (their deadline
-#: is the same ``timeout_s``, counted from their last progress, which is a little later than ours)
+#: seconds a trainer whose source raised waits beyond the round's deadline for the engines' answer (their
+#: deadline is the same ``timeout_s``, counted from their last progress, which is a little later than ours)
 SETTLE_GRACE_S = 5.0
 
 
 def concurrently(
-    rpc: Callable[[], object], local: Callable[[], T], timeout_s: float, phase: str, basis: str = ""
+    rpc: Callable[[], object],
+    local: Callable[[], T],
+    timeout_s: float,
+    phase: str,
+    basis: str = "",
+    engines_told: Callable[[BaseException], bool] = lambda exc: False,
 ) -> T:
     """Run the engine-side RPC and the trainer's side of the data plane together (rule 2).
 
     Returns ``local``'s result once both succeeded. ``local`` bounds its own waits; after it finished, the
-    RPC gets ``timeout_s`` (``basis``: how it was sized, quoted in the timeout error). If ``local`` fails,
-    its error is raised once the RPC answered too (the engines abort the same bucket, or reach their own
-    deadline, ``timeout_s``), or after ``timeout_s`` + :data:`SETTLE_GRACE_S`, so the engines' states have settled when the caller goes on. If the RPC fails
+    RPC gets ``timeout_s`` (``basis``: how it was sized, quoted in the timeout error). If ``local`` fails
+    with an error the engines were told of (``engines_told(exc)``: the trainer's source raised, and every
+    rank aborts the same bucket), its error is raised once the RPC answered too, or after ``timeout_s`` +
+    :data:`SETTLE_GRACE_S`, so the engines' states have settled when the caller goes on. Any other local
+    failure (a peer gone, a cut link, a timeout) is raised at once: the engines learn of it only at their
+    own deadline. If the RPC fails
     first, ``local`` gets a few seconds to fail with its own (more precise, rank-naming) error, else the
     RPC's error is raised. Threads still blocked are left to their own deadlines (the endpoint is unusable
     afterwards).
@@ -91,9 +99,10 @@ def concurrently(
             if f_loc in done:
                 exc = f_loc.exception()
                 if exc is not None:
-                    # the engines abort the same bucket: let their answer land before the caller goes on
-                    # (a controller's next call must find every rank failed, not still updating)
-                    concurrent.futures.wait({f_rpc}, timeout=timeout_s + SETTLE_GRACE_S)
+                    if engines_told(exc):
+                        # every rank aborts the same bucket: let their answer land before the caller goes
+                        # on (a controller's next call must find every rank failed, not still updating)
+                        concurrent.futures.wait({f_rpc}, timeout=timeout_s + SETTLE_GRACE_S)
                     raise exc
             if f_rpc in done and f_rpc.exception() is not None:
                 rpc_exc = f_rpc.exception()
