@@ -49,7 +49,7 @@ from weightsync.spec.states import RankState  # noqa: E402
 from weightsync.vllm_tools.checked import AsyncLLMAdapter  # noqa: E402
 from weightsync.vllm_tools.models import perturbed_state  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(240)]
 
 KEPT_TOKENS = 40  # the request in flight across the pause (prompt 2 + 40 < max_model_len 128)
 LATE_PROMPT = [1, 77, 78]  # the request sent while the rank is failed

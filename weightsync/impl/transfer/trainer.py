@@ -66,7 +66,7 @@ from weightsync.impl.transfer.base import (
     WireArgs,
 )
 from weightsync.impl.transfer.fields import field_bool, field_int
-from weightsync.impl.transfer.trainer_calls import Declared, chunks, concurrently, update_info_of
+from weightsync.impl.transfer.trainer_calls import Declared, chunks, concurrently, recorded, update_info_of
 from weightsync.spec.errors import StaleWeightVersionError, TransferTimeoutError
 from weightsync.spec.rank_vars import version_older, version_order
 
@@ -419,35 +419,20 @@ class TrainerEngine(ABC):
         nbytes = sum(math.prod(s) * d.itemsize for _, d, s in declared)
         deadline, basis = self.worker_info.round_deadline(nbytes)  # the transport's own (rounds rule 0)
 
-        source_errors: list[BaseException] = []
-
-        def pulled() -> Iterator[tuple[str, torch.Tensor]]:
-            try:
-                yield from stream
-            except GeneratorExit:  # the transport stopped pulling (its own failure): not the source's
-                raise
-            except BaseException as exc:  # the transport aborts the bucket on every rank, naming it
-                source_errors.append(exc)
-                raise
+        source_errors: list[BaseException] = []  # the trainer's source raised: every rank aborts the bucket
 
         def send() -> None:
             self._sending = True
             try:
-                endpoint.send_stream(sendable, pulled(), self.wire)
+                endpoint.send_stream(sendable, recorded(stream, source_errors), self.wire)
             except BaseException as exc:
                 self.send_error = exc  # also when the engines' RPC error is the one raised
                 raise
             finally:
                 self._sending = False
 
-        concurrently(
-            lambda: self.client.update_weights(update_info),
-            send,
-            deadline,
-            "update_weights",
-            basis,
-            engines_told=lambda exc: bool(source_errors),
-        )
+        rpc = lambda: self.client.update_weights(update_info)  # noqa: E731
+        concurrently(rpc, send, deadline, "update_weights", basis, engines_told=lambda _: bool(source_errors))
 
     def _require_endpoint(self) -> Endpoint:
         if self.broken is not None:

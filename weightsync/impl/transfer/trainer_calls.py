@@ -59,6 +59,18 @@ def chunks(pairs: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[li
         yield cur
 
 
+def recorded(stream: Iterator[T], errors: list[BaseException]) -> Iterator[T]:
+    """``stream``, appending to ``errors`` the exception it raises (not ``GeneratorExit``: the consumer
+    stopped pulling, on its own failure)."""
+    try:
+        yield from stream
+    except GeneratorExit:
+        raise
+    except BaseException as exc:
+        errors.append(exc)
+        raise
+
+
 #: seconds a trainer whose source raised waits beyond the round's deadline for the engines' answer (their
 #: deadline is the same ``timeout_s``, counted from their last progress, which is a little later than ours)
 SETTLE_GRACE_S = 5.0
@@ -129,4 +141,4 @@ def concurrently(
         exe.shutdown(wait=False)
 
 
-__all__ = ["SETTLE_GRACE_S", "Declared", "chunks", "concurrently", "update_info_of"]
+__all__ = ["SETTLE_GRACE_S", "Declared", "chunks", "concurrently", "recorded", "update_info_of"]
