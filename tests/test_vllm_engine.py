@@ -24,6 +24,7 @@ require_vllm()
 from vllm_served import PROBES, Served, assert_serves  # noqa: E402
 
 from weightsync.spec.errors import StaleWeightVersionError, WireMismatchError  # noqa: E402
+from weightsync.vllm.trainer import update_info_of  # noqa: E402
 from weightsync.vllm_tools.models import perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
@@ -68,8 +69,9 @@ def test_incomplete_round_is_refused_names_the_missing_and_a_new_round_recovers(
         served.client.finish_weight_update("step-2")
     assert "layers.1.mlp.down_proj.weight" in str(exc.value)
     assert served.version() == "step-1"  # nothing committed
+    rest = update_info_of([(held_back, torch.float32, tuple(new[held_back].shape))])
     with pytest.raises(Exception, match="start_weight_update must be called before update_weights"):
-        tr.update([(held_back, new[held_back])])  # the round is over: no late rest
+        served.client.update_weights(rest)  # the round is over: the worker takes no late rest
     tr = served.connect()  # the failed RPC broke the trainer's endpoint (rule 6)
     tr.send_weights(new, weight_version="step-2")
     served.hf.load_state_dict(new)
