@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from vllm import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +82,23 @@ def dp_moe_engine(tiny_moe_dir):
     finally:
         llm.shutdown()
         lt.close()
+
+
+@pytest.fixture
+def generate():
+    """``await generate(llm, request_id, rank, max_tokens)``: the final output of one greedy request on DP
+    rank ``rank`` (the same prompt for every test)."""
+
+    async def run(llm, request_id: str, rank: int, max_tokens: int):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        last = None
+        async for out in llm.generate(
+            {"prompt_token_ids": [1, 5, 6, 7]},
+            params,
+            request_id=request_id,
+            data_parallel_rank=rank,
+        ):
+            last = out
+        return last
+
+    return run

@@ -13,8 +13,6 @@ the request finishes.
 
 import asyncio
 
-from vllm import SamplingParams
-
 TIMEOUT_S = 60
 
 
@@ -34,31 +32,18 @@ class HeldSocket:
         self.held.clear()
 
 
-async def _generate(llm, request_id: str, rank: int, max_tokens: int):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    last = None
-    async for out in llm.generate(
-        {"prompt_token_ids": [1, 5, 6, 7]},
-        params,
-        request_id=request_id,
-        data_parallel_rank=rank,
-    ):
-        last = out
-    return last
-
-
-def test_stray_resume_while_one_rank_serves(dp_moe_engine):
+def test_stray_resume_while_one_rank_serves(dp_moe_engine, generate):
     llm, lt = dp_moe_engine
 
     async def scenario():
         # Warm up both ranks, then let the wave end (the engines go idle).
-        await asyncio.gather(*(_generate(llm, f"warm-{r}", r, 2) for r in (0, 1)))
+        await asyncio.gather(*(generate(llm, f"warm-{r}", r, 2) for r in (0, 1)))
         await asyncio.sleep(2.0)
         client = llm.engine_core
         held = HeldSocket(client.first_req_send_socket)
         client.first_req_send_socket = held
         try:
-            request = asyncio.ensure_future(_generate(llm, "served", 0, 8))
+            request = asyncio.ensure_future(generate(llm, "served", 0, 8))
             await asyncio.sleep(3.0)  # rank 0 is in its DP collective
             assert held.held, "the front-end sent no FIRST_REQ"
             resume = asyncio.ensure_future(llm.resume_generation())  # no pause preceded it

@@ -13,29 +13,15 @@ refused, update and finish need a new session, and a new start is let through.
 import asyncio
 
 import pytest
-from vllm import SamplingParams
 
 TIMEOUT_S = 60
 
 
-async def _generate(llm, request_id: str, rank: int, max_tokens: int):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    last = None
-    async for out in llm.generate(
-        {"prompt_token_ids": [1, 5, 6, 7]},
-        params,
-        request_id=request_id,
-        data_parallel_rank=rank,
-    ):
-        last = out
-    return last
-
-
-def test_start_weight_update_while_serving_is_refused(dp_moe_engine):
+def test_start_weight_update_while_serving_is_refused(dp_moe_engine, generate):
     llm, lt = dp_moe_engine
 
     async def scenario():
-        requests = [asyncio.ensure_future(_generate(llm, f"serving-{r}", r, 24)) for r in (0, 1)]
+        requests = [asyncio.ensure_future(generate(llm, f"serving-{r}", r, 24)) for r in (0, 1)]
         await asyncio.sleep(1.0)
         with pytest.raises(Exception, match="not paused"):
             await asyncio.wait_for(llm.start_weight_update(), TIMEOUT_S)
@@ -45,7 +31,7 @@ def test_start_weight_update_while_serving_is_refused(dp_moe_engine):
     lt.run(scenario(), 3 * TIMEOUT_S)
 
 
-def test_a_failed_session_blocks_resume_until_a_new_start(dp_moe_engine):
+def test_a_failed_session_blocks_resume_until_a_new_start(dp_moe_engine, generate):
     llm, lt = dp_moe_engine
 
     async def scenario():
