@@ -59,7 +59,8 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     mod = vllm_module(args, "weightsync.vllm_tools.bench", "bench vllm")
     if mod is None:
         return EXIT_USAGE
-    out = mod.run_vllm_bench(quick=bool(args.quick), log=progress(args))
+    dp = None if args.dp is None else tuple(args.dp)
+    out = mod.run_vllm_bench(quick=bool(args.quick), log=progress(args), dp=dp)
     emit(out, args.json, lambda: print(human_summary(out)))
     return EXIT_OK if out["ok"] else EXIT_VIOLATION
 

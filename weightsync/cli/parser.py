@@ -176,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     b = add("bench", "benchmarks with ratios against a baseline measured in the same run")
     b.add_argument("what", choices=["transfer", "explorer", "pause", "vllm"])
     b.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
+    b.add_argument(
+        "--dp",
+        type=POSITIVE,
+        action="append",
+        default=None,
+        help="(vllm) a configuration of this many DP engines, one worker each; repeat for several "
+        "(default: 1 and 2; --quick: 1)",
+    )
 
     d = add("demo", "the main job: an asynchronous RL loop syncing a causal LM into DP engines")
     d.add_argument("--ranks", type=POSITIVE, default=2)

@@ -52,6 +52,7 @@ Rules:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -298,7 +299,9 @@ class _WeightsyncEngine(WeightTransferEngine):
                 if bad:
                     raise NonFiniteWeightError(bad, {n: t.numel() for n, t in batch if n in bad})
             # copies: the layerwise reload keeps references until a layer is complete (rule 4)
+            t0 = time.perf_counter()
             owned = [(n, t.clone()) for n, t in batch]
+            transport.timings.copy_s += time.perf_counter() - t0
             with disable_mtp_completeness_check():
                 model.load_weights(owned)
 

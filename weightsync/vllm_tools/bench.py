@@ -14,6 +14,7 @@ import contextlib
 import functools
 import math
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -24,6 +25,7 @@ import torch
 import vllm
 
 from weightsync.bench.vllm import (
+    DP_CONFIGS,
     FULL_MODEL,
     METHODS,
     QUICK_BUCKET_BYTES,
@@ -31,6 +33,7 @@ from weightsync.bench.vllm import (
     RAW_KEY,
     REPEATS,
     RoundResult,
+    combined,
     figures,
 )
 from weightsync.bench.workload import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS
@@ -42,6 +45,9 @@ from weightsync.vllm.clients import AsyncLLMWeightSyncClient
 from weightsync.vllm.trainer import WeightsyncBroadcastTrainer
 from weightsync.vllm_tools.bench_worker import (
     PHASE,
+    gloo_as_pynccl,
+    vllm_packed_on_cpu,
+    worker_load_stash,
     worker_raw,
     worker_recv_all,
     worker_recv_one,
@@ -50,6 +56,7 @@ from weightsync.vllm_tools.bench_worker import (
     worker_report,
     worker_setup,
     worker_teardown,
+    worker_vllm_packed,
 )
 from weightsync.vllm_tools.models import build_tiny_llama
 from weightsync.vllm_tools.serving import LoopThread, connect_trainer, shutdown_async_llm, start_async_llm
@@ -62,11 +69,40 @@ def _crcs(pairs: Iterator[tuple[str, torch.Tensor]]) -> dict[str, int]:
     return {n: crc32(as_bytes(t.detach().contiguous())) for n, t in pairs}
 
 
+def _verify(
+    rep: dict[str, Any], sent: dict[str, int], sizes: dict[str, int], raw: bool
+) -> tuple[int, int, list[str]]:
+    """One worker's report of a round against what was sent: bytes bit-exact, engine parameters compared,
+    problems (module docstring of :mod:`weightsync.bench.vllm`)."""
+    got: dict[str, int] = rep["digests"]
+    good = [n for n, c in sent.items() if got.get(n) == c]
+    problems = []
+    if len(good) < len(sent):
+        bad = [n for n in sent if n not in good]
+        problems.append(f"{len(bad)} of {len(sent)} tensors not bit-exact on the engine (first: {bad[0]})")
+    extra = sorted(set(got) - set(sent))
+    if extra or (not raw and rep["loaded"] != len(sent)):
+        problems.append(
+            f"the engine loaded {rep['loaded']} tensors for {len(sent)} sent (extra: {extra[:3]})"
+        )
+    engine: dict[str, int] = {n: c for n, c in rep["engine"].items() if n in sent}
+    wrong = sorted(n for n, c in engine.items() if c != sent[n])
+    if wrong:
+        problems.append(f"engine parameters differ from what was sent after the round: {wrong[:3]}")
+    if not raw and not engine:
+        problems.append("no engine parameter could be read back")
+    return sum(sizes[n] for n in good), len(engine), problems
+
+
 class _Bench:
     """The engine on its loop thread, the weightsync trainer, the baseline group and the methods."""
 
-    def __init__(self, model_dir: Path, hf: torch.nn.Module, bucket: int, buffers: int, timeout_s: float):
+    def __init__(
+        self, model_dir: Path, hf: torch.nn.Module, bucket: int, buffers: int, timeout_s: float, dp: int
+    ):
         self.hf = hf
+        self.dp = dp
+        self.bucket, self.buffers = bucket, buffers
         self.params = [(n, p) for n, p in hf.named_parameters()]
         self.nbytes = {n: p.numel() * p.element_size() for n, p in self.params}
         self.model_bytes = sum(self.nbytes.values())
@@ -78,7 +114,7 @@ class _Bench:
         self.trainer: WeightsyncBroadcastTrainer | None = None
         self.group: BroadcastGroup | None = None
         self.worker_ready = False
-        self.llm, self.start_s = start_async_llm(self.lt, model_dir, dp=1, max_num_seqs=4)
+        self.llm, self.start_s = start_async_llm(self.lt, model_dir, dp=dp, max_num_seqs=4)
         self.flat = torch.empty(self.model_bytes, dtype=torch.uint8)
         self.flat.fill_(0)
         client = AsyncLLMWeightSyncClient(self.llm, self.loop, timeout_s=timeout_s)
@@ -96,14 +132,15 @@ class _Bench:
             "master_address": "127.0.0.1",
             "master_port": free_port(),
             "rank_offset": 1,
-            "world_size": 2,
+            "world_size": 1 + dp,
             "timeout_s": timeout_s,
             "group_backend": "gloo",
         }
         parsed = InitInfo.parse(rinfo)
         groups: list[BroadcastGroup] = []
-        self.worker_pid = self._alongside(
-            worker_setup, (rinfo, self.model_bytes), lambda: groups.append(join_group(parsed, 0))
+        self.metas = [(n, dtype_name(p.dtype), list(p.shape)) for n, p in self.params]
+        self.worker_pids = self._alongside(
+            worker_setup, (rinfo, self.metas), lambda: groups.append(join_group(parsed, 0))
         )
         self.worker_ready = True
         self.group = groups[0]
@@ -117,19 +154,32 @@ class _Bench:
             fut.cancel()
             raise RuntimeError(f"bench vllm: {what} did not return within {timeout_s:g} s") from None
 
-    def rpc(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(worker, *args)`` in the worker; its result (one worker)."""
-        return self._run(self.llm.collective_rpc(fn, args=args), self.timeout_s, fn.__name__)[0]
+    def _all(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Coroutine[Any, Any, Any]:
+        # every DP engine's workers (AsyncLLM.collective_rpc answers with the first engine's only:
+        # v1/engine/core_client.py:1699-1701)
+        coro: Coroutine[Any, Any, Any] = self.llm.engine_core.call_utility_all_async(
+            "collective_rpc", fn, None, args, None
+        )
+        return coro
+
+    @staticmethod
+    def _flat(per_engine: list[list[Any]]) -> list[Any]:
+        return [r for engine in per_engine for r in engine]
+
+    def rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(worker, *args)`` in every worker of every DP engine; their results in DP order."""
+        return self._flat(self._run(self._all(fn, args), self.timeout_s, fn.__name__))
 
     def _alongside(self, fn: Callable[..., Any], args: tuple[Any, ...], local: Callable[[], object]) -> Any:
-        """Start ``fn`` in the worker, run ``local`` (the trainer's side of the same collective) meanwhile,
-        then wait for the worker's reply (as an ad-hoc integration does with ``ray.get``).
+        """Start ``fn`` in every worker, run ``local`` (the trainer's side of the same collective)
+        meanwhile, then wait for the workers' replies (as an ad-hoc integration does with ``ray.get``);
+        their results in DP order.
 
         Raises:
             the worker's error when it failed (chained to the trainer's, if that failed too); the
             trainer's error; RuntimeError when the worker does not answer within ``timeout_s``.
         """
-        fut = asyncio.run_coroutine_threadsafe(self.llm.collective_rpc(fn, args=args), self.loop)
+        fut = asyncio.run_coroutine_threadsafe(self._all(fn, args), self.loop)
         try:
             local()
         except BaseException as exc:
@@ -141,7 +191,7 @@ class _Bench:
                 raise worker_exc from exc
             raise
         try:
-            return fut.result(self.timeout_s)[0]
+            return self._flat(fut.result(self.timeout_s))
         except concurrent.futures.TimeoutError:
             raise RuntimeError(
                 f"bench vllm: {fn.__name__} did not return within {self.timeout_s:g} s"
@@ -174,9 +224,48 @@ class _Bench:
         self._alongside(worker_recv_all, (metas,), local)
         self.rpc(worker_reload_finish)
 
+    def vllm_packed(self) -> None:
+        """vLLM 0.32's own packed path (module docstring of :mod:`weightsync.bench.vllm`)."""
+        self.rpc(worker_reload_start)
+        assert self.group is not None
+        group = gloo_as_pynccl(self.group)
+
+        def local() -> None:
+            with vllm_packed_on_cpu() as pt:
+                pt.packed_nccl_broadcast_producer(
+                    iterator=iter(self.params),
+                    group=group,
+                    src=0,
+                    post_iter_func=lambda item: item[1],
+                    buffer_size_bytes=self.bucket,
+                    num_buffers=self.buffers,
+                )
+
+        self._alongside(worker_vllm_packed, (self.metas, self.bucket, self.buffers), local)
+        self.rpc(worker_reload_finish)
+
+    def fill_stash(self) -> None:
+        """``reload_only``'s set-up, outside the timed window: the round's weights into every worker (a
+        raw broadcast into its buffer, of which its stash is views)."""
+        self._fill_flat()
+        self.raw()
+
+    def reload_only(self) -> None:
+        """The weights already in the worker, through the same RPCs and reload bracket, no transfer."""
+        self.rpc(worker_reload_start)
+        self.rpc(worker_load_stash)
+        self.rpc(worker_reload_finish)
+
     def weightsync(self) -> None:
         assert self.trainer is not None
         self.trainer.send_weights(weight_version=f"bench-{self.rounds}")
+
+    def _fill_flat(self) -> None:
+        off = 0
+        for name, p in self.params:
+            n = self.nbytes[name]
+            self.flat[off : off + n].copy_(as_bytes(p.detach()))
+            off += n
 
     # ------------------------------------------------------------------------------------ one round
     def round(self, method: str) -> RoundResult:
@@ -187,50 +276,37 @@ class _Bench:
                 p.neg_()
         raw = method == "raw"
         if raw:
-            off = 0
-            for name, p in self.params:
-                n = self.nbytes[name]
-                self.flat[off : off + n].copy_(as_bytes(p.detach()))
-                off += n
+            self._fill_flat()
             sent = {RAW_KEY: crc32(self.flat)}
             sizes = {RAW_KEY: self.model_bytes}
         else:
             sent = _crcs(iter(self.params))
             sizes = self.nbytes
         fn: Callable[[], None] = getattr(self, method)
+        if method == "reload_only":
+            self.fill_stash()
         self._run(self.llm.pause_generation(mode="keep"), self.timeout_s, "pause_generation")
         t0 = time.perf_counter()
         fn()
         seconds = time.perf_counter() - t0
         self._run(self.llm.resume_generation(), self.timeout_s, "resume_generation")
-        rep = self.rpc(worker_report, raw)
-        got: dict[str, int] = rep["digests"]
-        good = [n for n, c in sent.items() if got.get(n) == c]
-        problems = []
-        if len(good) < len(sent):
-            bad = [n for n in sent if n not in good]
-            problems.append(
-                f"{len(bad)} of {len(sent)} tensors not bit-exact on the engine (first: {bad[0]})"
-            )
-        extra = sorted(set(got) - set(sent))
-        if extra or (not raw and rep["loaded"] != len(sent)):
-            problems.append(
-                f"the engine loaded {rep['loaded']} tensors for {len(sent)} sent (extra: {extra[:3]})"
-            )
-        engine: dict[str, int] = {n: c for n, c in rep["engine"].items() if n in sent}
-        wrong = sorted(n for n, c in engine.items() if c != sent[n])
-        if wrong:
-            problems.append(f"engine parameters differ from what was sent after the round: {wrong[:3]}")
-        if not raw and not engine:
-            problems.append("no engine parameter could be read back")
+        reports = self.rpc(worker_report, raw)
+        problems: list[str] = []
+        good_bytes, checked = None, None
+        for w, rep in enumerate(reports):
+            ok_bytes, n_checked, wrong = _verify(rep, sent, sizes, raw)
+            problems += [f"worker {w}: {p}" for p in wrong]
+            good_bytes = ok_bytes if good_bytes is None else min(good_bytes, ok_bytes)
+            checked = n_checked if checked is None else min(checked, n_checked)
         return RoundResult(
             seconds=seconds,
-            reload_s=float(rep["reload_s"]),
-            load_s=float(rep["load_s"]),
-            bytes_verified=sum(sizes[n] for n in good),
-            engine_params_checked=len(engine),
-            ok=not problems,
-            problem="; ".join(problems),
+            reload_s=statistics.median(float(r["reload_s"]) for r in reports),
+            load_s=statistics.median(float(r["load_s"]) for r in reports),
+            bytes_verified=good_bytes or 0,
+            engine_params_checked=checked or 0,
+            ok=not problems and len(reports) == self.dp,
+            problem="; ".join(problems) or ("" if len(reports) == self.dp else f"{len(reports)} reports"),
+            timings=reports[0].get("timings", {}),
         )
 
     def close(self) -> None:
@@ -288,42 +364,51 @@ def run_vllm_bench(
     num_buffers: int = DEFAULT_NUM_BUFFERS,
     timeout_s: float = 120.0,
     log: Callable[[str], None] | None = None,
+    dp: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark (:mod:`weightsync.bench.vllm`) and return its figures.
 
     Args:
-        quick: the 6.5 MiB model, 1 MiB buckets and 2 repetitions (for tests).
+        quick: the 6.5 MiB model, 1 MiB buckets, 2 repetitions and one engine worker (for tests).
         repeats: timed repetitions of every method (default 5; quick: 2).
-        bucket_bytes: weightsync's ``packed_buffer_size_bytes`` (default 64 MiB, the transfer bench's CPU
-            default; quick: 1 MiB).
-        num_buffers: weightsync's ``packed_num_buffers`` (default 2).
+        bucket_bytes: the packing buffer size of weightsync and of vLLM's packed path (default 64 MiB, the
+            transfer bench's CPU default; quick: 1 MiB).
+        num_buffers: their ``packed_num_buffers`` (default 2).
         timeout_s: deadline of every collective, RPC and rendezvous, seconds (the engine start gets 600 s).
         log: progress lines (e.g. ``print`` to stderr); None: silent.
+        dp: the configurations, as numbers of DP engines of one worker each (default
+            :data:`~weightsync.bench.vllm.DP_CONFIGS`; quick: ``(1,)``); one engine start each.
 
     Returns:
-        ``weightsync_gbps``, ``raw_gbps``, ``per_tensor_gbps``, ``per_tensor_bare_gbps`` (GB/s, medians;
-        ``*_gbps_best`` from the fastest round), ``vs_raw``, ``vs_per_tensor``, ``vs_per_tensor_bare``
-        (ratios of medians; ``*_best`` of minima), ``reload_seconds`` / ``reload_seconds_min`` (weightsync
-        rounds, seconds inside vLLM's layerwise reload), ``reload_share`` (of the weightsync round's median),
-        ``reload_over_raw`` (reload seconds / the raw round's median seconds: above 1 / 0.7 the reload
-        alone exceeds what the ``vs_raw`` target allows), ``model_bytes``, ``num_tensors``,
-        ``repetitions``, ``methods`` (per method: every round's seconds, reload seconds and
-        ``load_weights`` seconds, median, min, verification counts), ``verified``, ``targets``,
-        ``targets_met``, ``targets_judged`` (False for ``quick``), ``ok`` (verified, and at full size the
-        targets met), ``loadavg`` (``os.getloadavg()`` at the end), ``loadavg_start``,
-        ``engine_start_seconds``, ``vllm_version``, ``model_config`` and the settings.
+        :func:`~weightsync.bench.vllm.combined`: per configuration (``configurations``) and, at the top
+        level, for the first: ``weightsync_gbps``, ``vllm_packed_gbps``, ``raw_gbps``, ``per_tensor_gbps``,
+        ``per_tensor_bare_gbps``, ``reload_only_gbps`` (GB/s, medians; ``*_gbps_best`` from the fastest
+        round), ``*_s`` (median seconds of every method, e.g. ``weightsync_s``, ``reload_only_s``),
+        ``limit_s`` (max of ``raw_s`` and ``reload_only_s``), ``vs_vllm_packed``, ``vs_limit``
+        (``limit_s / weightsync_s``), ``vs_raw``, ``vs_per_tensor``, ``vs_per_tensor_bare``, ``split``
+        (the weightsync round's median time split on the first worker, seconds), ``reload_seconds``,
+        ``verification`` (per method: rounds, rounds verified, bytes verified), ``methods``, ``targets``
+        (every configuration's), ``targets_met``, ``targets_judged`` (False for ``quick``), ``verified``,
+        ``ok``, ``loadavg``, ``loadavg_start``, ``vllm_version``, ``model_config`` and the settings.
 
     Raises:
-        ValueError: ``repeats``, ``bucket_bytes`` or ``num_buffers`` not an integer >= 1, or ``timeout_s``
-            not a finite number > 0, before anything starts.
-        RuntimeError: the engine did not start, or an RPC did not answer within ``timeout_s``.
+        ValueError: ``repeats``, ``bucket_bytes``, ``num_buffers`` or an entry of ``dp`` not an integer >= 1,
+            or ``timeout_s`` not a finite number > 0, before anything starts.
+        RuntimeError: an engine did not start, or an RPC did not answer within ``timeout_s``.
         TransferTimeoutError / PeerFailedError: a collective of a baseline missed its deadline or failed;
             the weightsync round's own errors (``WeightsyncBroadcastTrainer.send_weights``).
     """
     reps = REPEATS[1] if quick else REPEATS[0]
     reps = reps if repeats is None else repeats
     bucket = (QUICK_BUCKET_BYTES if quick else DEFAULT_BUCKET_BYTES) if bucket_bytes is None else bucket_bytes
-    for what, v in (("repeats", reps), ("bucket_bytes", bucket), ("num_buffers", num_buffers)):
+    configs = ((1,) if quick else DP_CONFIGS) if dp is None else tuple(dp)
+    checks: list[tuple[str, object]] = [
+        ("repeats", reps),
+        ("bucket_bytes", bucket),
+        ("num_buffers", num_buffers),
+    ]
+    checks += [("dp", v) for v in configs] or [("dp", None)]
+    for what, v in checks:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"bench vllm: {what} must be an integer >= 1, got {v!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s < math.inf:
@@ -331,26 +416,30 @@ def run_vllm_bench(
     say = log or (lambda _m: None)
     overrides = QUICK_MODEL if quick else FULL_MODEL
     loadavg_start = list(os.getloadavg())
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-vllm-") as tmp, _env(INSECURE_ENV, "1"):
         model_dir = Path(tmp) / "llama"
         hf = build_tiny_llama(model_dir, **overrides)
-        say(f"checkpoint: {sum(p.numel() for p in hf.parameters()) * 4 / 2**20:.1f} MiB in {model_dir}")
-        bench: _Bench | None = None
-        try:
-            bench = _Bench(model_dir, hf, bucket, num_buffers, float(timeout_s))
-            say(f"AsyncLLM up in {bench.start_s:.1f} s (worker pid {bench.worker_pid})")
-            warm, results = _measure(bench, reps, say)
-            model_bytes, num_tensors, start_s = bench.model_bytes, len(bench.params), bench.start_s
-        finally:
-            if bench is not None:
-                bench.close()
-    return figures(
-        warm,
+        model_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+        num_tensors = len(list(hf.parameters()))
+        say(f"checkpoint: {model_bytes / 2**20:.1f} MiB in {model_dir}")
+        for n in configs:
+            bench: _Bench | None = None
+            try:
+                bench = _Bench(model_dir, hf, bucket, num_buffers, float(timeout_s), n)
+                say(f"AsyncLLM (DP={n}) up in {bench.start_s:.1f} s (worker pids {bench.worker_pids})")
+                warm, rounds = _measure(bench, reps, say)
+                results.append(
+                    figures(warm, rounds, quick=quick, dp=n, model_bytes=model_bytes, start_s=bench.start_s)
+                )
+            finally:
+                if bench is not None:
+                    bench.close()
+    return combined(
         results,
         quick=quick,
         model_bytes=model_bytes,
         num_tensors=num_tensors,
-        start_s=start_s,
         overrides=overrides,
         bucket=bucket,
         num_buffers=num_buffers,

@@ -5,10 +5,11 @@ worker process through ``AsyncLLM.collective_rpc(callable)``; ``worker`` is vLLM
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -30,7 +31,11 @@ class _WorkerState:
 
     group: BroadcastGroup | None = None
     raw: torch.Tensor | None = None
-    captured: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    #: per name: a preallocated, touched copy of what the last round handed to ``load_weights``
+    arena: dict[str, torch.Tensor] = field(default_factory=dict)
+    captured: list[str] = field(default_factory=list)
+    #: ``reload_only``: the weights already in the worker (views of ``raw``), in the trainer's order
+    stash: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     reload_s: float = 0.0
     load_s: float = 0.0
     depth: int = 0
@@ -64,9 +69,14 @@ def _clocked(fn: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-def worker_setup(worker: Any, rinfo: dict[str, Any], raw_bytes: int) -> int:
-    """Join the baseline group as rank 1, allocate (and touch) the raw receive buffer, and install the
-    reload clock and the ``load_weights`` capture. Returns the worker's process id.
+def _dp_index(worker: Any) -> int:
+    return int(worker.vllm_config.parallel_config.data_parallel_index)
+
+
+def worker_setup(worker: Any, rinfo: dict[str, Any], metas: list[tuple[str, str, list[int]]]) -> int:
+    """Join the baseline group as rank ``1 + data_parallel_index``, allocate (and touch) the raw receive
+    buffer and the capture arena (one tensor per entry of ``metas``: name, dtype name, shape), and install
+    the reload clock and the ``load_weights`` capture. Returns the worker's process id.
 
     Raises:
         TransferTimeoutError / ValueError: from :func:`~weightsync.impl.transfer.broadcast.join_group`.
@@ -76,8 +86,15 @@ def worker_setup(worker: Any, rinfo: dict[str, Any], raw_bytes: int) -> int:
 
     worker_teardown(worker)
     model: Any = _worker_model(worker)
-    _W.group = join_group(InitInfo.parse(rinfo), 1)
-    _W.raw = torch.zeros(raw_bytes, dtype=torch.uint8)
+    _W.group = join_group(InitInfo.parse(rinfo), 1 + _dp_index(worker))
+    _W.arena = {n: torch.zeros(list(shape), dtype=DTYPES[dt]) for n, dt, shape in metas}
+    _W.raw = torch.zeros(sum(t.numel() * t.element_size() for t in _W.arena.values()), dtype=torch.uint8)
+    off = 0
+    _W.stash = []
+    for n, t in _W.arena.items():
+        nb = t.numel() * t.element_size()
+        _W.stash.append((n, _W.raw[off : off + nb].view(t.dtype).view(t.shape)))
+        off += nb
     for mod, name in (
         (layerwise, "_layerwise_process"),
         (layerwise, "finalize_layerwise_processing"),
@@ -92,7 +109,15 @@ def worker_setup(worker: Any, rinfo: dict[str, Any], raw_bytes: int) -> int:
 
     def load_weights(weights: Any) -> Any:
         batch = list(weights)
-        _W.captured.extend(batch)  # references only: hashed after the round, outside the timed window
+        # a copy at hand-off (the buffers behind ``batch`` may be reused before the round ends), hashed
+        # after the round, outside the timed window; the same copy for every loading method
+        for n, t in batch:
+            dst = _W.arena.get(n)
+            if dst is not None and dst.shape == t.shape and dst.dtype == t.dtype:
+                dst.copy_(t)
+            else:
+                _W.arena[n] = t.detach().clone()
+            _W.captured.append(n)
         t0 = time.perf_counter()
         try:
             return load(batch)
@@ -118,6 +143,8 @@ def worker_teardown(worker: Any) -> None:
         _W.group = None
     _W.raw = None
     _W.captured.clear()
+    _W.arena = {}
+    _W.stash = []
 
 
 def _group() -> BroadcastGroup:
@@ -173,6 +200,110 @@ def worker_recv_all(worker: Any, metas: list[tuple[str, str, list[int]]]) -> Non
     _receive_and_load(worker, metas)
 
 
+def worker_load_stash(worker: Any) -> None:
+    """The ``reload_only`` method: ``load_weights`` of the weights already in the worker (the last raw
+    broadcast, as views), one call, as one ``update_weights`` of a round would hand them over."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    model: Any = _worker_model(worker)
+    with set_current_vllm_config(worker.vllm_config), disable_mtp_completeness_check():
+        model.load_weights(list(_W.stash))
+
+
+class _GlooAsPyNccl:
+    """The ``group`` vLLM's packed functions call (``PyNcclCommunicator.broadcast(tensor, src=...)``) over
+    the baseline gloo group. NCCL's broadcast is enqueued on the current CUDA stream; on CPU there is no
+    stream, so this one completes before it returns (the deadline of :data:`PHASE`)."""
+
+    def __init__(self, group: BroadcastGroup) -> None:
+        self.group = group
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+        if src != 0:
+            raise ValueError(f"bench vllm: the baseline group broadcasts from rank 0, not {src}")
+        self.group.wait(self.group.broadcast(tensor), PHASE)
+
+
+class _NoStream:
+    def synchronize(self) -> None:
+        return None
+
+
+class _CpuTorch:
+    """``torch`` as vLLM's ``packed_tensor`` module sees it on CPU: its CUDA stream calls are no-ops
+    (``torch.cuda.stream(s)``, ``torch.accelerator.current_device_index()``); everything else is torch."""
+
+    class cuda:  # stands for the torch.cuda namespace
+        Stream = _NoStream
+
+        @staticmethod
+        def stream(_s: Any) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()
+
+    class accelerator:  # stands for the torch.accelerator namespace
+        @staticmethod
+        def current_device_index() -> int:
+            return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def vllm_packed_on_cpu() -> Iterator[Any]:
+    """vLLM 0.32's ``distributed/weight_transfer/packed_tensor.py`` with its CUDA stream calls replaced by
+    no-ops (the only change: ``_get_streams`` returns streams whose ``synchronize`` does nothing, and the
+    module's ``torch.cuda.stream`` / ``torch.accelerator.current_device_index`` are no-ops); yields the
+    module. Restored on exit."""
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    saved = (packed_tensor.torch, packed_tensor._get_streams)
+    packed_tensor.torch = _CpuTorch()
+    packed_tensor._get_streams = lambda _idx, n: tuple(_NoStream() for _ in range(n))
+    try:
+        yield packed_tensor
+    finally:
+        packed_tensor.torch, packed_tensor._get_streams = saved
+
+
+def gloo_as_pynccl(group: BroadcastGroup) -> Any:
+    """The baseline group as the ``group`` argument of vLLM's packed functions."""
+    return _GlooAsPyNccl(group)
+
+
+def worker_vllm_packed(
+    worker: Any, metas: list[tuple[str, str, list[int]]], buffer_size_bytes: int, num_buffers: int
+) -> None:
+    """The ``vllm_packed`` method, worker side: vLLM 0.32's ``packed_nccl_broadcast_consumer`` called as
+    its NCCL engine calls it (``nccl_engine.py:200-215``: the metadata iterator, ``src=0``,
+    ``post_unpack_func=model.load_weights``, the packing geometry, the worker's device), inside
+    ``disable_mtp_completeness_check``, over the baseline gloo group (:func:`vllm_packed_on_cpu`)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    model: Any = _worker_model(worker)
+
+    def state_dict_info_iterator() -> Iterator[tuple[str, tuple[list[int], torch.dtype]]]:
+        for name, dtype_name, shape in metas:
+            yield name, (list(shape), getattr(torch, dtype_name))
+
+    with (
+        vllm_packed_on_cpu() as pt,
+        set_current_vllm_config(worker.vllm_config),
+        disable_mtp_completeness_check(),
+    ):
+        pt.packed_nccl_broadcast_consumer(
+            iterator=state_dict_info_iterator(),
+            group=gloo_as_pynccl(_group()),
+            src=0,
+            post_unpack_func=model.load_weights,
+            buffer_size_bytes=buffer_size_bytes,
+            num_buffers=num_buffers,
+            device=torch.device("cpu"),
+        )
+
+
 def worker_report(worker: Any, raw: bool) -> dict[str, Any]:
     """What the last round delivered (then reset): CRC-32 per tensor handed to ``load_weights`` (or of the
     raw buffer), how many tensors were loaded, CRC-32 of the model's readable parameters (not for
@@ -181,18 +312,22 @@ def worker_report(worker: Any, raw: bool) -> dict[str, Any]:
         assert _W.raw is not None
         digests = {RAW_KEY: crc32(_W.raw)}
     else:
-        digests = {n: crc32(as_bytes(t.detach().contiguous())) for n, t in _W.captured}
+        digests = {n: crc32(as_bytes(_W.arena[n].contiguous())) for n in _W.captured}
     engine: dict[str, int] = {}
     if not raw:
         for n, p in _worker_model(worker).named_parameters():
             if p.numel() > 0:  # oneDNN-packed linear weights are empty tensors here
                 engine[n] = crc32(as_bytes(p.detach().contiguous()))
+    eng = getattr(worker, "weight_transfer_engine", None)
+    transport = getattr(eng, "transport", None)
+    timings = transport.timings.take() if transport is not None else {}
     out = {
         "digests": digests,
         "loaded": len(_W.captured),
         "engine": engine,
         "reload_s": _W.reload_s,
         "load_s": _W.load_s,
+        "timings": timings,
     }
     _W.captured.clear()
     _W.reload_s = _W.load_s = 0.0
@@ -201,6 +336,9 @@ def worker_report(worker: Any, raw: bool) -> dict[str, Any]:
 
 __all__ = [
     "PHASE",
+    "gloo_as_pynccl",
+    "vllm_packed_on_cpu",
+    "worker_load_stash",
     "worker_raw",
     "worker_recv_all",
     "worker_recv_one",
@@ -209,4 +347,5 @@ __all__ = [
     "worker_report",
     "worker_setup",
     "worker_teardown",
+    "worker_vllm_packed",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, fields
 from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -104,6 +105,41 @@ LocalCheck = Callable[["UpdateInfo"], None]
 Destination = Callable[["TensorMeta"], "torch.Tensor | None"]
 
 
+@dataclass
+class RoundTimings:
+    """Where a worker's rounds spend their time (seconds of ``time.perf_counter``, summed over every
+    ``receive_weights`` since the last :meth:`take`), as the worker's receiving thread sees it.
+
+    Attributes:
+        agree_s: the wire agreement (a store all-gather, ``rounds`` rule 1).
+        control_s: the per-bucket control (the status exchanges, or the in-band headers) and the end
+            status exchange.
+        transfer_wait_s: blocked in ``Work.wait`` on a payload broadcast (the wire is behind the loader).
+        unpack_s: slicing the received buckets into typed views (and copying out unaligned members).
+        load_s: inside the ``load_weights`` callback (the model's loaders, vLLM's layerwise processing of
+            completed layers, and the copies the callback makes, :attr:`copy_s`).
+        copy_s: the part of :attr:`load_s` spent copying received tensors out of reused buffers.
+        total_s: the whole of ``receive_weights``.
+        buckets: buckets received.
+    """
+
+    agree_s: float = 0.0
+    control_s: float = 0.0
+    transfer_wait_s: float = 0.0
+    unpack_s: float = 0.0
+    load_s: float = 0.0
+    copy_s: float = 0.0
+    total_s: float = 0.0
+    buckets: int = 0
+
+    def take(self) -> dict[str, float]:
+        """The sums so far as a dict, and reset them to zero."""
+        out = {f.name: float(getattr(self, f.name)) for f in fields(self)}
+        for f in fields(self):
+            setattr(self, f.name, type(getattr(self, f.name))())
+        return out
+
+
 class WeightTransferEngine(ABC):
     """Base class of a transport backend (the transport part of vLLM's ``WeightTransferEngine``).
 
@@ -131,6 +167,8 @@ class WeightTransferEngine(ABC):
         self.layout_default = default_layout if default_layout is not None else type(self).default_layout
         self.rank: int | None = None
         self.wire: WireArgs | None = None
+        #: where this worker's rounds spent their time (:class:`RoundTimings`)
+        self.timings = RoundTimings()
 
     def parse_init_info(self, init_info: object) -> InitInfo:
         """Typed ``init_info`` (see :meth:`InitInfo.parse`).
@@ -212,6 +250,7 @@ __all__ = [
     "NonFiniteWeightError",
     "ParallelInfo",
     "PortInUseError",
+    "RoundTimings",
     "TensorMeta",
     "UpdateInfo",
     "WeightTransferEngine",

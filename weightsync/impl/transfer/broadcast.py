@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -316,7 +317,10 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         info = self.round_wire(update_info)
         g.seq += 1
         seq = g.seq
+        tm = self.timings
+        t_start = time.perf_counter()
         metas, buckets = open_receive_round(g.cp, seq, g.info, update_info, info, local_check)
+        tm.agree_s += time.perf_counter() - t_start
         n = info.packed_num_buffers
         in_place = destination is not None and not info.verify
         placed = [_place(b, metas, destination, g.device) if in_place else None for b in buckets]
@@ -330,8 +334,12 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
 
         def finish(p: _Pending) -> None:
             nonlocal error
+            t0 = time.perf_counter()
             for w in p.works:
                 g.wait(w, PHASE_BROADCAST)
+            t1 = time.perf_counter()
+            tm.transfer_wait_s += t1 - t0
+            tm.buckets += 1
             if error is not None:
                 return
             try:
@@ -339,16 +347,24 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
                 check_bucket(p.buf, p.crc, info.verify, key, where)
                 if p.bucket.oversized or not info.packed:
                     m = metas[p.bucket.members[0]]
-                    load_weights([(m.name, p.tensors[0])])
+                    batch = [(m.name, p.tensors[0])]
                 elif p.buf is not None or p.bucket.nbytes == 0:
                     src = p.buf if p.buf is not None else torch.empty(0, dtype=torch.uint8, device=g.device)
-                    load_weights(unpack_bucket(src, p.bucket, metas))
+                    batch = unpack_bucket(src, p.bucket, metas)
+                else:
+                    return
+                t2 = time.perf_counter()
+                tm.unpack_s += t2 - t1
+                load_weights(batch)
+                tm.load_s += time.perf_counter() - t2
             except Exception as exc:
                 error = exc
 
         try:
             for k, b in enumerate(buckets):
+                t0 = time.perf_counter()
                 vals = status(g.cp, seq, f"b{k}", error, PHASE_BUCKET)
+                tm.control_s += time.perf_counter() - t0
                 while pending and pending[0].bucket.number <= k - n:
                     finish(pending.popleft())
                 direct = placed[k]
@@ -376,7 +392,10 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         except BaseException:
             drain(g, [w for p in pending for w in p.works])
             raise
+        t0 = time.perf_counter()
         status(g.cp, seq, "end", error, PHASE_BUCKET)
+        tm.control_s += time.perf_counter() - t0
+        tm.total_s += time.perf_counter() - t_start
         g.cp.mark_seen(seq)
 
     def shutdown(self) -> None:
