@@ -32,9 +32,10 @@ Rules:
    (``InitInfo.round_deadline``). A failure in any bucket aborts that bucket on every rank.
 4. **Checkpoint format through vLLM's layerwise reload**, as the built-in ``nccl`` engine does
    (``nccl_engine.py:159-173``): ``initialize_layerwise_reload`` at start, ``model.load_weights`` per
-   bucket, ``finalize_layerwise_reload`` at finish. Tensors are copied before ``load_weights``: the
-   reload keeps references to them until their layer is complete (``reload/layerwise.py:185``) and the
-   transports reuse their buffers. ``finish_weight_update`` raises ``IncompleteUpdateError`` naming the
+   bucket, ``finalize_layerwise_reload`` at finish. ``load_weights`` gets views of the transport's
+   buffers, which the transport reuses for later buckets; the reload keeps references to the tensors of
+   a layer until it is complete (``reload/layerwise.py:185``), so after each call exactly those are
+   copied (:func:`weightsync.vllm.reload.own_retained`), nothing else. ``finish_weight_update`` raises ``IncompleteUpdateError`` naming the
    parameters still missing (vLLM would silently keep old weights, or process uninitialised memory). A
    round that failed inside ``update_weights`` or ``finish_weight_update`` is abandoned: the pending layers
    get their previous weights back (``weightsync.vllm.reload``), and a new round recovers.
@@ -82,6 +83,7 @@ from weightsync.vllm.reload import (
     incomplete_parameters,
     moe_layers_reprocessable,
     moe_reload_fix_applies,
+    own_retained,
     reload_pending,
     reprocess_fused_moe,
 )
@@ -298,12 +300,12 @@ class _WeightsyncEngine(WeightTransferEngine):
                 bad = non_finite_counts(batch)
                 if bad:
                     raise NonFiniteWeightError(bad, {n: t.numel() for n, t in batch if n in bad})
-            # copies: the layerwise reload keeps references until a layer is complete (rule 4)
-            t0 = time.perf_counter()
-            owned = [(n, t.clone()) for n, t in batch]
-            transport.timings.copy_s += time.perf_counter() - t0
             with disable_mtp_completeness_check():
-                model.load_weights(owned)
+                model.load_weights(batch)
+            # the transport reuses the memory behind ``batch``: copy what the reload still holds (rule 4)
+            t0 = time.perf_counter()
+            own_retained(model, batch)
+            transport.timings.copy_s += time.perf_counter() - t0
 
         transport.receive_weights(update_info, load)
         self._received.update(update_info.names)

@@ -6,19 +6,22 @@ model_config)`` at ``finish_weight_update``. In between, every layer is on the m
 buffer the incoming tensors (``layerwise.py:185``, keeping references to them) and the layer is
 materialised, loaded and processed once its element count is complete (``layerwise.py:217``).
 
-Two gaps, which weightsync closes:
+Gaps, which weightsync closes:
 
 1. **Silent partial updates.** ``finalize_layerwise_processing`` (``layerwise.py:255-275``) puts the *old*
    kernel tensors back for a layer that received nothing ("Failed to load weights", a log line), and runs
    a layer that received only part of its weights on freshly materialised, uninitialised memory. So a
    round missing a tensor silently serves a mix of old weights and garbage. :func:`incomplete_parameters`
    names what is missing before finalising, and the engine raises ``IncompleteUpdateError`` instead.
-2. **A failed round leaves the model on the meta device.** After an error inside ``update_weights`` the
+2. **Copies only where a buffer is reused.** A transport hands ``load_weights`` views of its receive
+   buffers and reuses them for later buckets; the reload keeps the views of layers not yet complete.
+   :func:`own_retained` copies exactly those, after each ``load_weights`` call.
+3. **A failed round leaves the model on the meta device.** After an error inside ``update_weights`` the
    worker marks the round inactive (``v1/worker/gpu_worker.py:1583``), but the layers stay on meta with
    their buffered tensors, and the next ``initialize_layerwise_reload`` skips them (``layerwise.py:105``),
    replaying the stale buffers. :func:`abandon_layerwise_reload` puts every pending layer's kernel tensors
    back (their last complete values) and clears its state.
-3. **Fused-MoE experts left in checkpoint layout (vLLM 0.32).** On a reload,
+4. **Fused-MoE experts left in checkpoint layout (vLLM 0.32).** On a reload,
    ``UnquantizedFusedMoEMethod._setup_kernel`` sees ``moe_kernel`` already built (``is_weight_update``,
    ``model_executor/layers/fused_moe/unquantized_fused_moe_method.py:187``) and skips
    ``self.moe_kernel.fused_experts.process_weights_after_loading(layer)`` (``:191-203``), where the CPU
@@ -108,6 +111,35 @@ def abandon_layerwise_reload(model: torch.nn.Module) -> int:
     return restored
 
 
+def own_retained(model: torch.nn.Module, batch: list[tuple[str, torch.Tensor]]) -> int:
+    """Copy out of ``batch``'s memory every tensor the open layerwise reload still holds from it, so the
+    caller may reuse that memory for the next bucket. Returns the number of tensors copied.
+
+    vLLM's reload buffers each loader call of a layer not yet complete: ``info.loaded_weights`` keeps the
+    call's bound arguments, the incoming tensor among them, until the layer's last weight arrives and
+    ``_layerwise_process`` replays them (vLLM 0.32 ``reload/layerwise.py:185``, ``:217``, ``:366-369``).
+    A tensor there that shares storage with a tensor of ``batch`` (the view itself, or a slice a loader
+    took of it) is replaced by a copy, in place in the bound arguments; everything a completed layer
+    consumed is not copied at all. With the model's weights in layer order only a layer straddling two
+    buckets is copied (typically a few tensors per bucket instead of all of them).
+    """
+    ptrs = {t.untyped_storage().data_ptr() for _, t in batch if t.device.type != "meta"}
+    if not ptrs:
+        return 0
+    copied = 0
+    for layer in model.modules():
+        info = _info(layer)
+        if info is None or not info.can_load() or not info.loaded_weights:
+            continue
+        for _, bound in info.loaded_weights:
+            args = bound.arguments
+            for name, value in list(args.items()):
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in ptrs:
+                    args[name] = value.clone()
+                    copied += 1
+    return copied
+
+
 def reload_pending(model: torch.nn.Module) -> bool:
     """Whether some layer of ``model`` is inside an unfinished layerwise reload."""
     return any((i := _info(layer)) is not None and i.can_load() for layer in model.modules())
@@ -183,6 +215,7 @@ __all__ = [
     "incomplete_parameters",
     "moe_layers_reprocessable",
     "moe_reload_fix_applies",
+    "own_retained",
     "reload_pending",
     "reprocess_fused_moe",
 ]

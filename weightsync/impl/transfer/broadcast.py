@@ -9,11 +9,20 @@ Rules:
    different hosts (or network namespaces) reach each other. ``torch.distributed``'s default group is
    never initialised or used (vLLM's stateless group, 0.32 ``nccl_common.py:139-159``).
 2. **Ranks.** Engine workers use ``rank_offset + dp_index * (tp*pp) + local_rank`` (vLLM PR #36940).
-3. **One update.** Wire agreement, then per bucket: status exchange, broadcast, unpack into views, load
-   (``rounds`` rules 1-3). Bucket boundaries come from ``packing.plan_buckets`` on both sides.
+3. **One update.** Wire agreement (``rounds`` rule 1), then per bucket: the bucket's header, broadcast
+   on the group itself (:mod:`~weightsync.impl.transfer.bucket_header`: round, number, abort flag, digest
+   under ``verify``), then its payload, unpacked into views and loaded; then one end status exchange
+   (``rounds`` rule 3). The header replaces a status exchange over the TCPStore per bucket (``rounds``
+   rule 2: a ``set``, a ``wait`` and a ``multi_get`` on every rank, with every worker gating the trainer's
+   next bucket); a worker posts a payload's receive only after its header said the bucket is not aborted,
+   so no collective is ever one-sided. A worker whose load fails keeps receiving (and no longer loads)
+   and reports its error in the end status, where every rank raises (the failing rank its own error, the
+   others PeerFailedError naming it). Bucket boundaries come from ``packing.plan_buckets`` on both sides.
 4. **Pipelining.** With ``packed_num_buffers = n`` slots the trainer packs bucket ``k+1`` (CPU: in a
-   background thread) while bucket ``k`` is on the wire, and a worker loads bucket ``k-1`` while bucket
-   ``k`` arrives; slot ``k mod n`` is reused only after bucket ``k-n`` completed.
+   background thread) while bucket ``k`` is on the wire, without waiting for the workers, and a worker
+   posts bucket ``k``'s receive and the next header before it loads bucket ``k-1``, so bucket ``k``
+   arrives while bucket ``k-1`` is loaded; slot ``k mod n`` is reused only after bucket ``k-n`` was
+   loaded (and, in vLLM, what its layerwise reload kept of it copied out: ``weightsync.vllm.reload``).
 5. **Receive in place.** When the worker names each weight's destination (kernel format: the parameter
    itself) and a bucket's destinations lie in one storage exactly at the bucket's offsets (an engine
    keeping its parameters in one arena in the trainer's order; the same test as the trainer's zero-copy
@@ -31,8 +40,9 @@ Rules:
    ``init_info['timeout_s']``, or without it a floor plus the round's bytes at a conservative bandwidth.
 7. **Trainer failure.** A weight iterator that raises is reported to every engine through the wire
    agreement (``rounds`` rule 1), or, for a stream of declared metadata (:meth:`BroadcastTrainer.send_stream`),
-   through the status of the bucket being pulled (``rounds`` rule 4), so they fail at once naming the
-   trainer's exception; the trainer re-raises it. The group stays usable for the next round.
+   at the bucket being pulled (``rounds`` rule 4): the trainer writes its exception's message to the store
+   (``r<seq>/abort``) and broadcasts an abort header in place of that bucket, so every engine fails at
+   once naming the trainer's exception; the trainer re-raises it. The group stays usable for the next round.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import collections
 import concurrent.futures
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -64,6 +74,7 @@ from weightsync.impl.transfer.broadcast_group import (
     join_group,
     local_address_towards,
 )
+from weightsync.impl.transfer.bucket_header import decode_header, empty_header, encode_header
 from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.packing import (
     Bucket,
@@ -79,6 +90,7 @@ from weightsync.impl.transfer.packing import (
 )
 from weightsync.impl.transfer.rounds import TensorFeed, open_receive_round, status, veto_round
 from weightsync.impl.transfer.sender import RoundSender
+from weightsync.spec.errors import PeerFailedError
 
 PHASE_BUCKET = "update_weights/bucket"
 PHASE_BROADCAST = "update_weights/broadcast"
@@ -146,39 +158,64 @@ def _broadcast_buckets(
             fut.set_exception(exc)
         return fut
 
-    # bucket number -> (work, the buffer it reads: kept referenced until the broadcast completed)
-    inflight: dict[int, tuple[Any, torch.Tensor]] = {}
-    error: BaseException | None = None
+    # bucket number -> (works, the buffers they read: kept referenced until the broadcasts completed)
+    inflight: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
     fut = submit(buckets[0]) if buckets else None
     try:
         for k in range(len(buckets)):
             assert fut is not None
-            buf: torch.Tensor | None = None
-            crc: int | str | None = None
             try:
                 buf, crc = fut.result()
             except BaseException as exc:
-                # the weight stream's own exception, whatever its class, fails the bucket on every rank
+                # the weight stream's own exception, whatever its class, aborts the round at this bucket
                 if not isinstance(exc, Exception) and exc is not feed.source_error:
                     raise
-                error = exc
-            status(group.cp, seq, f"b{k}", error, PHASE_BUCKET, crc, feed.describe(error))
+                _abort_at(group, seq, k, exc, feed.describe(exc), inflight)
+            head = encode_header(seq, k, crc, False, group.device)
+            works = [group.broadcast(head)]
             if buf is not None:
-                inflight[k] = (group.broadcast(buf), buf)
+                works.append(group.broadcast(buf))
+            inflight[k] = (works, [head] if buf is None else [head, buf])
             if k + 1 < len(buckets):
                 reuse = k + 1 - n
                 if reuse in inflight and args.packed:
-                    group.wait(inflight.pop(reuse)[0], PHASE_BROADCAST)
+                    for w in inflight.pop(reuse)[0]:
+                        group.wait(w, PHASE_BROADCAST)
                 fut = submit(buckets[k + 1])
         for k in sorted(inflight):
-            group.wait(inflight.pop(k)[0], PHASE_BROADCAST)
+            for w in inflight.pop(k)[0]:
+                group.wait(w, PHASE_BROADCAST)
     except BaseException:
-        drain(group, [w for w, _ in inflight.values()])
+        drain(group, [w for ws, _ in inflight.values() for w in ws])
         raise
-    # a stream that yields more than it declared (or raises) fails the round everywhere
+    # a stream that yields more than it declared (or raises) fails the round everywhere; the engines'
+    # load failures are heard here too (rounds rule 3)
     end_error = feed.finish_error()
     status(group.cp, seq, "end", end_error, PHASE_BUCKET, None, feed.describe(end_error))
     group.ok_seq = seq
+
+
+def _abort_at(
+    group: BroadcastGroup,
+    seq: int,
+    k: int,
+    error: BaseException,
+    detail: str | None,
+    inflight: dict[int, tuple[list[Any], list[torch.Tensor]]],
+) -> NoReturn:
+    """Rule 7: the trainer's weight stream raised at bucket ``k``: its message to the store, an abort
+    header in place of bucket ``k`` (no payload follows), the broadcasts in flight completed, then
+    ``error`` re-raised. Every worker raises PeerFailedError naming rank 0 and ``detail`` at that bucket."""
+    text = detail or f"{type(error).__name__}: {error}"
+    key = f"r{seq}/abort"
+    group.cp.post(key, {"error": text}, seq, PHASE_BUCKET)
+    head = encode_header(seq, k, None, True, group.device)
+    inflight[k] = ([group.broadcast(head)], [head])
+    for j in sorted(inflight):
+        for w in inflight.pop(j)[0]:
+            group.wait(w, PHASE_BROADCAST)
+    group.cp.settle(key)
+    raise error
 
 
 class BroadcastTrainer(RoundSender):
@@ -253,6 +290,22 @@ class _Pending:
         self.tensors = tensors
         self.works = works
         self.crc: int | str | None = None
+
+
+def _aborted(g: BroadcastGroup, seq: int, k: int, works: list[Any]) -> NoReturn:
+    """Rule 7, worker side: the trainer aborted round ``seq`` at bucket ``k``; read its message, let it
+    close the store, and fail naming rank 0 and the trainer's error.
+
+    Raises:
+        PeerFailedError: always.
+    """
+    drain(g, works)
+    key = f"r{seq}/abort"
+    detail = g.cp.get(key, PHASE_BUCKET, 0).get("error")
+    g.cp.settle(key)
+    raise PeerFailedError(
+        [0], f"{PHASE_BUCKET} (round {seq}, b{k})", f"rank 0: {detail}; every rank aborts this update"
+    )
 
 
 class BroadcastWeightTransferEngine(WeightTransferEngine):
@@ -360,11 +413,17 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
             except Exception as exc:
                 error = exc
 
+        head = empty_header(g.device)
+        head_work = g.broadcast(head) if buckets else None
         try:
             for k, b in enumerate(buckets):
+                # the bucket's header first (rule 3): an aborted bucket has no payload to post
                 t0 = time.perf_counter()
-                vals = status(g.cp, seq, f"b{k}", error, PHASE_BUCKET)
+                g.wait(head_work, PHASE_BUCKET)
+                h = decode_header(head, seq, k, f"bucket {k} of round {seq} on rank {g.rank}")
                 tm.control_s += time.perf_counter() - t0
+                if h.abort:
+                    _aborted(g, seq, k, [w for p in pending for w in p.works])
                 while pending and pending[0].bucket.number <= k - n:
                     finish(pending.popleft())
                 direct = placed[k]
@@ -381,10 +440,14 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
                 else:
                     buf = g.pool.slot(k % n)[: b.nbytes] if b.nbytes else None
                     p = _Pending(b, buf, [], [])
-                p.crc = vals[0].get("crc")
+                p.crc = h.digest
                 if p.buf is not None:
                     p.works.append(g.broadcast(p.buf))
                 pending.append(p)
+                if k + 1 < len(buckets):
+                    head = empty_header(g.device)
+                    head_work = g.broadcast(head)
+                # load the previous bucket while this one arrives (rule 4)
                 while len(pending) > 1:
                     finish(pending.popleft())
             while pending:

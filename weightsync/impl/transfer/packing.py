@@ -43,8 +43,9 @@ from weightsync.impl.transfer.base import LAYOUTS, ChecksumMismatchError, Tensor
 
 #: Byte alignment of every tensor inside a bucket (rule 4).
 ALIGN = 16
-#: Version of the wire format; part of the digest so incompatible peers are told apart.
-WIRE_FORMAT = "weightsync-packed-v1"
+#: Version of the wire format; part of the digest so incompatible peers are told apart (v2: the broadcast
+#: transport's per-bucket status travels in-band, :mod:`weightsync.impl.transfer.bucket_header`).
+WIRE_FORMAT = "weightsync-packed-v2"
 
 
 #: The tensors of a round by position: a list, or (a stream's current window) a dict of member indices.

@@ -17,7 +17,9 @@ Rules:
 2. **Bucket status.** Before each bucket moves, every rank posts ``ok`` or its error (checkpoint-engine's
    per-bucket error all-reduce); the trainer's status also carries the bucket's CRC32 when ``verify``. One
    failure makes every rank abort at the same bucket: the failing rank raises its own exception, the
-   others :class:`~weightsync.spec.errors.PeerFailedError` naming it.
+   others :class:`~weightsync.spec.errors.PeerFailedError` naming it. The IPC transport exchanges it over
+   the store; the broadcast transport carries the trainer's part in-band, in a header before each bucket
+   (``broadcast`` rule 3), and the workers' in the end status (rule 3).
 3. **End.** A last status exchange after the final bucket, so a failure while loading the last bucket is
    seen by every rank too.
 4. **Streaming senders.** A trainer that declares its tensors' metadata up front (vLLM's
