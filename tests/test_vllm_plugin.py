@@ -330,7 +330,40 @@ def test_a_source_that_raises_mid_stream_fails_both_sides_at_once(ipc: bool) -> 
         "rank 0: the trainer's weight iterator raised ShardGone: checkpoint shard 7 is gone after 7 tensor(s)"
         in str(client.errors[0])
     )
+    if not ipc:  # at the bucket being pulled: tensors 5-9 (exceed-then-flush, 5 x 64 KiB per bucket)
+        assert ", b1)" in str(client.errors[0]), str(client.errors[0])
     assert "finish" not in [c[0] if isinstance(c, tuple) else c for c in client.calls]
+    tr.shutdown()
+    client.engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("num_buffers", "raise_at"), [(1, 7), (2, 7), (3, 7), (2, 0), (2, 10)], ids=lambda v: str(v)
+)
+def test_a_raising_source_aborts_at_its_bucket_and_leaves_no_collective_one_sided(
+    num_buffers: int, raise_at: int
+) -> None:
+    """The broadcast transport's in-band abort (``broadcast`` rules 3 and 7): 12 tensors of 64 KiB in
+    256 KiB buckets (tensors 0-4, 5-9, 10-11). The source raises in bucket ``raise_at // 5``; the worker
+    fails there at once naming it, with every slot count (one slot: no bucket posted ahead; more: one).
+    Had a header or payload been posted on one side only, the worker would wait out its 20 s deadline
+    draining it, or the next round on the same group would read a stray header; instead that next round
+    arrives bit-exact."""
+    client = LoopbackClient()
+    tr = _trainer(client, packed_buffer_size_bytes=256 << 10, packed_num_buffers=num_buffers)
+    t0 = time.monotonic()
+    with pytest.raises(ShardGone):
+        tr.send_weights(TrackedSource(Tracked(12, 16 << 10), raise_at=raise_at))
+    deadline = time.monotonic() + 10
+    while not client.errors and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert time.monotonic() - t0 < 6
+    assert client.errors and isinstance(client.errors[0], PeerFailedError)
+    assert f", b{raise_at // 5})" in str(client.errors[0]), str(client.errors[0])
+    assert tr.broken is None
+    tr.send_weights(TrackedSource(Tracked(12, 16 << 10)), weight_version="after")
+    assert client.calls[-1] == ("finish", "after")
+    assert all(bool((client.got[f"w{i}"] == i).all()) for i in range(12))
     tr.shutdown()
     client.engine.shutdown()
 

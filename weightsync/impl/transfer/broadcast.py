@@ -93,6 +93,17 @@ from weightsync.impl.transfer.sender import RoundSender
 from weightsync.spec.errors import PeerFailedError
 
 PHASE_BUCKET = "update_weights/bucket"
+#: buckets a worker posts beyond the one whose header it checks, with two slots or more (rule 3)
+LOOKAHEAD = 1
+
+
+def lookahead(num_buffers: int) -> int:
+    """Buckets a worker has posted beyond the one whose header it checks (rule 3): :data:`LOOKAHEAD`, or 0
+    with one slot (bucket ``k`` is then checked and loaded before bucket ``k+1`` may use its slot). The
+    trainer aborts as many buckets after the failing one, so no collective is left one-sided."""
+    return min(LOOKAHEAD, num_buffers - 1)
+
+
 PHASE_BROADCAST = "update_weights/broadcast"
 
 
@@ -170,7 +181,7 @@ def _broadcast_buckets(
                 # the weight stream's own exception, whatever its class, aborts the round at this bucket
                 if not isinstance(exc, Exception) and exc is not feed.source_error:
                     raise
-                _abort_at(group, seq, k, exc, feed.describe(exc), inflight)
+                _abort_at(group, seq, buckets, lookahead(n), k, exc, feed.describe(exc), inflight)
             head = encode_header(seq, k, crc, False, group.device)
             works = [group.broadcast(head)]
             if buf is not None:
@@ -198,19 +209,28 @@ def _broadcast_buckets(
 def _abort_at(
     group: BroadcastGroup,
     seq: int,
+    buckets: Sequence[Bucket],
+    ahead: int,
     k: int,
     error: BaseException,
     detail: str | None,
     inflight: dict[int, tuple[list[Any], list[torch.Tensor]]],
 ) -> NoReturn:
-    """Rule 7: the trainer's weight stream raised at bucket ``k``: its message to the store, an abort
-    header in place of bucket ``k`` (no payload follows), the broadcasts in flight completed, then
-    ``error`` re-raised. Every worker raises PeerFailedError naming rank 0 and ``detail`` at that bucket."""
+    """Rule 7: the trainer's weight stream raised at bucket ``k``: its message to the store, abort headers
+    for bucket ``k`` and the ``ahead`` after it (a worker has posted exactly those when it checks bucket
+    ``k``'s header: :func:`lookahead`, rule 3), each with a payload of its size that nobody loads, the broadcasts in flight
+    completed, then ``error`` re-raised. Every worker raises PeerFailedError naming rank 0 and ``detail``
+    at bucket ``k``."""
     text = detail or f"{type(error).__name__}: {error}"
     key = f"r{seq}/abort"
     group.cp.post(key, {"error": text}, seq, PHASE_BUCKET)
-    head = encode_header(seq, k, None, True, group.device)
-    inflight[k] = ([group.broadcast(head)], [head])
+    for j in range(k, min(k + 1 + ahead, len(buckets))):
+        head = encode_header(seq, j, None, True, group.device)
+        works, bufs = [group.broadcast(head)], [head]
+        if buckets[j].nbytes:
+            bufs.append(torch.empty(buckets[j].nbytes, dtype=torch.uint8, device=group.device))
+            works.append(group.broadcast(bufs[-1]))
+        inflight[j] = (works, bufs)
     for j in sorted(inflight):
         for w in inflight.pop(j)[0]:
             group.wait(w, PHASE_BROADCAST)
@@ -280,7 +300,7 @@ def _place(
 
 
 class _Pending:
-    __slots__ = ("bucket", "buf", "crc", "tensors", "works")
+    __slots__ = ("bucket", "buf", "head", "head_work", "tensors", "works")
 
     def __init__(
         self, bucket: Bucket, buf: torch.Tensor | None, tensors: list[torch.Tensor], works: list[Any]
@@ -289,7 +309,8 @@ class _Pending:
         self.buf = buf
         self.tensors = tensors
         self.works = works
-        self.crc: int | str | None = None
+        self.head: torch.Tensor | None = None
+        self.head_work: Any = None
 
 
 def _aborted(g: BroadcastGroup, seq: int, k: int, works: list[Any]) -> NoReturn:
@@ -375,6 +396,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         metas, buckets = open_receive_round(g.cp, seq, g.info, update_info, info, local_check)
         tm.agree_s += time.perf_counter() - t_start
         n = info.packed_num_buffers
+        ahead = lookahead(n)
         in_place = destination is not None and not info.verify
         placed = [_place(b, metas, destination, g.device) if in_place else None for b in buckets]
         if info.packed:
@@ -388,16 +410,28 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
         def finish(p: _Pending) -> None:
             nonlocal error
             t0 = time.perf_counter()
+            # the header first (rule 3): an aborted bucket is never loaded
+            g.wait(p.head_work, PHASE_BUCKET)
+            assert p.head is not None
+            h = decode_header(
+                p.head, seq, p.bucket.number, f"bucket {p.bucket.number} of round {seq} on rank {g.rank}"
+            )
+            t1 = time.perf_counter()
+            tm.control_s += t1 - t0
+            if h.abort:
+                _aborted(
+                    g, seq, p.bucket.number, [w for q in pending for w in [q.head_work, *q.works]] + p.works
+                )
             for w in p.works:
                 g.wait(w, PHASE_BROADCAST)
-            t1 = time.perf_counter()
-            tm.transfer_wait_s += t1 - t0
+            t2 = time.perf_counter()
+            tm.transfer_wait_s += t2 - t1
             tm.buckets += 1
             if error is not None:
                 return
             try:
                 where = f"bucket {p.bucket.number} of round {seq} on rank {g.rank}"
-                check_bucket(p.buf, p.crc, info.verify, key, where)
+                check_bucket(p.buf, h.digest, info.verify, key, where)
                 if p.bucket.oversized or not info.packed:
                     m = metas[p.bucket.members[0]]
                     batch = [(m.name, p.tensors[0])]
@@ -406,24 +440,15 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
                     batch = unpack_bucket(src, p.bucket, metas)
                 else:
                     return
-                t2 = time.perf_counter()
-                tm.unpack_s += t2 - t1
+                t3 = time.perf_counter()
+                tm.unpack_s += t3 - t2
                 load_weights(batch)
-                tm.load_s += time.perf_counter() - t2
+                tm.load_s += time.perf_counter() - t3
             except Exception as exc:
                 error = exc
 
-        head = empty_header(g.device)
-        head_work = g.broadcast(head) if buckets else None
         try:
             for k, b in enumerate(buckets):
-                # the bucket's header first (rule 3): an aborted bucket has no payload to post
-                t0 = time.perf_counter()
-                g.wait(head_work, PHASE_BUCKET)
-                h = decode_header(head, seq, k, f"bucket {k} of round {seq} on rank {g.rank}")
-                tm.control_s += time.perf_counter() - t0
-                if h.abort:
-                    _aborted(g, seq, k, [w for p in pending for w in p.works])
                 while pending and pending[0].bucket.number <= k - n:
                     finish(pending.popleft())
                 direct = placed[k]
@@ -440,20 +465,19 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
                 else:
                     buf = g.pool.slot(k % n)[: b.nbytes] if b.nbytes else None
                     p = _Pending(b, buf, [], [])
-                p.crc = h.digest
+                # header and payload posted together, the payload checked against the header before it is
+                # loaded (rule 3); bucket k arrives while bucket k-1 is checked and loaded (rule 4)
+                p.head = empty_header(g.device)
+                p.head_work = g.broadcast(p.head)
                 if p.buf is not None:
                     p.works.append(g.broadcast(p.buf))
                 pending.append(p)
-                if k + 1 < len(buckets):
-                    head = empty_header(g.device)
-                    head_work = g.broadcast(head)
-                # load the previous bucket while this one arrives (rule 4)
-                while len(pending) > 1:
+                while len(pending) > ahead:
                     finish(pending.popleft())
             while pending:
                 finish(pending.popleft())
         except BaseException:
-            drain(g, [w for p in pending for w in p.works])
+            drain(g, [w for p in pending for w in [p.head_work, *p.works] if w is not None])
             raise
         t0 = time.perf_counter()
         status(g.cp, seq, "end", error, PHASE_BUCKET)
