@@ -33,6 +33,7 @@ from vllm.distributed.weight_transfer import packed_tensor as vpt  # noqa: E402
 
 from weightsync.impl.transfer.base import InitInfo, UpdateInfo, WireArgs, meta_of  # noqa: E402
 from weightsync.impl.transfer.broadcast import BroadcastTrainer, BroadcastWeightTransferEngine  # noqa: E402
+from weightsync.impl.transfer.bucket_header import HEADER_BYTES, MAGIC  # noqa: E402
 from weightsync.impl.transfer.packing import BufferPool, pack_bucket, plan_buckets, unpack_bucket  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -223,8 +224,8 @@ def test_weightsyncs_broadcast_sender_puts_vllms_bytes_on_the_wire(
     cpu_vllm_packing: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """weightsync's real sender (streamed, pipelined, with its zero-copy single-tensor path) over gloo
-    to a real receiver: the bytes it broadcasts equal vLLM's producer's chunks, and the receiver gets
-    the tensors back bit for bit."""
+    to a real receiver: the payloads it broadcasts (each after its bucket's 64-byte header) equal vLLM's
+    producer's chunks, and the receiver gets the tensors back bit for bit."""
     port = free_port()
     info = InitInfo.parse(init_info(port, 2, 30.0, group_backend="gloo"))
     receiver = BroadcastWeightTransferEngine()
@@ -261,9 +262,12 @@ def test_weightsyncs_broadcast_sender_puts_vllms_bytes_on_the_wire(
             wire.clear()
             trainer.send_stream([(n, t.dtype, t.shape) for n, t in pairs], iter(pairs), args)
             rx.join(30)
-            assert len(wire) == len(ref) and all(torch.equal(w, r) for w, r in zip(wire, ref, strict=True)), (
-                seed
-            )
+            # each payload follows its bucket's in-band header (broadcast rule 3)
+            heads = [w for w in wire if w.numel() == HEADER_BYTES and bytes(w[:4].tolist()) == MAGIC]
+            payload = [w for w in wire if not any(w is h for h in heads)]
+            assert len(heads) >= len(ref), seed  # one per bucket; a bucket of empty tensors has no payload
+            assert len(payload) == len(ref), seed
+            assert all(torch.equal(w, r) for w, r in zip(payload, ref, strict=True)), seed
             assert all(_bitwise(got[n], t) for n, t in pairs), seed
     finally:
         trainer.close()

@@ -51,7 +51,7 @@ import collections
 import concurrent.futures
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -74,7 +74,16 @@ from weightsync.impl.transfer.broadcast_group import (
     join_group,
     local_address_towards,
 )
-from weightsync.impl.transfer.bucket_header import decode_header, empty_header, encode_header
+from weightsync.impl.transfer.bucket_header import (
+    PHASE_BROADCAST,
+    PHASE_BUCKET,
+    abort_round,
+    decode_header,
+    empty_header,
+    encode_header,
+    lookahead,
+    raise_aborted,
+)
 from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.packing import (
     Bucket,
@@ -90,22 +99,6 @@ from weightsync.impl.transfer.packing import (
 )
 from weightsync.impl.transfer.rounds import TensorFeed, open_receive_round, status, veto_round
 from weightsync.impl.transfer.sender import RoundSender
-from weightsync.spec.errors import PeerFailedError
-
-PHASE_BUCKET = "update_weights/bucket"
-#: buckets a worker posts beyond the one whose header it checks, with two slots or more (rule 3)
-LOOKAHEAD = 1
-
-
-def lookahead(num_buffers: int) -> int:
-    """Buckets a worker has posted beyond the one whose header it checks (rule 3): :data:`LOOKAHEAD`, or 0
-    with one slot (bucket ``k`` is then checked and loaded before bucket ``k+1`` may use its slot). The
-    trainer aborts as many buckets after the failing one, so no collective is left one-sided."""
-    return min(LOOKAHEAD, num_buffers - 1)
-
-
-PHASE_BROADCAST = "update_weights/broadcast"
-
 
 # ----------------------------------------------------------------------------------------- trainer side
 
@@ -181,7 +174,7 @@ def _broadcast_buckets(
                 # the weight stream's own exception, whatever its class, aborts the round at this bucket
                 if not isinstance(exc, Exception) and exc is not feed.source_error:
                     raise
-                _abort_at(group, seq, buckets, lookahead(n), k, exc, feed.describe(exc), inflight)
+                abort_round(group, seq, buckets, lookahead(n), k, exc, feed.describe(exc), inflight)
             head = encode_header(seq, k, crc, False, group.device)
             works = [group.broadcast(head)]
             if buf is not None:
@@ -204,38 +197,6 @@ def _broadcast_buckets(
     end_error = feed.finish_error()
     status(group.cp, seq, "end", end_error, PHASE_BUCKET, None, feed.describe(end_error))
     group.ok_seq = seq
-
-
-def _abort_at(
-    group: BroadcastGroup,
-    seq: int,
-    buckets: Sequence[Bucket],
-    ahead: int,
-    k: int,
-    error: BaseException,
-    detail: str | None,
-    inflight: dict[int, tuple[list[Any], list[torch.Tensor]]],
-) -> NoReturn:
-    """Rule 7: the trainer's weight stream raised at bucket ``k``: its message to the store, abort headers
-    for bucket ``k`` and the ``ahead`` after it (a worker has posted exactly those when it checks bucket
-    ``k``'s header: :func:`lookahead`, rule 3), each with a payload of its size that nobody loads, the broadcasts in flight
-    completed, then ``error`` re-raised. Every worker raises PeerFailedError naming rank 0 and ``detail``
-    at bucket ``k``."""
-    text = detail or f"{type(error).__name__}: {error}"
-    key = f"r{seq}/abort"
-    group.cp.post(key, {"error": text}, seq, PHASE_BUCKET)
-    for j in range(k, min(k + 1 + ahead, len(buckets))):
-        head = encode_header(seq, j, None, True, group.device)
-        works, bufs = [group.broadcast(head)], [head]
-        if buckets[j].nbytes:
-            bufs.append(torch.empty(buckets[j].nbytes, dtype=torch.uint8, device=group.device))
-            works.append(group.broadcast(bufs[-1]))
-        inflight[j] = (works, bufs)
-    for j in sorted(inflight):
-        for w in inflight.pop(j)[0]:
-            group.wait(w, PHASE_BROADCAST)
-    group.cp.settle(key)
-    raise error
 
 
 class BroadcastTrainer(RoundSender):
@@ -311,22 +272,6 @@ class _Pending:
         self.works = works
         self.head: torch.Tensor | None = None
         self.head_work: Any = None
-
-
-def _aborted(g: BroadcastGroup, seq: int, k: int, works: list[Any]) -> NoReturn:
-    """Rule 7, worker side: the trainer aborted round ``seq`` at bucket ``k``; read its message, let it
-    close the store, and fail naming rank 0 and the trainer's error.
-
-    Raises:
-        PeerFailedError: always.
-    """
-    drain(g, works)
-    key = f"r{seq}/abort"
-    detail = g.cp.get(key, PHASE_BUCKET, 0).get("error")
-    g.cp.settle(key)
-    raise PeerFailedError(
-        [0], f"{PHASE_BUCKET} (round {seq}, b{k})", f"rank 0: {detail}; every rank aborts this update"
-    )
 
 
 class BroadcastWeightTransferEngine(WeightTransferEngine):
@@ -419,7 +364,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
             t1 = time.perf_counter()
             tm.control_s += t1 - t0
             if h.abort:
-                _aborted(
+                raise_aborted(
                     g, seq, p.bucket.number, [w for q in pending for w in [q.head_work, *q.works]] + p.works
                 )
             for w in p.works:

@@ -1,5 +1,5 @@
-"""The in-band bucket header of the broadcast transport (``broadcast`` rule 3): what each bucket's status
-exchange over the TCPStore carried, moved onto the group itself.
+"""The in-band bucket header of the broadcast transport (``broadcast`` rules 3 and 7): what each bucket's
+status exchange over the TCPStore carried, moved onto the group itself, and the abort built on it.
 
 Before each bucket's payload the trainer broadcasts a :data:`HEADER_BYTES`-byte header: a magic, the
 round, the bucket's number, whether the round is aborted at this bucket (the trainer's weight stream
@@ -22,11 +22,17 @@ offset bytes  field
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from weightsync.spec.errors import WireMismatchError
+from weightsync.impl.transfer.broadcast_group import BroadcastGroup, drain
+from weightsync.impl.transfer.packing import Bucket
+from weightsync.spec.errors import PeerFailedError, WireMismatchError
+
+PHASE_BUCKET = "update_weights/bucket"
+PHASE_BROADCAST = "update_weights/broadcast"
 
 #: bytes of one header on the wire
 HEADER_BYTES = 64
@@ -109,4 +115,76 @@ def decode_header(t: torch.Tensor, seq: int, number: int, where: str) -> BucketH
     return BucketHeader(got_seq, got_number, bool(flags & _ABORT), digest)
 
 
-__all__ = ["HEADER_BYTES", "MAGIC", "BucketHeader", "decode_header", "empty_header", "encode_header"]
+#: buckets a worker posts beyond the one whose header it checks, with two slots or more (``broadcast`` rule 3)
+LOOKAHEAD = 1
+
+
+def lookahead(num_buffers: int) -> int:
+    """Buckets a worker has posted beyond the one whose header it checks (``broadcast`` rule 3): :data:`LOOKAHEAD`, or 0
+    with one slot (bucket ``k`` is then checked and loaded before bucket ``k+1`` may use its slot). The
+    trainer aborts as many buckets after the failing one, so no collective is left one-sided."""
+    return min(LOOKAHEAD, num_buffers - 1)
+
+
+def abort_round(
+    group: BroadcastGroup,
+    seq: int,
+    buckets: Sequence[Bucket],
+    ahead: int,
+    k: int,
+    error: BaseException,
+    detail: str | None,
+    inflight: dict[int, tuple[list[Any], list[torch.Tensor]]],
+) -> NoReturn:
+    """``broadcast`` rule 7: the trainer's weight stream raised at bucket ``k``: its message to the store, abort headers
+    for bucket ``k`` and the ``ahead`` after it (a worker has posted exactly those when it checks bucket
+    ``k``'s header: :func:`lookahead`, ``broadcast`` rule 3), each with a payload of its size that nobody loads, the broadcasts in flight
+    completed, then ``error`` re-raised. Every worker raises PeerFailedError naming rank 0 and ``detail``
+    at bucket ``k``."""
+    text = detail or f"{type(error).__name__}: {error}"
+    key = f"r{seq}/abort"
+    group.cp.post(key, {"error": text}, seq, PHASE_BUCKET)
+    for j in range(k, min(k + 1 + ahead, len(buckets))):
+        head = encode_header(seq, j, None, True, group.device)
+        works, bufs = [group.broadcast(head)], [head]
+        if buckets[j].nbytes:
+            bufs.append(torch.empty(buckets[j].nbytes, dtype=torch.uint8, device=group.device))
+            works.append(group.broadcast(bufs[-1]))
+        inflight[j] = (works, bufs)
+    for j in sorted(inflight):
+        for w in inflight.pop(j)[0]:
+            group.wait(w, PHASE_BROADCAST)
+    group.cp.settle(key)
+    raise error
+
+
+def raise_aborted(g: BroadcastGroup, seq: int, k: int, works: list[Any]) -> NoReturn:
+    """``broadcast`` rule 7, worker side: the trainer aborted round ``seq`` at bucket ``k``; read its message, let it
+    close the store, and fail naming rank 0 and the trainer's error.
+
+    Raises:
+        PeerFailedError: always.
+    """
+    drain(g, works)
+    key = f"r{seq}/abort"
+    detail = g.cp.get(key, PHASE_BUCKET, 0).get("error")
+    g.cp.settle(key)
+    raise PeerFailedError(
+        [0], f"{PHASE_BUCKET} (round {seq}, b{k})", f"rank 0: {detail}; every rank aborts this update"
+    )
+
+
+__all__ = [
+    "HEADER_BYTES",
+    "LOOKAHEAD",
+    "MAGIC",
+    "PHASE_BROADCAST",
+    "PHASE_BUCKET",
+    "BucketHeader",
+    "abort_round",
+    "decode_header",
+    "empty_header",
+    "encode_header",
+    "lookahead",
+    "raise_aborted",
+]
