@@ -29,16 +29,20 @@ Rules:
    cannot accept (malformed, a name already received this round, a floating dtype other than the
    model's) is vetoed there, so the trainer and every peer fail at once instead of hanging. Every wait
    has a deadline: ``timeout_s``, or without it 300 s for the rendezvous and a round's sized to its bytes
-   (``InitInfo.round_deadline``). A failure in any bucket aborts that bucket on every rank.
+   (``InitInfo.round_deadline``). A trainer whose weight stream raises aborts every rank at
+   the bucket being pulled; a worker whose load fails makes every rank fail (broadcast: at the round's
+   end status, ``weightsync.impl.transfer.broadcast`` rules 3 and 7; IPC: at that bucket's
+   acknowledgement).
 4. **Checkpoint format through vLLM's layerwise reload**, as the built-in ``nccl`` engine does
    (``nccl_engine.py:159-173``): ``initialize_layerwise_reload`` at start, ``model.load_weights`` per
    bucket, ``finalize_layerwise_reload`` at finish. ``load_weights`` gets views of the transport's
    buffers, which the transport reuses for later buckets; the reload keeps references to the tensors of
    a layer until it is complete (``reload/layerwise.py:185``), so after each call exactly those are
-   copied (:func:`weightsync.vllm.reload.own_retained`), nothing else. ``finish_weight_update`` raises ``IncompleteUpdateError`` naming the
-   parameters still missing (vLLM would silently keep old weights, or process uninitialised memory). A
-   round that failed inside ``update_weights`` or ``finish_weight_update`` is abandoned: the pending layers
-   get their previous weights back (``weightsync.vllm.reload``), and a new round recovers.
+   copied (:func:`weightsync.vllm.reload.own_retained`), nothing else. ``finish_weight_update`` raises
+   ``IncompleteUpdateError`` naming the parameters still missing (vLLM would silently keep old weights,
+   or process uninitialised memory). A round that failed inside ``update_weights`` or
+   ``finish_weight_update`` is abandoned: the pending layers get their previous weights back
+   (``weightsync.vllm.reload``), and a new round recovers.
 5. **CPU.** vLLM's ``update_weights`` ends with ``torch.accelerator.synchronize()``
    (``distributed/weight_transfer/base.py:502``), which raises on a CPU-only torch; these engines
    synchronise only a CUDA device.
