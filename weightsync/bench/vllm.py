@@ -98,8 +98,10 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from weightsync.impl.transfer.base import RoundTimings
 
 #: ``build_tiny_llama`` overrides of the full model: 66,930,176 float32 parameters (267,720,704 bytes,
 #: 255.3 MiB) in 156 tensors (17 layers of 9, embeddings, final norm, ``lm_head``); head dimension 64.
@@ -132,8 +134,9 @@ RAW_KEY = "<raw>"
 TARGET_VS_VLLM_PACKED = 1.2
 TARGET_VS_LIMIT = 0.8
 TARGET_VS_PER_TENSOR = 1.5
-#: the worker's time split of a round (:class:`weightsync.impl.transfer.base.RoundTimings`), in order
-SPLIT = ("agree_s", "control_s", "transfer_wait_s", "unpack_s", "load_s", "copy_s", "total_s")
+#: the worker's time split of a round: the seconds fields of
+#: :class:`weightsync.impl.transfer.base.RoundTimings`, in its order
+SPLIT = tuple(f.name for f in fields(RoundTimings) if f.name.endswith("_s"))
 
 
 @dataclass
