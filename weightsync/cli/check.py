@@ -45,6 +45,7 @@ def check(args: argparse.Namespace) -> int:
         max_states=args.max_states,
         workers=args.workers,
         stalls=args.stalls,
+        counterexample_of=args.counterexample_of,
     )
     emit(out, args.json, lambda: print_human(out))
     return EXIT_OK if out["verdict"] == "verified" else EXIT_VIOLATION

@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
+from weightsync.model.properties import PROPERTIES
 from weightsync.spec.states import PauseMode
 
 #: vLLM's pause modes (spec ``PauseMode``), the ``--mode`` choices
@@ -109,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="classify the states where a rank waits in a DP collective: transient (the peers join on "
         "their own), stall (only new client traffic frees it), hang (nothing does)",
+    )
+    c.add_argument(
+        "--counterexample-of",
+        choices=list(PROPERTIES),
+        default=None,
+        metavar="PROPERTY",
+        help="report this property's shortest counterexample where it is violated (default: the most "
+        "specific violation: mismatched collectives, one-sided collective, deadlock, ...)",
     )
     c.add_argument(
         "--workers",

@@ -123,13 +123,15 @@ def check_mode(
     keep: bool = False,
     keep_labels: bool = False,
     stalls: bool = False,
+    counterexample_of: str | None = None,
 ) -> ModeResult:
     """Explore ``model`` exhaustively and check every property of :data:`PROPERTIES`; with ``stalls``, also
     classify the states in which a rank waits in a DP collective (:func:`stranded_counts`).
 
     ``stop_at_first`` stops the exploration at the first safety violation; the progress properties are
     then checked only when it completed without one (one exploration serves both, as the mutation
-    analysis needs for a mutant that survives)."""
+    analysis needs for a mutant that survives). ``counterexample_of``: report the shortest counterexample
+    of this property where it is violated, instead of the most specific one (``PRIORITY``)."""
     t0 = time.perf_counter()
     keep_labels = keep_labels or stalls
     do_progress = progress
@@ -169,7 +171,10 @@ def check_mode(
     if ex.violations:
         # The most specific diagnosis first (PRIORITY: mismatched collectives, one-sided collective,
         # deadlock, quiescence, ...; safety before progress), the shortest path for that property.
-        v = min(ex.violations.values(), key=lambda v: (PRIORITY[v.property], _vdepth(ex, v)))
+        v = min(
+            ex.violations.values(),
+            key=lambda v: (v.property != counterexample_of, PRIORITY[v.property], _vdepth(ex, v)),
+        )
         cx = counterexample_record(model, ex, v, symmetry=symmetry)
     elif VIOLATED in props.values():
         name = next(n for n in SOMETIMES if props[n] == VIOLATED)
@@ -350,15 +355,16 @@ def default_symmetry(ranks: int) -> bool:
 
 
 def _check_one(
-    args: tuple[str, int, PauseMode, str, Bounds, bool, int, bool, bool],
+    args: tuple[str, int, PauseMode, str, Bounds, bool, int, bool, bool, str | None],
 ) -> ModeResult:
-    variant, ranks, mode, channels, bounds, symmetry, max_states, progress, stalls = args
+    variant, ranks, mode, channels, bounds, symmetry, max_states, progress, stalls, of = args
     return check_mode(
         build_model(variant, ranks, mode, channels, bounds),
         symmetry=symmetry,
         max_states=max_states,
         progress=progress,
         stalls=stalls,
+        counterexample_of=of,
     )
 
 
@@ -374,11 +380,17 @@ def check(
     progress: bool = True,
     workers: int | None = None,
     stalls: bool = False,
+    counterexample_of: str | None = None,
 ) -> dict[str, Any]:
     """Run ``weightsync check`` and return its JSON object (the keys below).
 
     ``symmetry`` None: :func:`default_symmetry`. ``workers``: processes exploring the pause modes in
     parallel (each mode is an independent exploration); None: one per mode, at most the CPU count.
+    ``counterexample_of``: the property whose counterexample to report where it is violated (default: the
+    most specific violation, ``PRIORITY``).
+
+    Raises:
+        ValueError: ``workers`` < 1, or ``counterexample_of`` names no property.
 
     Keys: variant, ranks, verdict ("verified" | "counterexample" | "incomplete"), states, transitions
     (summed over modes), depth (max), seconds, symmetry, properties, bounds, channels, mode, per_mode,
@@ -387,7 +399,13 @@ def check(
     b = bounds or Bounds()
     modes = list(PauseMode) if mode == "all" else [PauseMode(mode)]
     sym = default_symmetry(ranks) if symmetry is None else symmetry
-    jobs = [(variant, ranks, m, channels, b, sym, max_states, progress, stalls) for m in modes]
+    if counterexample_of is not None and counterexample_of not in PROPERTIES:
+        raise ValueError(
+            f"counterexample_of={counterexample_of!r}: no such property; known: {', '.join(PROPERTIES)}"
+        )
+    jobs = [
+        (variant, ranks, m, channels, b, sym, max_states, progress, stalls, counterexample_of) for m in modes
+    ]
     n_workers = min(len(jobs), os.cpu_count() or 1) if workers is None else workers
     if n_workers < 1:
         raise ValueError(f"workers={n_workers}: need at least one process")
@@ -450,6 +468,8 @@ def check(
             k: sum((r.stranded or {}).get(k, 0) for r in results) for k in ("transient", "stall", "hang")
         }
     if cxs:
-        out["counterexample"] = min(cxs, key=lambda c: (PRIORITY[c["property"]], len(c["steps"])))
+        out["counterexample"] = min(
+            cxs, key=lambda c: (c["property"] != counterexample_of, PRIORITY[c["property"]], len(c["steps"]))
+        )
         out["violations"] = {r.mode.value: r.violation_depths for r in results if r.violation_depths}
     return out

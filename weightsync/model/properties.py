@@ -74,6 +74,13 @@ PROPERTIES: dict[str, tuple[str, str]] = {
         "engines_running) equals the ranks'",
         "vLLM issue #51476; vLLM 0.32 v1/engine/coordinator.py:363-375 (no latch on FIRST_REQ)",
     ),
+    "front_end_belief": (
+        "once no rank steps or is about to and no message is in flight to the coordinator or on a wave "
+        "socket, the front-end does not believe the engines running while the coordinator believes them "
+        "idle, unless a publish from the coordinator is on its way (its 5 s poll timeout does not count)",
+        "vLLM issue #51481; vLLM 0.32 v1/engine/core_client.py:1540-1549 (latch on FIRST_REQ), "
+        "v1/engine/coordinator.py:264-290 (5 s poll timeout), 363-375 (no publish on FIRST_REQ)",
+    ),
     "abort_honoured": (
         "a client ABORT that reaches the rank holding the request aborts it",
         "vLLM 0.32 v1/engine/core.py:1685-1686 (ABORT message)",
@@ -115,6 +122,7 @@ SAFETY = (
     "no_stale_kv",
     "no_partial_serving",
     "coordinator_belief",
+    "front_end_belief",
     "abort_honoured",
 )
 

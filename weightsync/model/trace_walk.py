@@ -328,9 +328,9 @@ class _Walker:
             raise _Mismatch(st, f"the coordinator received {got} from {src}; the model's FIFO holds {head}")
         t = self.successor(label, st)
         after = rec["after"]
-        if t.coord != (after["current_wave"], after["state"] == CoordState.RUNNING.value):
+        if t.coord[:2] != (after["current_wave"], after["state"] == CoordState.RUNNING.value):
             raise _Mismatch(
-                st, f"coordinator after {got}: engine {after}, model (wave, running) = {tuple(t.coord)}"
+                st, f"coordinator after {got}: engine {after}, model (wave, running) = {tuple(t.coord[:2])}"
             )
         f = self.fifo["wave"]
         for j in range(self.m.n):
@@ -364,7 +364,7 @@ class _Walker:
         stats = (rec["wave"], rec["running"])
         if stats == (self.s.front.believed_wave, self.s.front.believed_running):
             return  # a refresh that changes nothing (a self-loop)
-        if stats == self.s.coord:
+        if stats == self.s.coord[:2]:
             t = self.successor(("refresh",), st)
             self.take(("refresh",), t)
             return
@@ -375,7 +375,7 @@ class _Walker:
         them, and re-apply the steps after it (module docstring)."""
         states = [self.path[k - 1][1] if k else self.m.initial() for k in range(len(self.path) + 1)]
         for k in range(len(self.path), self.last_front - 1, -1):
-            if states[k].coord != stats:
+            if states[k].coord[:2] != stats:
                 continue
             s = states[k]
             t = next((u for lab, u in self.m.successors(s) if lab == ("refresh",)), None)
@@ -400,7 +400,7 @@ class _Walker:
         raise _Mismatch(
             st,
             f"front-end adopted stats {stats}; the coordinator never held them since the front-end's last step "
-            f"(it holds {tuple(self.s.coord)})",
+            f"(it holds {tuple(self.s.coord[:2])})",
         )
 
     # -- controller

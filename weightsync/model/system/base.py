@@ -83,7 +83,9 @@ class ModelBase:
         self._call_args_cache: dict[tuple[RankEvent, int], tuple[tuple[str, Any], ...]] = {}
         # the DP coordinator's table (spec/coordinator.py) for this variant, and its firings by input
         self.coord_table = coordinator_table(
-            self.variant.coordinator_latches, self.variant.first_req_exclusion
+            self.variant.coordinator_latches,
+            self.variant.first_req_exclusion,
+            self.variant.coordinator_republishes,
         )
         # the RL controller's table (spec/controller.py) for this variant, the policy the model explores it
         # under, and its choices by (controller, event, no request sent yet)
@@ -107,7 +109,7 @@ class ModelBase:
         return GlobalState(
             (rank,) * self.n,
             ((),),
-            Coordinator(current_wave=0, engines_running=False),
+            Coordinator(current_wave=0, engines_running=False, publishing=False),
             FrontEnd(believed_wave=0, believed_running=False, next_request=0, gated=False, client_aborted=()),
             Ctrl(IDLE, 0, 0, not self.init_transfer, False, False, 0, False, 0),
             TRAINER_IDLE,

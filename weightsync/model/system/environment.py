@@ -34,7 +34,14 @@ from weightsync.spec.controller import (
     controller_event,
     init_holds_requests,
 )
-from weightsync.spec.coordinator import MESSAGE_FIELDS, CoordEvent, CoordState, CoordVars, coordinator_fire
+from weightsync.spec.coordinator import (
+    MESSAGE_FIELDS,
+    PUBLISH,
+    CoordEvent,
+    CoordState,
+    CoordVars,
+    coordinator_fire,
+)
 from weightsync.spec.front_end import FrontEvent
 from weightsync.spec.states import RankEvent
 from weightsync.spec.table import ALWAYS
@@ -69,9 +76,15 @@ class Environment(RankEffects):
             args = dict(zip(MESSAGE_FIELDS[ev], msg[1:], strict=True))
             state = CoordState.RUNNING if coord.engines_running else CoordState.IDLE
             fired = coordinator_fire(self.coord_table, CoordVars(state, coord.current_wave), ev, args)
-            r = (Coordinator(fired.after.current_wave, fired.after.engines_running), fired.broadcasts)
+            publishing = coord.publishing or PUBLISH in fired.transition.effects
+            after = Coordinator(fired.after.current_wave, fired.after.engines_running, publishing)
+            r = (after, fired.broadcasts)
             self._coord_cache[key] = r
-        scratch.coord = r[0]
+        after = r[0]
+        front = scratch.front
+        if after.publishing and (front.believed_wave, front.believed_running) == after[:2]:
+            after = after._replace(publishing=False)  # nothing to tell the front-end
+        scratch.coord = after
         for wave, exclude in r[1]:
             self._broadcast(scratch, wave, exclude)
         return scratch.freeze()

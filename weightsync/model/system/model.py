@@ -91,7 +91,8 @@ class Model(Properties, Symmetry):
             _, refreshed = self._front(
                 front, FrontEvent.STATS, wave=coord.current_wave, running=coord.engines_running
             )
-            out.append((("refresh",), s._replace(front=refreshed)))
+            coord = coord._replace(publishing=False) if coord.publishing else coord
+            out.append((("refresh",), s._replace(front=refreshed, coord=coord)))
         client_aborted = front.client_aborted
         if len(client_aborted) < self.client_aborts:
             for r in range(next_request):

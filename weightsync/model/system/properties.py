@@ -46,6 +46,8 @@ class Properties(Environment):
                 bad.append("version_agreement")
         if not self._coordinator_belief_right(s):
             bad.append("coordinator_belief")
+        if not self._front_end_belief_right(s):
+            bad.append("front_end_belief")
         if self.mode is PauseMode.ABORT and any(r.pause_ghost == 2 and r.running for r in ranks):
             bad.append("mode_semantics")
         if not self.seen_all_verified and all(r.vars.state is RankState.VERIFIED for r in ranks):
@@ -67,6 +69,25 @@ class Properties(Environment):
             if r.blocked or any(r.inq) or r.outq or r.waiting or r.running or r.status == SENT:
                 return True
             if v.state is not RankState.RUNNING or v.engines_running or v.current_wave != wave0:
+                return True
+        return False
+
+    def _front_end_belief_right(self, s: GlobalState) -> bool:
+        """Once no rank steps or is about to (each is out of the wave loop and not in a collective, and
+        none is unpaused with a request to run), and no message is in flight to the coordinator or on a
+        wave socket, the front-end does not believe the engines running while the coordinator believes them
+        idle, unless a publish the coordinator made is on its way to tell it so (whether the coordinator's
+        own belief is right is ``coordinator_belief``) (vLLM 0.32 ``v1/engine/core_client.py:1540-1549`` sets the belief
+        on forwarding FIRST_REQ; only the coordinator's stats replace it, lines 1562-1565)."""
+        coord = s.coord
+        if not s.front.believed_running or coord.engines_running or coord.publishing or any(s.coord_q):
+            return True
+        for r in s.ranks:
+            if r.blocked or r.outq or r.vars.engines_running or r.vars.pending_pause:
+                return True
+            if r.vars.state is RankState.RUNNING and (r.waiting or r.running):
+                return True
+            if any(m[0] in ("W", "ADD") for q in r.inq for m in q):
                 return True
         return False
 

@@ -221,11 +221,15 @@ OWE_PAUSE, OWE_RESUME = 1, 2
 
 
 class Coordinator(NamedTuple):
-    """The DP coordinator's state (vLLM's ``DPCoordinator``): the wave it believes current and whether it
-    believes the engines running."""
+    """The DP coordinator's state (vLLM's ``DPCoordinator``): the wave it believes current, whether it
+    believes the engines running, and whether a publish of them to the front-end is in flight (a row with
+    the ``publish_stats`` effect fired and the front-end has not refreshed since; False whenever the
+    front-end already believes what the coordinator does). Without one in flight, only the coordinator's
+    5 s poll timeout refreshes the front-end (vLLM 0.32 ``v1/engine/coordinator.py:264-290``)."""
 
     current_wave: int
     engines_running: bool
+    publishing: bool = False
 
 
 class FrontEnd(NamedTuple):

@@ -131,8 +131,8 @@ def describe(model: Model, s: GlobalState, label: Label, t: GlobalState) -> Step
         src, f = label[1], label[2]
         m = s.coord_q[f][0] if src < 0 else s.ranks[src].outq[0]
         frm = "front-end" if m[0] == "FIRST_REQ" else f"rank {m[2]}"
-        wave0, running0 = s.coord
-        wave1, running1 = t.coord
+        wave0, running0 = s.coord[:2]
+        wave1, running1 = t.coord[:2]
         bc = [
             fmt_msg(q[-1], mode)
             for q, q0 in zip((r.inq[-1] for r in t.ranks), (r.inq[-1] for r in s.ranks), strict=True)

@@ -1,0 +1,56 @@
+"""Property ``front_end_belief`` (issue 24, item 1): vLLM 0.32's front-end sets ``engines_running`` when it
+forwards a FIRST_REQ (``v1/engine/core_client.py:1540-1549``) and its coordinator publishes nothing for a
+FIRST_REQ it takes while idle (``v1/engine/coordinator.py:363-375``), so after a late request during a pause
+the front-end believes paused, idle engines running until the coordinator's 5 s poll timeout. The fix
+(``coordinator_republishes``, patch 0004) publishes the unchanged belief at once."""
+
+from __future__ import annotations
+
+from weightsync.model.check import build_model, check, check_mode
+from weightsync.spec.coordinator import PUBLISH, CoordEvent, CoordState, coordinator_table
+from weightsync.spec.rank import VARIANTS
+from weightsync.spec.states import PauseMode
+
+
+def test_vllm_032_front_end_believes_paused_idle_engines_running_after_a_late_request() -> None:
+    out = check("vllm-0.32", 2, mode="abort", counterexample_of="front_end_belief", workers=1)
+    assert out["properties"]["front_end_belief"] == "violated"
+    cx = out["counterexample"]
+    assert cx["property"] == "front_end_belief" and cx["mode"] == "abort"
+    steps = cx["steps"]
+    assert len(steps) == 14  # 13 steps, then the violation
+    text = "\n".join(steps)
+    # the pause completes, then the late request's FIRST_REQ wakes no paused rank and publishes nothing
+    order = ["pause(abort)", "complete dp_sync", "sends ADD(req=0", "receives FIRST_REQ", "START_DP_WAVE"]
+    at = [text.index(s) for s in order]
+    assert at == sorted(at), text
+    assert "wave_dropped" in steps[-2] and "front_end_belief violated" in steps[-1]
+    assert out["violations"]["abort"]["front_end_belief"] == 14
+
+
+def test_the_fixes_publish_on_first_req_and_keep_the_belief_right_in_every_mode() -> None:
+    for name in ("vllm-0.32-epoch", "two-phase-epoch"):
+        assert VARIANTS[name].coordinator_republishes, name
+    assert not VARIANTS["vllm-0.32"].coordinator_republishes
+    for mode in PauseMode:
+        fixed = build_model("vllm-0.32-epoch", 2, mode)
+        assert check_mode(fixed, progress=False).properties["front_end_belief"] == "holds", mode
+    # the same model with vLLM 0.32's coordinator (no publish on FIRST_REQ): the belief goes stale again
+    shipped = build_model("vllm-0.32-epoch", 2, PauseMode.ABORT)
+    shipped.coord_table = coordinator_table(latches=False, excludes=False, republishes=False)
+    r = check_mode(shipped, progress=False)
+    assert r.properties["front_end_belief"] == "violated"
+    assert r.counterexample is not None and r.counterexample["property"] == "front_end_belief"
+
+
+def test_republishing_adds_a_publish_to_the_idle_first_req_rows_only() -> None:
+    base = coordinator_table(latches=False, excludes=False)
+    fixed = coordinator_table(latches=False, excludes=False, republishes=True)
+    assert set(base) == set(fixed)
+    for key in base:
+        for b, f in zip(base[key], fixed[key], strict=True):
+            if key == (CoordState.IDLE, CoordEvent.FIRST_REQ):
+                assert PUBLISH not in b.effects and PUBLISH in f.effects
+                assert f.target is CoordState.IDLE  # still no latch (issue #51476's fix kept)
+            else:
+                assert b == f
