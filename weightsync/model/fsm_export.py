@@ -24,7 +24,7 @@ from weightsync.spec.calls import (
 from weightsync.spec.collectives import COLLECTIVES, collectives_digest
 from weightsync.spec.controller import CTRL_EFFECTS, controller_digest, controller_table
 from weightsync.spec.coordinator import coordinator_digest, coordinator_table
-from weightsync.spec.front_end import FRONT_END_TABLE, front_end_digest
+from weightsync.spec.front_end import FRONT_END_TABLE, FrontEvent, front_end_digest, front_end_table
 from weightsync.spec.rank import EFFECTS, VARIANTS, Variant, spec_digest
 from weightsync.spec.rules import RULES
 from weightsync.spec.states import IN_FLIGHT_FINISH, LOCAL_CALLS, RankEvent, RankState
@@ -242,6 +242,15 @@ def protocol_markdown() -> str:
         f"Digest `{front_end_digest()[:16]}`.",
         "",
         _rows_markdown(FRONT_END_TABLE),
+        "",
+        "Variants with `front_end_latches=False` ("
+        + ", ".join(f"`{v.name}`" for v in VARIANTS.values() if not v.front_end_latches)
+        + ", weightsync's patch 0004) forward FIRST_REQ without setting `engines_running` "
+        f"(digest `{front_end_digest(False)[:16]}`):",
+        "",
+        _rows_markdown(
+            {k: rows for k, rows in front_end_table(False).items() if k[1] is FrontEvent.SEND_REQUEST}
+        ),
         "",
     ]
     for v in VARIANTS.values():

@@ -23,12 +23,10 @@ Rules (vLLM 0.32 ``v1/engine/coordinator.py``):
    otherwise ignored.
 4. Every change of ``(current_wave, engines_running)`` is published to the front-ends (lines 463-466).
    Otherwise the coordinator publishes only on its poll timeout (every 5 s while nothing happens,
-   lines 264-290), so after rule 1 a front-end that set ``engines_running`` when it forwarded the
-   FIRST_REQ (``v1/engine/core_client.py:1540-1549``) keeps believing the engines run, paused and idle
-   as they are, until that timeout (property ``front_end_belief``; vLLM issue #51481).
-5. ``republishes`` (weightsync's patch ``0004``, variants ``vllm-0.32-epoch`` and ``two-phase-epoch``): a
-   FIRST_REQ taken while idle also publishes ``(current_wave, engines_running)``, so the front-end's
-   latched belief is replaced at once by the coordinator's.
+   lines 264-290). So after rule 1, a front-end that set ``engines_running`` when it forwarded the
+   FIRST_REQ (``v1/engine/core_client.py:1540-1549``) keeps believing paused, idle engines run until
+   that timeout (property ``front_end_belief``; vLLM issue #51481;
+   :attr:`~weightsync.spec.rank.Variant.front_end_latches`).
 
 The exclusion of rule 1 never matches in vLLM 0.32: the front-end sends the target as a bytes identity
 and the engine compares it with its int index (``v1/engine/core_client.py:1592`` -> ``core.py:2288``);
@@ -112,22 +110,18 @@ _E = CoordEvent
 _SRC = "v1/engine/coordinator.py"
 
 
-def coordinator_table(latches: bool = False, excludes: bool = True, republishes: bool = False) -> Table:
+def coordinator_table(latches: bool = False, excludes: bool = True) -> Table:
     """The coordinator's table for a variant's flags.
 
     Args:
         latches: FIRST_REQ sets ``engines_running`` (vLLM before issue #51476's fix); False: vLLM 0.32.
         excludes: FIRST_REQ's START_DP_WAVE excludes the target engine (False: vLLM 0.32's bytes-vs-int
             identity, the exclusion never matches).
-        republishes: a FIRST_REQ taken while idle also publishes ``(current_wave, engines_running)`` (rule
-            5: weightsync's patch ``0004``); False: vLLM 0.32, which publishes nothing for it.
     """
     first = _S.RUNNING if latches else _S.IDLE
-    published = (PUBLISH,) if latches or republishes else ()
+    published = (PUBLISH,) if latches else ()
     fresh = "start_dp_wave_but_target" if excludes else "start_dp_wave_all"
     latch_rule = "latches: before issue #51476's fix" if latches else "no latch: issue #51476's fix"
-    if republishes and not latches:
-        latch_rule += "; publishes the unchanged belief (weightsync patch 0004)"
     t = Transition
     return {
         (_S.IDLE, _E.FIRST_REQ): (
@@ -202,9 +196,9 @@ def coordinator_fire(table: Table, v: CoordVars, event: CoordEvent, args: Mappin
     return CoordFired(tr, after, out)
 
 
-def coordinator_digest(latches: bool, excludes: bool, republishes: bool = False) -> str:
+def coordinator_digest(latches: bool, excludes: bool) -> str:
     """SHA-256 of the coordinator table for these flags."""
-    table = coordinator_table(latches, excludes, republishes)
+    table = coordinator_table(latches, excludes)
     return table_digest((s, e, tr) for (s, e), trs in sorted(table.items()) for tr in trs)
 
 

@@ -4,13 +4,19 @@ front-end pause gate (reference sections 5 and 6).
 The front-end (vLLM's ``DPLBAsyncMPClient`` / ``DPAsyncMPClient``) believes ``(current_wave,
 engines_running)`` from the coordinator's stats; here ``engines_running`` is the machine's state
 (:class:`FrontState`). Both the model (:mod:`weightsync.model.system`) and the reference engine client
-(:mod:`weightsync.impl.engine.client`) run :func:`front_end_fire` on :data:`FRONT_END_TABLE`.
+(:mod:`weightsync.impl.engine.client`) run :func:`front_end_fire` on :func:`front_end_table` for the
+variant's :attr:`~weightsync.spec.rank.Variant.front_end_latches`.
 
 Rules (vLLM 0.32 ``v1/engine/core_client.py``):
 
 1. A new request is stamped with the believed ``current_wave`` and sent as ADD to its engine
    (lines 1582-1589). If the engines are believed idle, FIRST_REQ(target engine, current_wave) goes to
-   the coordinator and the front-end believes them running from then on (lines 1590-1593, 1540-1549).
+   the coordinator and the front-end believes them running from then on (lines 1590-1593, 1540-1549):
+   the latch. vLLM 0.32's coordinator no longer latches on FIRST_REQ and publishes nothing for it
+   (``v1/engine/coordinator.py:363-375``), so a latched belief lasts until its next publish, up to its
+   5 s poll timeout (lines 264-290), while the engines may be paused and idle (vLLM issue #51481).
+   Without the latch (``latches=False``, weightsync's patch ``0004``), forwarding FIRST_REQ leaves the
+   belief as it was; only rule 2 moves it.
 2. Stats from the coordinator replace the belief (lines 1562-1565).
 3. While the front-end pause gate is closed (vLLM before PR #28037 moved pause into the engines: the
    ``front-end-pause`` variant's ``front_end_gate`` effect), new requests are held; opening it sends
@@ -88,16 +94,33 @@ _E = FrontEvent
 _SRC = "v1/engine/core_client.py"
 
 
-def _rows() -> dict[tuple[FrontState, FrontEvent], tuple[Transition, ...]]:
+Table = dict[tuple[FrontState, FrontEvent], tuple[Transition, ...]]
+
+
+def front_end_table(latches: bool = True) -> Table:
+    """The front-end's table.
+
+    Args:
+        latches: forwarding FIRST_REQ sets ``engines_running`` (vLLM 0.32, rule 1); False: weightsync's
+            patch ``0004`` (the belief moves only on the coordinator's stats).
+    """
     t = Transition
     hold = t(
         "gated", None, (), ("hold_request",), "PR #28037 (front-end pause, before it moved into the engines)"
     )
-    out: dict[tuple[FrontState, FrontEvent], tuple[Transition, ...]] = {
-        (_S.IDLE, _E.SEND_REQUEST): (
-            hold._replace(target=_S.IDLE),
-            t(ALWAYS, _S.RUNNING, (), ("send_add", "send_first_req"), f"{_SRC}:1582-1593, 1540-1549"),
-        ),
+    first = (
+        t(ALWAYS, _S.RUNNING, (), ("send_add", "send_first_req"), f"{_SRC}:1582-1593, 1540-1549 (latch)")
+        if latches
+        else t(
+            ALWAYS,
+            _S.IDLE,
+            (),
+            ("send_add", "send_first_req"),
+            f"{_SRC}:1582-1593; no latch (weightsync patch 0004, vLLM issue #51481)",
+        )
+    )
+    out: Table = {
+        (_S.IDLE, _E.SEND_REQUEST): (hold._replace(target=_S.IDLE), first),
         (_S.RUNNING, _E.SEND_REQUEST): (
             hold._replace(target=_S.RUNNING),
             t(ALWAYS, _S.RUNNING, (), ("send_add",), f"{_SRC}:1582-1589"),
@@ -115,30 +138,34 @@ def _rows() -> dict[tuple[FrontState, FrontEvent], tuple[Transition, ...]]:
     return out
 
 
-#: The front-end's table (the same in every variant; only the ``front-end-pause`` variant's rank table
-#: fires GATE / UNGATE).
-FRONT_END_TABLE = _rows()
+#: vLLM 0.32's front-end table (it latches; only the ``front-end-pause`` variant's rank table fires
+#: GATE / UNGATE).
+FRONT_END_TABLE = front_end_table()
 
 
-def front_end_fire(v: FrontVars, event: FrontEvent, args: Mapping[str, Any]) -> tuple[Transition, FrontVars]:
+def front_end_fire(
+    v: FrontVars, event: FrontEvent, args: Mapping[str, Any], table: Table = FRONT_END_TABLE
+) -> tuple[Transition, FrontVars]:
     """Apply one event to the front-end: ``(row, variables after)``. Pure.
 
     Args:
         v: the variables before.
         event: what happened; ``args``: ``target`` (int) for SEND_REQUEST, ``wave`` (int) and ``running``
             (bool) for STATS.
+        table: from :func:`front_end_table` (default: vLLM 0.32's).
 
     Raises:
         KeyError: an argument the row needs is missing.
     """
-    tr = select_transition(FRONT_END_TABLE, v.state, event, v, args, FRONT_END_GUARDS)
+    tr = select_transition(table, v.state, event, v, args, FRONT_END_GUARDS)
     assert tr is not None  # every (state, event) pair has an ALWAYS row
     return tr, apply_transition(v, tr, args, FRONT_END_UPDATES)
 
 
-def front_end_digest() -> str:
-    """SHA-256 of :data:`FRONT_END_TABLE`."""
-    return table_digest((s, e, tr) for (s, e), trs in sorted(FRONT_END_TABLE.items()) for tr in trs)
+def front_end_digest(latches: bool = True) -> str:
+    """SHA-256 of :func:`front_end_table` for ``latches``."""
+    table = front_end_table(latches)
+    return table_digest((s, e, tr) for (s, e), trs in sorted(table.items()) for tr in trs)
 
 
 __all__ = [
@@ -150,6 +177,8 @@ __all__ = [
     "FrontEvent",
     "FrontState",
     "FrontVars",
+    "Table",
     "front_end_digest",
     "front_end_fire",
+    "front_end_table",
 ]

@@ -69,11 +69,11 @@ class Variant:
         untracked_replies: the model accounts for the deferred replies of untracked calls (a second pause, an
             early or retried resume) per rank, so a reply they cause is not a spurious reply; a refused resume
             does not end the rank's pause (the vllm-0.32 variants, whose refusals are error replies).
-        coordinator_republishes: a FIRST_REQ the coordinator takes while idle also publishes its unchanged
-            ``(current_wave, engines_running)``, which replaces the belief the front-end latched when it
-            forwarded the FIRST_REQ (weightsync patch ``0004``; vLLM 0.32 publishes nothing for it, so the
-            front-end believes paused, idle engines running until the coordinator's 5 s poll timeout,
-            ``v1/engine/coordinator.py:264-290``; vLLM issue #51481).
+        front_end_latches: the front-end sets ``engines_running`` when it forwards a FIRST_REQ (vLLM 0.32
+            ``v1/engine/core_client.py:1546``). With vLLM 0.32's coordinator, which neither latches nor
+            publishes for a FIRST_REQ, a front-end that latches believes paused, idle engines running until
+            the coordinator's 5 s poll timeout (``v1/engine/coordinator.py:264-290``; vLLM issue #51481).
+            False: weightsync's patch ``0004``, the belief comes only from the coordinator's stats.
     """
 
     name: str
@@ -88,7 +88,7 @@ class Variant:
     first_req_exclusion: bool = True
     worker_flags_decide: bool = False
     untracked_replies: bool = False
-    coordinator_republishes: bool = False
+    front_end_latches: bool = True
 
     def expected_verdict(self, channels: str) -> str:
         """ "verified" if the variant should verify under ``channels``, else "counterexample"."""
@@ -107,7 +107,7 @@ class Variant:
             for name, default in (
                 ("worker_flags_decide", False),
                 ("untracked_replies", False),
-                ("coordinator_republishes", False),
+                ("front_end_latches", True),
             )
             if getattr(self, name) != default
         ]
@@ -137,7 +137,7 @@ VARIANTS: dict[str, Variant] = {
             verified_channels=("per-socket", "ordered"),
             coordinator_latches=False,
             first_req_exclusion=False,
-            coordinator_republishes=True,
+            front_end_latches=False,
         ),
         Variant(
             "two-phase",
@@ -191,7 +191,7 @@ VARIANTS: dict[str, Variant] = {
             coordinator_latches=False,
             first_req_exclusion=False,
             untracked_replies=True,
-            coordinator_republishes=True,
+            front_end_latches=False,
         ),
     )
 }
@@ -224,15 +224,14 @@ def spec_digest() -> str:
     from weightsync.spec.front_end import front_end_digest
     from weightsync.spec.worker import worker_table_digest
 
-    combos = sorted(
-        {(v.coordinator_latches, v.first_req_exclusion, v.coordinator_republishes) for v in VARIANTS.values()}
-    )
+    combos = sorted({(v.coordinator_latches, v.first_req_exclusion) for v in VARIANTS.values()})
+    front_ends = sorted({v.front_end_latches for v in VARIANTS.values()})
     return table_digest(
         (),
         *(v.digest() for v in VARIANTS.values()),
         worker_table_digest(),
         *(coordinator_digest(*flags) for flags in combos),
-        front_end_digest(),
+        *(front_end_digest(latches) for latches in front_ends),
         controller_digest(),
         collectives_digest(),
     )

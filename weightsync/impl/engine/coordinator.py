@@ -30,9 +30,8 @@ from weightsync.spec.coordinator import (
 @dataclass
 class CoordinatorState:
     """The coordinator process's table (from the variant's
-    :attr:`~weightsync.spec.rank.Variant.coordinator_latches`,
-    :attr:`~weightsync.spec.rank.Variant.first_req_exclusion` and
-    :attr:`~weightsync.spec.rank.Variant.coordinator_republishes`) and its variables."""
+    :attr:`~weightsync.spec.rank.Variant.coordinator_latches` and
+    :attr:`~weightsync.spec.rank.Variant.first_req_exclusion`) and its variables."""
 
     table: Table = field(default_factory=coordinator_table)
     vars: CoordVars = field(default_factory=CoordVars)
@@ -87,7 +86,6 @@ def run_coordinator(
     latches: bool = True,
     excludes: bool = True,
     system_trace: str | None = None,
-    republishes: bool = False,
 ) -> None:
     """Process entry point: poll FIRST_REQ (front-end) and wave_complete/start_wave (engines) until ``stop``.
 
@@ -100,11 +98,11 @@ def run_coordinator(
         poll_s: sleep between idle polls, seconds.
         ack: publish stats after every message handled, changed or not (``weightsync repro`` uses them as
             acknowledgements; START_DP_WAVE broadcasts are queued before the stats).
-        latches, excludes, republishes: the variant's flags (:func:`~weightsync.spec.coordinator.coordinator_table`).
+        latches, excludes: see :class:`CoordinatorState`.
         system_trace: append a ``coord`` record per message handled to this system trace
             (:mod:`weightsync.impl.engine.tracing`), before its broadcasts are sent.
     """
-    st = CoordinatorState(coordinator_table(latches, excludes, republishes))
+    st = CoordinatorState(coordinator_table(latches, excludes))
     trace = open_trace(system_trace, "coord")
     stats_out.put(Stats(st.current_wave, st.engines_running))
     k = 0

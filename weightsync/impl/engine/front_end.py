@@ -4,6 +4,7 @@ believed idle, the stats refresh, the front-end pause gate and its held requests
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import replace
 from typing import Any
@@ -18,7 +19,14 @@ from weightsync.impl.engine.messages import (
     request_error,
 )
 from weightsync.impl.models.sampling import SamplingParams
-from weightsync.spec.front_end import FrontEvent, front_end_fire
+from weightsync.spec.front_end import FrontEvent, Table, front_end_fire, front_end_table
+from weightsync.spec.rank import get_variant
+
+
+@functools.cache
+def _front_table(variant: str) -> Table:
+    """The front-end table of ``variant`` (:attr:`~weightsync.spec.rank.Variant.front_end_latches`)."""
+    return front_end_table(get_variant(variant).front_end_latches)
 
 
 class FrontEnd(Launcher):
@@ -88,7 +96,10 @@ class FrontEnd(Launcher):
         """The coordinator's stats through the front-end table (caller holds the lock)."""
         before = self.front
         _, self.front = front_end_fire(
-            self.front, FrontEvent.STATS, {"wave": st.current_wave, "running": st.engines_running}
+            self.front,
+            FrontEvent.STATS,
+            {"wave": st.current_wave, "running": st.engines_running},
+            _front_table(self.cfg.variant),
         )
         if self._trace_front is not None:
             self._trace_front.write(
@@ -106,7 +117,9 @@ class FrontEnd(Launcher):
         (caller holds the lock)."""
         wave = self.front.current_wave
         before = self.front
-        tr, self.front = front_end_fire(self.front, FrontEvent.SEND_REQUEST, {"target": r})
+        tr, self.front = front_end_fire(
+            self.front, FrontEvent.SEND_REQUEST, {"target": r}, _front_table(self.cfg.variant)
+        )
         if self._trace_front is not None:  # before any send
             self._trace_front.write(
                 "front",

@@ -233,7 +233,6 @@ class Launcher:
                 get_variant(self.cfg.variant).coordinator_latches,
                 get_variant(self.cfg.variant).first_req_exclusion,
                 self.cfg.system_trace,
-                get_variant(self.cfg.variant).coordinator_republishes,
             ),
             daemon=True,
             name="weightsync-dp-coordinator",

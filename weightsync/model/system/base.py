@@ -21,7 +21,7 @@ from weightsync.model.system.state import (
 )
 from weightsync.spec.controller import Policy, controller_table
 from weightsync.spec.coordinator import coordinator_table
-from weightsync.spec.front_end import FrontEvent, FrontState, FrontVars, front_end_fire
+from weightsync.spec.front_end import FrontEvent, FrontState, FrontVars, front_end_fire, front_end_table
 from weightsync.spec.rank import GUARDS, UPDATES, RankVars, Table, Variant, apply, get_variant, select
 from weightsync.spec.states import PauseMode, RankEvent, RankState
 from weightsync.spec.table import Transition, apply_transition, select_transition
@@ -83,10 +83,10 @@ class ModelBase:
         self._call_args_cache: dict[tuple[RankEvent, int], tuple[tuple[str, Any], ...]] = {}
         # the DP coordinator's table (spec/coordinator.py) for this variant, and its firings by input
         self.coord_table = coordinator_table(
-            self.variant.coordinator_latches,
-            self.variant.first_req_exclusion,
-            self.variant.coordinator_republishes,
+            self.variant.coordinator_latches, self.variant.first_req_exclusion
         )
+        # the front-end's table (spec/front_end.py) for this variant
+        self.front_table = front_end_table(self.variant.front_end_latches)
         # the RL controller's table (spec/controller.py) for this variant, the policy the model explores it
         # under, and its choices by (controller, event, no request sent yet)
         self.ctrl_table = controller_table(self.variant.pause_in_front_end)
@@ -161,7 +161,7 @@ class ModelBase:
         r = self._front_cache.get(key)
         if r is None:
             state = FrontState.RUNNING if believed_running else FrontState.IDLE
-            tr, after = front_end_fire(FrontVars(state, believed_wave, gated), event, args)
+            tr, after = front_end_fire(FrontVars(state, believed_wave, gated), event, args, self.front_table)
             changed = (after.current_wave, after.engines_running, after.gated)
             r = (tr.effects, None if changed == (believed_wave, believed_running, gated) else changed)
             self._front_cache[key] = r
