@@ -123,3 +123,18 @@ def test_weight_update_gate_fails_as_shipped_and_passes_patched(overlay: Path, t
     assert "Regex pattern did not match" in got["test_start_weight_update_while_serving_is_refused"], got
     rc, got = run_vllm_tests("test_dp_weight_update_gate.py", overlay=overlay, fix_env=fix.OFF, tmp=tmp_path)
     assert rc == 0 and set(got.values()) == {"passed"} and len(got) == 2, got
+
+
+def test_front_end_belief_stays_true_as_shipped_and_not_patched_or_with_the_plugin(
+    overlay: Path, tmp_path: Path
+) -> None:
+    """Patch 0004 (issue 24): after a request added during an abort pause, ``dp_engines_running()`` is
+    True for the whole watched window as shipped, and False from 1 s on patched, and with the plugin's
+    default fix (grafted in the ``AsyncLLM`` process)."""
+    module, name = "test_dp_front_end_belief.py", "test_late_request_during_abort_pause_leaves_belief_false"
+    rc, got = run_vllm_tests(module, overlay=None, fix_env=fix.OFF, tmp=tmp_path)
+    assert rc == 1 and "dp_engines_running() was True in" in got[name], got
+    rc, got = run_vllm_tests(module, overlay=overlay, fix_env=fix.OFF, tmp=tmp_path)
+    assert rc == 0 and got == {name: "passed"}, got
+    rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp_path)  # the default
+    assert rc == 0 and got == {name: "passed"}, got

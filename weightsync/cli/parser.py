@@ -241,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="pause mode of the model's counterexample and of the controller's pause",
     )
     r.add_argument(
+        "--property",
+        choices=list(PROPERTIES),
+        default=None,
+        help="(--engine vllm, as shipped) drive the counterexample of this property (front_end_belief); "
+        "default: the most specific violation",
+    )
+    r.add_argument(
         "--schedule",
         default=None,
         help="(reference, a fixed variant) the buggy variant whose counterexample to drive (default: the one "

@@ -20,9 +20,16 @@ def _repro_vllm(args: argparse.Namespace) -> int:
     mod = vllm_module(args, "weightsync.repro.vllm.run", "--engine vllm")
     if mod is None:
         return EXIT_USAGE
+    if args.property is not None and (args.fix or args.property not in mod.BELIEF_PROPERTIES):
+        msg = (
+            f"--property {args.property}: --engine vllm drives the counterexample of "
+            f"{', '.join(mod.BELIEF_PROPERTIES)} on vLLM as shipped (no --fix)"
+        )
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
     timeout = max(10, math.ceil(args.timeout)) if args.timeout is not None else 30
     res = mod.run_vllm_repro(
-        args.variant, fix=args.fix, mode=args.mode, timeout_s=timeout, log=progress(args)
+        args.variant, fix=args.fix, mode=args.mode, timeout_s=timeout, log=progress(args), of=args.property
     )
     out = res.as_dict()
 
@@ -54,6 +61,10 @@ def repro(args: argparse.Namespace) -> int:
 
     if args.fix is not None:
         return usage("--fix applies to --engine vllm (the reference engine runs the fixed variants by name)")
+    if args.property is not None:
+        return usage(
+            "--property applies to --engine vllm (the reference engine drives the default counterexample)"
+        )
     if args.variant not in EXPECTED:
         return usage(f"unknown variant {args.variant!r}; known: {', '.join(EXPECTED)}")
     from weightsync.model.check import build_model

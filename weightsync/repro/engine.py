@@ -110,6 +110,8 @@ class ReproResult:
         timeout_s: the collective timeout.
         errors: rank (or ``trainer`` / ``controller``) -> its error.
         events: each rank's last acting transitions.
+        belief_stale_s: (a ``front_end_belief`` counterexample on vLLM) seconds the front-end kept
+            believing the engines running after the last step (None otherwise).
     """
 
     variant: str
@@ -134,6 +136,7 @@ class ReproResult:
     timeout_s: float = 0.0
     errors: dict[str, str] = field(default_factory=dict)
     events: dict[str, list[str]] = field(default_factory=dict)
+    belief_stale_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able dict."""

@@ -415,18 +415,18 @@ def final_state(model: Model, labels: list[Any]) -> FinalState:
     )
 
 
-def model_counterexample(variant: str, mode: str = "keep") -> dict[str, Any]:
-    """The model's shortest counterexample of ``variant`` with 2 ranks in ``mode`` (check's JSON).
+def model_counterexample(variant: str, mode: str = "keep", of: str | None = None) -> dict[str, Any]:
+    """The model's shortest counterexample of ``variant`` with 2 ranks in ``mode`` (check's JSON): of
+    property ``of``, or (None) the most specific violation.
 
     Raises:
-        RuntimeError: the model finds none (the variant is verified).
+        RuntimeError: the model finds none (the variant is verified), or none of ``of``.
     """
-    res = check(variant, 2, mode=mode, workers=1, progress=False)
+    res = check(variant, 2, mode=mode, workers=1, progress=False, counterexample_of=of)
     cx = res.get("counterexample")
-    if not cx:
-        raise RuntimeError(
-            f"{variant} ({mode}): the model finds no counterexample (verdict {res['verdict']})"
-        )
+    if not cx or (of is not None and cx["property"] != of):
+        what = "no counterexample" if of is None else f"no counterexample of {of}"
+        raise RuntimeError(f"{variant} ({mode}): the model finds {what} (verdict {res['verdict']})")
     return dict(cx)
 
 

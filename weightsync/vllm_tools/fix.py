@@ -11,7 +11,11 @@ each and run its test):
 2. ``0002``: the weight update calls run only inside a DP pause, and a failed update blocks resume
    until a new update succeeds (``core.py``);
 3. ``0003``: a ``finish_weight_update`` that raises ends the worker's session, as a failed
-   ``update_weights`` does (``vllm/v1/worker/gpu_worker.py``), so a new round recovers without a restart.
+   ``update_weights`` does (``vllm/v1/worker/gpu_worker.py``), so a new round recovers without a restart;
+4. ``0004``: the DP front-end does not set ``engines_running`` when it forwards a FIRST_REQ
+   (``vllm/v1/engine/core_client.py``), so a request added during a pause does not leave it believing
+   paused, idle engines run (vllm-project/vllm#51481). It runs in the process that holds the
+   ``AsyncLLM`` (vLLM loads plugins there too, ``engine/arg_utils.py:906``).
 
 :func:`install_from_env` (the plugin's hook, run in every vLLM process that loads plugins) decides from
 :data:`ENV_FIX`: unset means :data:`DEFAULT_FIX`. On a vLLM other than 0.32.x the default installs nothing
@@ -73,6 +77,11 @@ SOURCES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "e970aa29a738aa15cd963d9f9202ca6d3d504e98fd344959fd998e940472a5a0",
         "vllm.v1.worker.gpu_worker",
         ("Worker",),
+    ),
+    "vllm/v1/engine/core_client.py": (
+        "386b528a69029507f80a2df4d6df2a4fa6ba2ba811501dc3449ceea58b5cd90a",
+        "vllm.v1.engine.core_client",
+        ("DPAsyncMPClient",),
     ),
 }
 #: attributes an ``__init__`` hunk sets, installed as class defaults (see the module docstring)

@@ -80,14 +80,17 @@ def run_vllm_repro(
     step_s: float = 20.0,
     workdir: str | None = None,
     log: Callable[[str], None] | None = None,
+    of: str | None = None,
 ) -> ReproResult:
     """Drive a real ``AsyncLLM(data_parallel_size=2)`` of a tiny Mixtral through the model's shortest
     counterexample of ``variant`` in ``mode`` (see the module docstring). ``timeout_s``: the DP group's
     collective timeout (seconds; vLLM's ``distributed_timeout_seconds`` and
-    ``cpu_distributed_timeout_seconds``); ``step_s``: how long each observation may take.
+    ``cpu_distributed_timeout_seconds``); ``step_s``: how long each observation may take; ``of``: drive
+    the counterexample of this property (:data:`BELIEF_PROPERTIES` or None: the most specific one).
 
     Raises:
-        ValueError: ``fix`` is not a known fix, or ``variant`` is not a vLLM 0.32 variant.
+        ValueError: ``fix`` is not a known fix, ``variant`` is not a vLLM 0.32 variant, or ``of`` is a
+            property whose end state this driver cannot observe (with ``fix``: any ``of``).
         RuntimeError: the model has no counterexample for ``variant`` (nothing to drive).
     """
     if variant != "vllm-0.32":
@@ -96,9 +99,14 @@ def run_vllm_repro(
         )
     if fix is not None and fix not in FIX_VARIANT:
         raise ValueError(f"--fix {fix!r}: the fixes are {', '.join(FIX_VARIANT)}")
+    if of is not None and (of not in BELIEF_PROPERTIES or fix is not None):
+        raise ValueError(
+            f"--property {of!r}: the vLLM driver observes the end states of {', '.join(BELIEF_PROPERTIES)} "
+            "(as shipped; the fix's tests are the patch series' own) and, by default, of a one-sided collective"
+        )
     say = log or (lambda _m: None)
     t0 = time.monotonic()
-    cx = model_counterexample(variant, mode)
+    cx = model_counterexample(variant, mode, of)
     labels = [list(x) for x in cx["labels"]]
     buggy = build_model(variant, 2, mode)
     target = build_model(FIX_VARIANT[fix], 2, mode) if fix else buggy
@@ -279,6 +287,54 @@ def _drive(
     served.__dict__["calls"] = calls
 
 
+#: the properties whose counterexample ends in a wrong belief, not a hang: the driver observes the end state
+#: (:func:`_finish_belief`)
+BELIEF_PROPERTIES = ("front_end_belief",)
+#: how long the front-end's belief is watched after the last step, seconds (longer than the coordinator's
+#: 5 s poll timeout, ``v1/engine/coordinator.py:264-290``, so the publish that corrects it is seen)
+BELIEF_WATCH_S = 8.0
+
+
+def _finish_belief(
+    served: _Served, events: Path, res: ReproResult, buggy: Model, labels: list[Any], step_s: float
+) -> None:
+    """The end state of a ``front_end_belief`` counterexample: the model's front-end believes the engines
+    running while its coordinator believes them idle and no rank steps. Reproduced when every step was
+    followed, vLLM's front-end reports ``engines_running`` True right after the last step while both ranks'
+    last records show them idle outside any collective, and it stays True for at least 1 s; the time until a
+    publish of the coordinator corrects it is reported (``belief_stale_s``)."""
+    from weightsync.vllm_tools.probe import read_events
+
+    d = served.driver
+    states, _ = replay_labels(buggy, labels)
+    final = states[-1]
+    if res.diverged_at is not None:
+        res.result = "diverged"
+        return
+    t0 = time.monotonic()
+    first = bool(d.client.engines_running)
+    _until(lambda: not d.client.engines_running, BELIEF_WATCH_S)
+    stale_s = time.monotonic() - t0
+    recs = read_events(events)
+    res.ranks = {str(r): _blocked(rr)[0] for r, rr in recs.items()}
+    res.events = {str(r): [_line(x) for x in rr[-8:]] for r, rr in recs.items()}
+    res.belief_stale_s = round(stale_s, 3)
+    model_says = (final.front.believed_running, final.coord.engines_running)
+    idle = all(not w for w in res.ranks.values()) and len(res.ranks) == buggy.n
+    if model_says == (True, False) and first and idle and stale_s >= 1.0:
+        res.result = "reproduced"
+        res.reason = (
+            f"the front-end believed the engines running for {stale_s:.1f} s after the last step, both "
+            "ranks paused and idle, until a publish of the coordinator"
+            + ("" if stale_s < BELIEF_WATCH_S else f" (none within {BELIEF_WATCH_S:.0f} s)")
+        )
+    else:
+        res.reason = (
+            f"model (front running, coordinator running) = {model_says}; vLLM front-end running right after "
+            f"the last step: {first}, for {stale_s:.1f} s; ranks {res.ranks}"
+        )
+
+
 def _added(d: _Driver, rank: int, first_reqs: int) -> bool:
     return d.count(rank, "ADD") >= 1 and len(d.first_req) >= first_reqs
 
@@ -348,6 +404,9 @@ def _finish(
     from weightsync.vllm_tools.probe import read_events
 
     d = served.driver
+    if res.fix == OFF and res.property in BELIEF_PROPERTIES:
+        _finish_belief(served, events, res, buggy, labels, step_s)
+        return
     if res.fix == OFF:  # vLLM as shipped (the plugin's default fix turned off)
         states, _ = replay_labels(buggy, labels)
         final = states[-1]
