@@ -9,6 +9,8 @@ once (``make test-slow-ci``).
   gloo's timeout (shortened to 30 s; the plugin's default fix is turned off for that run); with ``--fix
   epoch`` (the patch grafted into the engines by the plugin's default, no variable set) the engines follow the fix's model up to the step it makes impossible, that step does not
   happen, and after every held message is released every request finishes.
+- ``weightsync repro vllm-0.32 --engine vllm --mode abort --property front_end_belief``: the late request's
+  counterexample followed step by step, then vLLM's front-end believing paused, idle engines running.
 - ``weightsync record --engine vllm --cycles 20``: 20 pause / weight round / resume cycles with random
   traffic; ``weightsync replay --variant vllm-0.32`` accepts the engines' trace (every recorded event an
   edge of the table, vLLM's variables equal to the table's after each, collective outcomes equal to the
@@ -48,6 +50,20 @@ def test_the_race_reproduces_on_vllm_as_shipped() -> None:
     assert res.ranks == {"0": "dp_sync", "1": ""}
     assert "timed out" in res.errors["0"].lower()
     assert set(res.errors) == {"0"}
+
+
+def test_the_front_ends_stale_belief_reproduces_on_vllm_as_shipped() -> None:
+    """Issue 24: the model's shortest ``front_end_belief`` counterexample (abort pause, then a late request
+    whose FIRST_REQ the paused ranks drop) followed step by step on vLLM; its front-end then reports the
+    engines running for at least 1 s, with both ranks paused and idle, until the coordinator's periodic
+    publish (at most its 5 s poll timeout, ``v1/engine/coordinator.py:264-290``)."""
+    res = run_vllm_repro("vllm-0.32", mode="abort", timeout_s=30, of="front_end_belief")
+    print(json.dumps({k: getattr(res, k) for k in ("result", "followed_steps", "belief_stale_s", "reason")}))
+    assert res.result == "reproduced", (res.reason, res.steps[-3:], res.events)
+    assert res.property == "front_end_belief" and res.fix == OFF
+    assert res.diverged_at is None and res.followed_steps == len(res.steps) == 13
+    assert res.belief_stale_s is not None and 1.0 <= res.belief_stale_s <= 6.0
+    assert res.ranks == {"0": "", "1": ""} and not res.errors
 
 
 def test_the_fix_makes_the_same_schedule_complete() -> None:
