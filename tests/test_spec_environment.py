@@ -74,7 +74,7 @@ def model_step(m: Model, coord: tuple[int, bool], msg: Any) -> tuple[tuple[int, 
     t = m._coord_recv(s, src, 0)
     per_rank = [[(x[1], x[2]) for x in r.inq[m.f_wave] if x[0] == "W"] for r in t.ranks]
     assert all(p == per_rank[0] for p in per_rank), per_rank  # a broadcast reaches every rank
-    return t.coord, per_rank[0]
+    return (t.coord.current_wave, t.coord.engines_running), per_rank[0]
 
 
 def _drain(q: Any) -> list[Any]:
@@ -224,8 +224,10 @@ class _FrontEndOnly:
     def __init__(self) -> None:
         from weightsync.impl.engine.client import DPEngineClient
         from weightsync.spec.front_end import FrontVars
+        from weightsync.spec.rank import get_variant
 
         c = DPEngineClient.__new__(DPEngineClient)
+        c.variant = get_variant("front-end-pause")
         c.front = FrontVars()
         c._lock = threading.RLock()
         c._trans_cv = threading.Condition(c._lock)

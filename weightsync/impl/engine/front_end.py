@@ -20,13 +20,12 @@ from weightsync.impl.engine.messages import (
 )
 from weightsync.impl.models.sampling import SamplingParams
 from weightsync.spec.front_end import FrontEvent, Table, front_end_fire, front_end_table
-from weightsync.spec.rank import get_variant
 
 
 @functools.cache
-def _front_table(variant: str) -> Table:
-    """The front-end table of ``variant`` (:attr:`~weightsync.spec.rank.Variant.front_end_latches`)."""
-    return front_end_table(get_variant(variant).front_end_latches)
+def _front_table(latches: bool) -> Table:
+    """The front-end table for a variant's :attr:`~weightsync.spec.rank.Variant.front_end_latches`."""
+    return front_end_table(latches)
 
 
 class FrontEnd(Launcher):
@@ -99,7 +98,7 @@ class FrontEnd(Launcher):
             self.front,
             FrontEvent.STATS,
             {"wave": st.current_wave, "running": st.engines_running},
-            _front_table(self.cfg.variant),
+            _front_table(self.variant.front_end_latches),
         )
         if self._trace_front is not None:
             self._trace_front.write(
@@ -118,7 +117,7 @@ class FrontEnd(Launcher):
         wave = self.front.current_wave
         before = self.front
         tr, self.front = front_end_fire(
-            self.front, FrontEvent.SEND_REQUEST, {"target": r}, _front_table(self.cfg.variant)
+            self.front, FrontEvent.SEND_REQUEST, {"target": r}, _front_table(self.variant.front_end_latches)
         )
         if self._trace_front is not None:  # before any send
             self._trace_front.write(

@@ -1,13 +1,14 @@
 """The vLLM repro's holding points: the driver that holds and releases the front-end's messages to each rank
 (``AsyncMPClient._send_input_message``, the FIRST_REQ of ``DPAsyncMPClient.add_request_async``), and the
-observer that reads the probe's records from vLLM's engine processes."""
+observer that reads the probe's records from vLLM's engine processes, and the helpers that read those
+records (where a rank ended, one line per record)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -156,6 +157,58 @@ class _Observer:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
+
+
+def _state(fut: Any) -> str:
+    if not fut.done():
+        return "running"
+    exc = fut.exception()
+    return f"{type(exc).__name__}: {exc}" if exc else "returned"
+
+
+def _brief(rec: dict[str, Any]) -> str:
+    return str({k: v for k, v in rec.items() if k not in ("t", "rank", "ev", "vllm")})
+
+
+def _until(pred: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _blocked(recs: list[dict[str, Any]]) -> tuple[str, dict[str, Any] | None]:
+    """What a rank was blocked in at the end of its log, and the error that ended it (if any)."""
+    last_step: dict[str, Any] | None = None
+    for rec in recs:
+        if rec["ev"] == "step":
+            last_step = rec
+        elif rec["ev"] == "step_done":
+            last_step = None
+        elif rec["ev"] == "step_error" and last_step is not None:
+            return ("dp_sync" if last_step.get("sync") else "dp_step"), rec
+    if last_step is not None:
+        return ("dp_sync" if last_step.get("sync") else "dp_step"), None
+    return "", None
+
+
+def _idle(recs: list[dict[str, Any]]) -> bool:
+    """The rank's last step ended its wave (its sync found no work anywhere) and no collective failed."""
+    if any(r["ev"] == "step_error" for r in recs):
+        return False
+    steps = [r for r in recs if r["ev"] in ("step", "step_done")]
+    return bool(steps) and steps[-1]["ev"] == "step_done" and not steps[-1]["result"]
+
+
+def _line(rec: dict[str, Any]) -> str:
+    v = rec.get("vllm", {})
+    extra = _brief(rec)
+    return (
+        f"{rec['ev']} {extra} -> running={v.get('engines_running')} wave={v.get('current_wave')} "
+        f"pending={v.get('pending_pause')} ignore={v.get('ignore_start_dp_wave')} pause={v.get('pause_state')}"
+    )
 
 
 __all__ = ["T"]

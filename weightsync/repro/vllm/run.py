@@ -65,7 +65,7 @@ from weightsync.repro.schedule import (
     compile_schedule,
     model_counterexample,
 )
-from weightsync.repro.vllm.driver import _Driver, _Observer
+from weightsync.repro.vllm.driver import _blocked, _brief, _Driver, _idle, _line, _Observer, _state, _until
 from weightsync.vllm_tools.fix import OFF
 from weightsync.vllm_tools.serving import LoopThread, shutdown_async_llm, start_async_llm
 
@@ -347,49 +347,6 @@ def _front_end_at(d: _Driver, coord: tuple[int, bool]) -> bool:
     return (int(d.client.current_wave), bool(d.client.engines_running)) == coord
 
 
-def _state(fut: Any) -> str:
-    if not fut.done():
-        return "running"
-    exc = fut.exception()
-    return f"{type(exc).__name__}: {exc}" if exc else "returned"
-
-
-def _brief(rec: dict[str, Any]) -> str:
-    return str({k: v for k, v in rec.items() if k not in ("t", "rank", "ev", "vllm")})
-
-
-def _until(pred: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def _blocked(recs: list[dict[str, Any]]) -> tuple[str, dict[str, Any] | None]:
-    """What a rank was blocked in at the end of its log, and the error that ended it (if any)."""
-    last_step: dict[str, Any] | None = None
-    for rec in recs:
-        if rec["ev"] == "step":
-            last_step = rec
-        elif rec["ev"] == "step_done":
-            last_step = None
-        elif rec["ev"] == "step_error" and last_step is not None:
-            return ("dp_sync" if last_step.get("sync") else "dp_step"), rec
-    if last_step is not None:
-        return ("dp_sync" if last_step.get("sync") else "dp_step"), None
-    return "", None
-
-
-def _idle(recs: list[dict[str, Any]]) -> bool:
-    """The rank's last step ended its wave (its sync found no work anywhere) and no collective failed."""
-    if any(r["ev"] == "step_error" for r in recs):
-        return False
-    steps = [r for r in recs if r["ev"] in ("step", "step_done")]
-    return bool(steps) and steps[-1]["ev"] == "step_done" and not steps[-1]["result"]
-
-
 def _finish(
     served: _Served,
     events: Path,
@@ -496,15 +453,6 @@ def _finish(
         )
     else:
         res.reason = f"requests {fin}, errors {res.errors}, ranks {res.ranks}"
-
-
-def _line(rec: dict[str, Any]) -> str:
-    v = rec.get("vllm", {})
-    extra = _brief(rec)
-    return (
-        f"{rec['ev']} {extra} -> running={v.get('engines_running')} wave={v.get('current_wave')} "
-        f"pending={v.get('pending_pause')} ignore={v.get('ignore_start_dp_wave')} pause={v.get('pause_state')}"
-    )
 
 
 __all__ = ["COMPARED", "Action", "ReproResult", "compile_schedule", "fix_divergence", "run_vllm_repro"]
