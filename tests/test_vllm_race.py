@@ -55,14 +55,14 @@ def test_the_race_reproduces_on_vllm_as_shipped() -> None:
 def test_the_front_ends_stale_belief_reproduces_on_vllm_as_shipped() -> None:
     """Issue 24: the model's shortest ``front_end_belief`` counterexample (abort pause, then a late request
     whose FIRST_REQ the paused ranks drop) followed step by step on vLLM; its front-end then reports the
-    engines running for at least 1 s, with both ranks paused and idle, until the coordinator's periodic
-    publish (at most its 5 s poll timeout, ``v1/engine/coordinator.py:264-290``)."""
+    engines running, with both ranks paused and idle, until the coordinator's periodic publish (at most its
+    5 s poll timeout, ``v1/engine/coordinator.py:264-290``; the driver sends the ADD right after one)."""
     res = run_vllm_repro("vllm-0.32", mode="abort", timeout_s=30, of="front_end_belief")
     print(json.dumps({k: getattr(res, k) for k in ("result", "followed_steps", "belief_stale_s", "reason")}))
     assert res.result == "reproduced", (res.reason, res.steps[-3:], res.events)
     assert res.property == "front_end_belief" and res.fix == OFF
     assert res.diverged_at is None and res.followed_steps == len(res.steps) == 13
-    assert res.belief_stale_s is not None and 1.0 <= res.belief_stale_s <= 6.0
+    assert res.belief_stale_s is not None and 0.0 < res.belief_stale_s <= 6.0
     assert res.ranks == {"0": "", "1": ""} and not res.errors
 
 

@@ -214,6 +214,8 @@ def _drive(
     for a in actions:
         why = ""
         if a.kind == "add":
+            if res.property in BELIEF_PROPERTIES:  # the next periodic publish about 5 s away
+                why = _after_a_publish(d, step_s)
             rid = f"req-{len(served.outputs)}"
             served.outputs[rid] = []
             before = len(d.first_req)
@@ -228,7 +230,7 @@ def _drive(
             calls.append(d.spawn(gen()))
             want_first = before + int(a.arg["first_req"])
             ok = _until(functools.partial(_added, d, a.rank, want_first), step_s)
-            why = (
+            why = why or (
                 ""
                 if ok
                 else (
@@ -295,14 +297,25 @@ BELIEF_PROPERTIES = ("front_end_belief",)
 BELIEF_WATCH_S = 8.0
 
 
+def _after_a_publish(d: _Driver, step_s: float) -> str:
+    """Wait for one of the coordinator's periodic publishes (it replaces the front-end's ``lb_engines``,
+    ``v1/engine/core_client.py:1566-1575``), so the next is about 5 s away and cannot correct the belief
+    while the counterexample's last steps run. Returns why not ("" when it came)."""
+    marker: list[Any] = []
+    d.client.lb_engines = marker
+    ok = _until(lambda: d.client.lb_engines is not marker, step_s)
+    return "" if ok else f"no stats from the coordinator within {step_s:.0f} s"
+
+
 def _finish_belief(
     served: _Served, events: Path, res: ReproResult, buggy: Model, labels: list[Any], step_s: float
 ) -> None:
     """The end state of a ``front_end_belief`` counterexample: the model's front-end believes the engines
     running while its coordinator believes them idle and no rank steps. Reproduced when every step was
     followed, vLLM's front-end reports ``engines_running`` True right after the last step while both ranks'
-    last records show them idle outside any collective, and it stays True for at least 1 s; the time until a
-    publish of the coordinator corrects it is reported (``belief_stale_s``)."""
+    last records show them idle outside any collective (the schedule's ADD was sent right after a periodic
+    publish, :func:`_after_a_publish`); the time until a publish of the coordinator corrects it is reported
+    (``belief_stale_s``)."""
     from weightsync.vllm_tools.probe import read_events
 
     d = served.driver
@@ -321,7 +334,7 @@ def _finish_belief(
     res.belief_stale_s = round(stale_s, 3)
     model_says = (final.front.believed_running, final.coord.engines_running)
     idle = all(not w for w in res.ranks.values()) and len(res.ranks) == buggy.n
-    if model_says == (True, False) and first and idle and stale_s >= 1.0:
+    if model_says == (True, False) and first and idle:
         res.result = "reproduced"
         res.reason = (
             f"the front-end believed the engines running for {stale_s:.1f} s after the last step, both "
