@@ -44,6 +44,26 @@ def test_the_default_installs_the_patched_methods(monkeypatch: pytest.MonkeyPatc
     assert core.DPEngineCoreProc.weight_update_state == "idle"
 
 
+def test_uninstall_gives_the_shipped_classes_back_and_install_grafts_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A graft outlives the engine that loaded the plugin, so a run of vLLM as shipped in the same process
+    (the front-end's belief repro) takes it out first: every class gets its own attributes back."""
+    from vllm.v1.engine.core_client import DPAsyncMPClient
+
+    monkeypatch.delenv(fix.ENV_FIX, raising=False)
+    fix.install_from_env()
+    patched = dict(vars(DPAsyncMPClient)), dict(vars(core.DPEngineCoreProc))
+    removed = fix.uninstall()
+    assert "DPEngineCoreProc.resume_scheduler" in removed and fix.uninstall() == []
+    shipped = dict(vars(DPAsyncMPClient)), dict(vars(core.DPEngineCoreProc))
+    assert "weight_update_state" not in shipped[1] and "weight_update_state" in patched[1]
+    changed = [k for k in patched[0] if patched[0][k] is not shipped[0].get(k)]
+    assert changed, "the series changes DPAsyncMPClient (0004), so uninstall must change it back"
+    assert set(fix.install_from_env()) == set(removed)
+    assert dict(vars(core.DPEngineCoreProc)).keys() == patched[1].keys()
+
+
 def test_another_core_py_is_refused_before_anything_changes(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

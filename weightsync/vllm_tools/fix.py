@@ -89,6 +89,9 @@ INIT_ATTRS: dict[str, dict[str, Any]] = {"DPEngineCoreProc": {"weight_update_sta
 VLLM_VERSION = "0.32.0"
 
 _installed: list[str] = []
+_MISSING = object()
+#: what :func:`install` replaced, in order: (class, attribute, the class's own value or ``_MISSING``)
+_originals: list[tuple[Any, str, Any]] = []
 _log = logging.getLogger("vllm.weightsync.fix")  # under vLLM's logger, so its handler prints it
 
 
@@ -206,6 +209,12 @@ def _same(mine: Any, value: Any) -> bool:
     return _code_key(a.__code__) == _code_key(b.__code__)
 
 
+def _set(cls: Any, name: str, value: Any) -> None:
+    """``setattr``, remembering the class's own value for :func:`uninstall`."""
+    _originals.append((cls, name, cls.__dict__.get(name, _MISSING)))
+    setattr(cls, name, value)
+
+
 def _graft(cls: Any, patched: type, module: types.ModuleType) -> list[str]:
     """Set on ``cls`` every function or static method of ``patched`` that differs from ``cls``'s own."""
     names: list[str] = []
@@ -215,14 +224,14 @@ def _graft(cls: Any, patched: type, module: types.ModuleType) -> list[str]:
         mine = cls.__dict__.get(name)
         if isinstance(value, types.FunctionType):
             if not _same(mine, value):
-                setattr(cls, name, _rebind(value, module.__dict__, cls))
+                _set(cls, name, _rebind(value, module.__dict__, cls))
                 names.append(name)
         elif isinstance(value, staticmethod) and isinstance(value.__func__, types.FunctionType):
             if not _same(mine, value):
-                setattr(cls, name, staticmethod(_rebind(value.__func__, module.__dict__, cls)))
+                _set(cls, name, staticmethod(_rebind(value.__func__, module.__dict__, cls)))
                 names.append(name)
         elif mine is None and name not in dir(cls) and isinstance(value, (str, int, tuple, frozenset)):
-            setattr(cls, name, value)
+            _set(cls, name, value)
             names.append(name)
     return names
 
@@ -261,10 +270,28 @@ def install(fix: str = "epoch") -> list[str]:
     for cls, patched, module in plan:
         names += [f"{cls.__name__}.{n}" for n in _graft(cls, patched, module)]
         for attr, value in INIT_ATTRS.get(cls.__name__, {}).items():
-            setattr(cls, attr, value)
+            _set(cls, attr, value)
             names.append(f"{cls.__name__}.{attr}")
     _installed.extend(sorted(set(names)))
     return list(_installed)
+
+
+def uninstall() -> list[str]:
+    """Undo :func:`install` in this process: every grafted attribute gets the class's own value back (or is
+    deleted where the class had none), so vLLM runs as shipped here until the next :func:`install`. Needed
+    where the front-end itself is under test: the plugin grafts the series onto ``DPAsyncMPClient`` in any
+    process that loads vLLM's general plugins, and a graft outlives the engine that loaded it. Returns the
+    names it removed (empty when nothing was installed). Processes started before the call keep theirs.
+    """
+    removed = list(_installed)
+    while _originals:
+        cls, name, value = _originals.pop()
+        if value is _MISSING:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, value)
+    _installed.clear()
+    return removed
 
 
 def install_from_env() -> list[str]:
@@ -315,4 +342,5 @@ __all__ = [
     "install_from_env",
     "installed_path",
     "patched_sources",
+    "uninstall",
 ]

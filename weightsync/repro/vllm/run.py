@@ -165,6 +165,9 @@ def _serve(work: Path, events: Path, fix: str | None, timeout_s: int, say: Calla
             os.environ[fix_mod.ENV_FIX] = fix
     else:  # vLLM as shipped: the plugin's default fix is turned off for this run
         os.environ[fix_mod.ENV_FIX] = fix_mod.OFF
+        removed = fix_mod.uninstall()  # an earlier engine in this process may have grafted the front-end
+        if removed:
+            say(f"took out of this process the {len(removed)} attributes an earlier engine's plugin grafted")
         say(
             f"vLLM as shipped: the plugin's resume-epoch fix is off for this run ({fix_mod.ENV_FIX}={fix_mod.OFF})"
         )
