@@ -117,10 +117,6 @@ def test_check_negative_max_states_is_a_usage_error_not_a_bug_found() -> None:
             "idle-fast-path, ignore-wave, two-phase",
         ),
         (["repro", "vllm-0.32"], "unknown variant 'vllm-0.32'; known: " + ", ".join(EXPECTED)),
-        (
-            ["repro", "two-phase", "--property", "front_end_belief"],
-            "--property applies to --engine vllm (the reference engine drives the default counterexample)",
-        ),
     ],
 )
 def test_repro_engine_and_fix_misuse_exit_2_before_anything_starts(

@@ -31,13 +31,13 @@ def test_cli_replay_accepts_and_rejects(tmp_path: Path, capsys: pytest.CaptureFi
     # a tiny hand-written 1-rank trace: pause (two-phase, idle) is accepted...
     hdr = {"kind": "header", "variant": "two-phase-epoch", "dp_size": 1, "sync_interval": 2, "init": None}
     m = RankMachine(0, 1, "two-phase-epoch", 2)
-    m.fire(RankEvent.PAUSE, mode="abort", clear_cache=True, running=0)
+    m.fire(RankEvent.PAUSE, mode="abort", clear_cache=True, running=0, waiting=0)
     good = tmp_path / "good.jsonl"
     rec = {
         "kind": "transition",
         "rank": 0,
         "event": "pause",
-        "args": {"mode": "abort", "clear_cache": True, "running": 0},
+        "args": {"mode": "abort", "clear_cache": True, "running": 0, "waiting": 0},
     }
     good.write_text(json.dumps(hdr) + "\n" + json.dumps(rec) + "\n")
     assert main(["replay", str(good), "--json"]) == 0

@@ -45,9 +45,16 @@ def test_two_phase_epoch_n2_verifies_every_mode(capsys: pytest.CaptureFixture[st
         assert key in out
 
 
-def test_two_phase_ordered_channels_n2_verifies() -> None:
-    out = check("two-phase", 2, channels="ordered", bounds=Bounds(requests=1))
-    assert out["verdict"] == "verified" and _all_hold(out)
+def test_two_phase_ordered_channels_n2_violates_only_wait_drains() -> None:
+    """Ordered channels close PR #39366's resume-time race; what is left is its wait-mode pause, which leaves
+    a request queued before it queued (issue 24), and only under wait."""
+    for mode in (PauseMode.KEEP, PauseMode.ABORT):
+        out = check("two-phase", 2, mode=mode, channels="ordered", bounds=Bounds(requests=1))
+        assert out["verdict"] == "verified" and _all_hold(out), mode
+    out = check("two-phase", 2, mode=PauseMode.WAIT, channels="ordered", bounds=Bounds(requests=1))
+    props = out["properties"]
+    assert isinstance(props, dict)
+    assert {k for k, v in props.items() if v == "violated"} == {"wait_drains"}
 
 
 def _steps(variant: str) -> tuple[dict[str, object], str]:

@@ -24,7 +24,7 @@ from weightsync.spec.states import PauseMode, RankEvent, RankState
 
 _METHOD = {e: call for call, e in CALL_EVENT.items()}
 _ARGS: dict[RankEvent, dict[str, Any]] = {
-    RankEvent.PAUSE: {"mode": PauseMode.KEEP, "clear_cache": True, "running": 0}
+    RankEvent.PAUSE: {"mode": PauseMode.KEEP, "clear_cache": True, "running": 0, "waiting": 0}
 }
 
 

@@ -33,7 +33,7 @@ EPOCH = "two-phase-epoch"
 def _verified(variant: str = EPOCH, rank: int = 0) -> RankMachine:
     """A rank of a 2-rank group driven from running through a keep pause to verified."""
     m = RankMachine(rank, 2, variant, sync_interval=2)
-    m.fire(E.PAUSE, mode=PauseMode.KEEP, clear_cache=False, running=0)
+    m.fire(E.PAUSE, mode=PauseMode.KEEP, clear_cache=False, running=0, waiting=0)
     m.fire(E.STEP, has_work=False)
     m.fire(E.DP_STEP_DONE, has_work=False)
     m.fire(E.STEP, has_work=False)
@@ -71,7 +71,7 @@ def rule_fail_closed() -> None:
         m.fire(E.RESUME_BARRIER_DONE, max_unfinished=0, max_wave=0)
     assert m.state is S.ERROR
     with pytest.raises(LocalProtocolError):
-        m.fire(E.PAUSE, mode=PauseMode.KEEP, clear_cache=False, running=0)
+        m.fire(E.PAUSE, mode=PauseMode.KEEP, clear_cache=False, running=0, waiting=0)
     # an illegal call is answered by the table before anything fires: the rank is unchanged
     m = RankMachine(0, 2)
     before = m.vars
@@ -146,7 +146,7 @@ def rule_phase_1() -> None:
     expect[PauseMode.KEEP] = PauseState.PAUSED_ALL
     for mode, ps in expect.items():
         m = RankMachine(0, 2, EPOCH)
-        f = m.fire(E.PAUSE, mode=mode, clear_cache=False, running=2)
+        f = m.fire(E.PAUSE, mode=mode, clear_cache=False, running=2, waiting=0)
         assert m.vars.pause_state is ps and m.vars.pending_pause and m.vars.engines_running, mode
         assert ("abort_requests" in f.transition.effects) == (mode is PauseMode.ABORT), mode
         assert not any("reply_pause" in e for e in [f.transition.effects]), "the pause returned at once"
@@ -157,7 +157,7 @@ def rule_phase_1() -> None:
 
 def rule_phase_2() -> None:
     m = RankMachine(0, 2, EPOCH, sync_interval=1)
-    m.fire(E.PAUSE, mode=PauseMode.KEEP, clear_cache=True, running=0)
+    m.fire(E.PAUSE, mode=PauseMode.KEEP, clear_cache=True, running=0, waiting=0)
     m.fire(E.STEP, has_work=False)
     f = m.fire(E.DP_SYNC_DONE, has_work=False, sum_unfinished=0, sum_pending_pause=1)  # partial pause
     assert m.state is S.PAUSED and "reply_pause" not in f.transition.effects
@@ -311,7 +311,9 @@ def rule_vllm_032_epoch() -> None:
     }
     assert takers <= {S.VERIFIED, S.FAILED}, takers
     m = _verified(name)
-    f = m.fire(E.PAUSE, mode=PauseMode.KEEP, clear_cache=False, running=0)  # returns at once when verified
+    f = m.fire(
+        E.PAUSE, mode=PauseMode.KEEP, clear_cache=False, running=0, waiting=0
+    )  # returns at once when verified
     assert m.state is S.VERIFIED and "reply_pause" in f.transition.effects
     m.fire(E.RESUME)
     m.fire(E.RESUME_BARRIER_DONE, max_unfinished=0, max_wave=4)

@@ -49,6 +49,7 @@ def test_table_is_total_and_fails_closed(name: str) -> None:
         mode="keep",
         clear_cache=False,
         running=0,
+        waiting=0,
         wave=0,
         exclude=-1,
         has_work=False,
@@ -70,7 +71,7 @@ def test_table_is_total_and_fails_closed(name: str) -> None:
 
 
 def _pause_to_verified(m: RankMachine, mode: str = "keep") -> None:
-    m.fire(RankEvent.PAUSE, mode=mode, clear_cache=True, running=0)
+    m.fire(RankEvent.PAUSE, mode=mode, clear_cache=True, running=0, waiting=0)
     assert m.state is RankState.PAUSED and m.vars.pending_pause and m.vars.engines_running
     f = m.fire(RankEvent.STEP, has_work=False)
     assert f.transition.effects == ("execute_step", "enter_dp_step")
@@ -130,7 +131,7 @@ def test_weight_calls_while_running_are_local_errors(event: RankEvent) -> None:
 
 def test_resume_while_pause_in_flight_is_rejected() -> None:
     m = RankMachine(0, 2)
-    m.fire(RankEvent.PAUSE, mode=PauseMode.WAIT, clear_cache=False, running=3)
+    m.fire(RankEvent.PAUSE, mode=PauseMode.WAIT, clear_cache=False, running=3, waiting=0)
     assert m.state is RankState.PAUSING
     with pytest.raises(LocalProtocolError, match="resume"):
         m.fire(RankEvent.RESUME)
@@ -138,7 +139,7 @@ def test_resume_while_pause_in_flight_is_rejected() -> None:
 
 def test_idle_fast_path_rearms_on_late_wave() -> None:
     m = RankMachine(1, 2, "idle-fast-path", sync_interval=2)
-    f = m.fire(RankEvent.PAUSE, mode="keep", clear_cache=False, running=0)
+    f = m.fire(RankEvent.PAUSE, mode="keep", clear_cache=False, running=0, waiting=0)
     assert m.state is RankState.VERIFIED and "reply_pause" in f.transition.effects
     m.fire(RankEvent.START_DP_WAVE, wave=0, exclude=0)
     assert m.vars.engines_running
@@ -227,7 +228,7 @@ def test_vllm_032_cadence_mirror_and_resume() -> None:
         # the mirror start_wave only after the first step (engines_running was False before it)
         assert ("emit_start_wave" in f.transition.effects) == (len(syncs) == 1)
     assert syncs == [True, False, True, False, False]  # step_counter 1, 3 (K=3), then 6
-    m.fire(RankEvent.PAUSE, mode="keep", clear_cache=False, running=0)
+    m.fire(RankEvent.PAUSE, mode="keep", clear_cache=False, running=0, waiting=0)
     assert m.state is RankState.PAUSED
     f = m.fire(RankEvent.RESUME)  # a pause in flight: RuntimeError, the rank unchanged (non-sticky)
     assert f.transition.effects == ("refuse",) and m.state is RankState.PAUSED

@@ -213,17 +213,23 @@ def test_call_args_are_vllms_pause_arguments_with_its_defaults_and_the_ranks_run
     from weightsync.spec.rank_vars import EFFECTS
     from weightsync.spec.states import PauseMode, RankEvent
 
-    assert call_args(RankEvent.PAUSE, {}, 3) == {"mode": PauseMode.ABORT, "clear_cache": True, "running": 3}
-    assert call_args(RankEvent.PAUSE, {"mode": "keep", "clear_cache": False}, 0) == {
+    assert call_args(RankEvent.PAUSE, {}, 3, 1) == {
+        "mode": PauseMode.ABORT,
+        "clear_cache": True,
+        "running": 3,
+        "waiting": 1,
+    }
+    assert call_args(RankEvent.PAUSE, {"mode": "keep", "clear_cache": False}, 0, 0) == {
         "mode": PauseMode.KEEP,
         "clear_cache": False,
         "running": 0,
+        "waiting": 0,
     }
-    assert call_args(RankEvent.UPDATE_WEIGHTS, {"update_info": {"names": []}}, 2) == {}
+    assert call_args(RankEvent.UPDATE_WEIGHTS, {"update_info": {"names": []}}, 2, 0) == {}
     with pytest.raises(
         ValueError, match=r"^pause: mode='drain' is no pause mode; use one of \['abort', 'wait', 'keep'\]$"
     ):
-        call_args(RankEvent.PAUSE, {"mode": "drain"}, 0)
+        call_args(RankEvent.PAUSE, {"mode": "drain"}, 0, 0)
     with pytest.raises(ValueError, match=r"^pause takes no argument\(s\) \['running'\]"):
-        call_args(RankEvent.PAUSE, {"running": 5}, 0)  # read off the rank, never the caller's
+        call_args(RankEvent.PAUSE, {"running": 5}, 0, 0)  # read off the rank, never the caller's
     assert set(CALL_ARGS) <= set(RankEvent) and all(eff in EFFECTS for eff in DEFERRED_REPLY.values())

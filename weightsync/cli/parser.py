@@ -244,8 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--property",
         choices=list(PROPERTIES),
         default=None,
-        help="(--engine vllm, as shipped) drive the counterexample of this property (front_end_belief); "
-        "default: the most specific violation",
+        help="drive the counterexample of this property (reference: any the model violates, e.g. "
+        "wait_drains with --mode wait; --engine vllm, as shipped: front_end_belief); default: the most "
+        "specific violation",
     )
     r.add_argument(
         "--schedule",

@@ -61,10 +61,6 @@ def repro(args: argparse.Namespace) -> int:
 
     if args.fix is not None:
         return usage("--fix applies to --engine vllm (the reference engine runs the fixed variants by name)")
-    if args.property is not None:
-        return usage(
-            "--property applies to --engine vllm (the reference engine drives the default counterexample)"
-        )
     if args.variant not in EXPECTED:
         return usage(f"unknown variant {args.variant!r}; known: {', '.join(EXPECTED)}")
     from weightsync.model.check import build_model
@@ -82,7 +78,7 @@ def repro(args: argparse.Namespace) -> int:
 
     def plan() -> Plan:  # the model's exploration, while the engines start
         t_model = time.monotonic()
-        cx = model_counterexample(schedule, args.mode)
+        cx = model_counterexample(schedule, args.mode, args.property)
         labels, texts = [list(x) for x in cx["labels"]], [str(x) for x in cx["steps"]]
         if fixed:
             fix = build_model(args.variant, 2, args.mode)

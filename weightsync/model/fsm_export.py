@@ -253,6 +253,26 @@ def protocol_markdown() -> str:
         ),
         "",
     ]
+    drains = [v.name for v in VARIANTS.values() if _drains_queued(v)]
+    parts += [
+        "## Which requests a wait-mode pause drains",
+        "",
+        "vLLM 0.32's `wait` drains the requests a step already scheduled (running) and leaves those still "
+        "queued when the pause arrives queued under PAUSED_NEW until the resume "
+        "(`v1/core/sched/scheduler.py:900-917`; `get_num_unfinished_requests` does not count them, "
+        "`:2803-2811`). A request the client added before the pause is queued or running depending on "
+        "whether a step ran between the two: `_process_input_queue` handles every queued message before the "
+        "next step (`v1/engine/core.py:1573-1601`), so an ADD and a pause that arrive together leave the "
+        "request queued. A client cannot tell the cases apart.",
+        "",
+        "Variants whose `wait` drains every request queued on the rank when the pause arrives ("
+        + ", ".join(f"`{n}`" for n in drains)
+        + ", weightsync's patch 0005): the pause row `pause_drains_queued` fires `admit_waiting`, and the "
+        "rank counts them unfinished until they finish. Requests added after the pause stay queued. "
+        "Property `wait_drains` judges it; under per-socket channels an ADD still in flight when the pause "
+        "arrives counts as after it, as it is in vLLM between two API servers.",
+        "",
+    ]
     for v in VARIANTS.values():
         parts += [
             f"## Variant `{v.name}`",
@@ -303,6 +323,11 @@ def generated_spec_files() -> dict[str, str]:
         files[f"rank-fsm-{v.name}.dot"] = rank_fsm_dot(v)
         files[f"rank-fsm-{v.name}.mmd"] = rank_fsm_mermaid(v)
     return files
+
+
+def _drains_queued(v: Variant) -> bool:
+    """Whether ``v``'s table has a pause row that drains queued requests (effect ``admit_waiting``)."""
+    return any("admit_waiting" in tr.effects for trs in v.table.values() for tr in trs)
 
 
 def write_spec_dir(root: Path) -> list[Path]:

@@ -54,6 +54,12 @@ PROPERTIES: dict[str, tuple[str, str]] = {
         "once its pause returned; keep and wait abort no request the client did not abort",
         "vLLM 0.32 v1/engine/core.py:2061-2103 (pause modes)",
     ),
+    "wait_drains": (
+        "wait mode: once a rank's pause returned, it runs no request, and no request that was queued on it "
+        "when the pause arrived is still queued there",
+        "vLLM PR #34125 (mode=wait finishes processing); vLLM 0.32 v1/core/sched/scheduler.py:900-917 and "
+        "v1/engine/core.py:1573-1601 (a request queued before the pause stays queued under PAUSED_NEW)",
+    ),
     "tokens_exactly_once": (
         "every loop step that runs a forward gives each scheduled request exactly one token and the others "
         "none; a step that runs no forward changes no request (no token doubled or skipped)",
@@ -118,6 +124,7 @@ SAFETY = (
     "version_agreement",
     "pause_gating",
     "mode_semantics",
+    "wait_drains",
     "tokens_exactly_once",
     "no_stale_kv",
     "no_partial_serving",

@@ -61,14 +61,13 @@ from typing import Any
 
 from weightsync.impl.engine.client import DPEngineClient, free_port
 from weightsync.impl.engine.config import EngineConfig, tiny_config
-from weightsync.impl.engine.messages import TransitionRecord
 from weightsync.repro.driver import (
     TIMEOUT,
     ModelEnd,
     ScheduleDriver,
     ScheduleStep,
-    diff_vars,
 )
+from weightsync.repro.oracles import QUEUE_PROPERTIES, end_check, reproduce_queued, undrained_at_pause
 
 #: The variants the reference engine runs, and the verdict ``weightsync repro`` expects of each.
 EXPECTED: dict[str, str] = {
@@ -141,71 +140,6 @@ class ReproResult:
     def as_dict(self) -> dict[str, Any]:
         """JSON-able dict."""
         return asdict(self)
-
-
-def end_check(
-    records: Mapping[int, Sequence[TransitionRecord]],
-    after_schedule: Mapping[int, int],
-    failures: Mapping[int, Any],
-    end: ModelEnd,
-    start_vars: Mapping[int, Mapping[str, Any]] | None = None,
-) -> tuple[dict[str, str], list[str]]:
-    """Compare where each rank ended with the model's final state (the oracle of a buggy run).
-
-    A rank the model has blocked in collective K must have K as the collective of its last transition in
-    the schedule and leave it only by K's timeout: an engine failure that is a ``TransferTimeoutError``
-    with no transition before it, or a next transition carrying that timeout as its ``error`` argument
-    (a weight-transfer collective's timeout is a table event); what it does after the timeout is past the
-    model's run. A rank the model has outside any collective must not fail and must take no further acting
-    transition. Every rank's variables at the end of the schedule must be the model's final ones.
-
-    Args:
-        records: each rank's acting transitions since the schedule began, in order.
-        after_schedule: per rank, how many of them the schedule consumed (the rest came after it).
-        failures: rank -> its :class:`~weightsync.impl.engine.messages.EngineFailure`.
-        end: the model's final state.
-        start_vars: each rank's variables when the schedule began (for a rank with no transition).
-
-    Returns:
-        ``(ranks, problems)``: the collective each rank was in at the end of the schedule ("" outside any)
-        and every difference from the model, per rank (empty: the run ended where the model says).
-    """
-    ranks: dict[str, str] = {}
-    bad: list[str] = []
-    for r in sorted(end.blocked):
-        recs = list(records.get(r, ()))
-        k = after_schedule.get(r, len(recs))
-        sched, post = recs[:k], recs[k:]
-        last = sched[-1].after if sched else dict((start_vars or {}).get(r, {}))
-        where = str(last.get("collective", ""))
-        ranks[str(r)] = where
-        want = end.blocked[r]
-        f = failures.get(r)
-        moved = ", ".join(f"{t.event} [{t.guard}]" for t in post[:3])
-        if where != want:
-            bad.append(
-                f"rank {r} ended in {where or 'no collective'}, the model's final state has {want or 'none'}"
-            )
-        if want:
-            timed_out = str(post[0].args.get("error", "")) if post else ""
-            if post:
-                if not timed_out.startswith(TIMEOUT):
-                    bad.append(f"rank {r} moved on after the schedule: {moved}")
-            elif f is None:
-                bad.append(f"rank {r} never timed out of {want} (the model has it blocked there for good)")
-            elif f.error_type != TIMEOUT:
-                bad.append(f"rank {r} failed with {f.error_type}, not a timeout in {want}: {f.error[:200]}")
-        else:
-            if post:
-                bad.append(f"rank {r} moved on after the schedule: {moved}")
-            if f is not None:
-                bad.append(
-                    f"rank {r} failed in {f.phase} ({f.error_type}); the model has it outside any collective"
-                )
-        diff = diff_vars(last, end.vars.get(r, {}))
-        if diff:
-            bad.append(f"rank {r}'s variables differ from the model's final state: {diff}")
-    return ranks, bad
 
 
 @dataclass
@@ -412,6 +346,9 @@ def _reproduce(run: ScheduleDriver, res: ReproResult, end: ModelEnd) -> None:
     if extra:
         res.reason = f"after the last step the ranks took transitions the model has not: {extra}"
         return
+    if res.property in QUEUE_PROPERTIES:
+        reproduce_queued(run, res, end)
+        return
     run.say("every step followed; every message flows and every rank steps freely from here")
     run.flow()
     blocked = [r for r, k in end.blocked.items() if k]
@@ -456,6 +393,9 @@ def _complete(run: ScheduleDriver, res: ReproResult, impossible: int | None) -> 
         return
     if res.reason:  # the impossible step happened
         return
+    if res.property in QUEUE_PROPERTIES and (why := undrained_at_pause(run)):
+        res.reason = why
+        return
     run.say("every message flows and every rank steps freely from here")
     run.flow()
     run.finish_cycle()
@@ -494,7 +434,14 @@ def _complete(run: ScheduleDriver, res: ReproResult, impossible: int | None) -> 
         if impossible is not None
         else "the fix's model follows every step"
     )
-    res.reason = f"{where}; after letting everything flow, every request finished ({len(run.streams)})"
+    drained = (
+        "the pause returned with every request added before it finished; "
+        if res.property in QUEUE_PROPERTIES
+        else ""
+    )
+    res.reason = (
+        f"{where}; {drained}after letting everything flow, every request finished ({len(run.streams)})"
+    )
 
 
 __all__ = ["BUGGY", "EXPECTED", "Plan", "ReproResult", "end_check", "run_schedule"]

@@ -63,8 +63,10 @@ PAUSE_ARGS: dict[str, Any] = {"mode": "abort", "clear_cache": True}
 
 #: The rank-table arguments each controller call carries (``spec/rank_vars.py``'s list): the call's own
 #: keyword arguments (:data:`PAUSE_ARGS`) and what the receiving rank reads off its scheduler when the call
-#: arrives (``running``: the requests ``wait`` must drain, ``v1/engine/core.py:2216-2273`` in vLLM 0.32).
-CALL_ARGS: dict[RankEvent, tuple[str, ...]] = {RankEvent.PAUSE: (*PAUSE_ARGS, "running")}
+#: arrives (``running``: the requests ``wait`` must drain, ``v1/engine/core.py:2216-2273`` in vLLM 0.32;
+#: ``waiting``: the requests queued there and not yet scheduled, which vLLM 0.32's ``wait`` leaves queued
+#: under PAUSED_NEW, ``v1/core/sched/scheduler.py:900-917``, and the fixed variants drain too).
+CALL_ARGS: dict[RankEvent, tuple[str, ...]] = {RankEvent.PAUSE: (*PAUSE_ARGS, "running", "waiting")}
 
 
 #: The calls whose reply a later transition gives, by the effect that gives it: a pause returns once the rank
@@ -84,11 +86,11 @@ WORKER_OUTCOME: dict[str, tuple[RankEvent, dict[str, Any]]] = {
 }
 
 
-def call_args(event: RankEvent, kwargs: Mapping[str, Any], running: int) -> dict[str, Any]:
+def call_args(event: RankEvent, kwargs: Mapping[str, Any], running: int, waiting: int) -> dict[str, Any]:
     """The rank-table arguments of controller call ``event`` (:data:`CALL_ARGS`; none for a call not listed
     there), from the call's keyword arguments ``kwargs`` (a missing one takes vLLM 0.32's default,
-    :data:`PAUSE_ARGS`) and the receiving rank's ``running`` (requests running there now). The engine, the
-    model and the trace walker build them here.
+    :data:`PAUSE_ARGS`) and the receiving rank's ``running`` and ``waiting`` (requests running there now,
+    and queued there and not yet scheduled). The engine, the model and the trace walker build them here.
 
     Raises:
         ValueError: ``kwargs`` has an argument the call does not take, or a ``mode`` that is no
@@ -105,7 +107,12 @@ def call_args(event: RankEvent, kwargs: Mapping[str, Any], running: int) -> dict
     if not isinstance(mode, str) or mode not in _MODES:
         raise ValueError(f"{event.value}: mode={mode!r} is no pause mode; use one of {list(_MODES)}")
     clear_cache = bool(kwargs.get("clear_cache", PAUSE_ARGS["clear_cache"]))
-    return {"mode": PauseMode(mode), "clear_cache": clear_cache, "running": int(running)}
+    return {
+        "mode": PauseMode(mode),
+        "clear_cache": clear_cache,
+        "running": int(running),
+        "waiting": int(waiting),
+    }
 
 
 #: The pause modes by value (``call_args``' check).

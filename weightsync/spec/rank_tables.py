@@ -185,6 +185,21 @@ def _stepping_rows(
     return rows
 
 
+#: weightsync patch 0005: a wait-mode pause drains every request queued on the rank when the pause arrives
+#: (vLLM 0.32 leaves them queued under PAUSED_NEW, ``v1/core/sched/scheduler.py:900-917``, since
+#: ``_process_input_queue`` handles every queued message before the next step, ``v1/engine/core.py:1573-1601``).
+R_DRAIN_QUEUED = (
+    "weightsync patch 0005: a wait-mode pause drains the requests queued before it (vLLM 0.32 "
+    "v1/core/sched/scheduler.py:900-917 leaves them queued under PAUSED_NEW)"
+)
+
+
+def drain_queued_row(updates: tuple[str, ...]) -> Transition:
+    """The fixed variants' pause row for a wait-mode pause that finds queued requests: the rank drains them
+    with its running ones (effect ``admit_waiting``) before its pause completes."""
+    return _t("pause_drains_queued", _S.PAUSING, updates, ("admit_waiting",), R_DRAIN_QUEUED)
+
+
 def _running_rows(stale_add_rearms: bool = True, mirror_start_wave: bool = False) -> Table:
     return _stepping_rows(_S.RUNNING, True, stale_add_rearms, mirror_start_wave)
 
@@ -203,6 +218,7 @@ def two_phase_table(epoch: bool, safe_resume: bool = False, mirror_start_wave: b
     # running ones.
     rows[(_S.RUNNING, _E.PAUSE)] = (
         _t("pause_abort", _S.PAUSED, pause_updates, ("abort_requests",), R39366 + " phase 1 (abort)"),
+        *((drain_queued_row(pause_updates),) if epoch else ()),
         _t("pause_drains_now", _S.PAUSED, pause_updates, (), R39366 + " phase 1"),
         _t("pause_must_drain", _S.PAUSING, pause_updates, (), R39366 + " phase 1 (wait drains)"),
     )

@@ -7,7 +7,8 @@ Event arguments (``args``) used by the guards:
   0.32) -- injected by :class:`weightsync.spec.rank.RankMachine` or by the model checker;
 - weight-transfer calls in ``vllm-0.32``: ``worker`` (the worker machine's state) and ``worker_initialized``;
 - ``PAUSE``: ``mode`` (:class:`PauseMode`), ``clear_cache`` (bool), ``running`` (requests running on
-  this rank now, i.e. what ``wait`` must drain);
+  this rank now, i.e. what ``wait`` must drain), ``waiting`` (requests queued on this rank and not yet
+  scheduled: what vLLM 0.32's ``wait`` leaves queued and the fixed variants' ``wait`` drains too);
 - ``ADD``: ``wave`` (the wave the front-end stamped on the request);
 - ``START_DP_WAVE``: ``wave``, ``exclude`` (the engine index that must not re-start, or -1);
 - ``STEP``, ``DP_STEP_DONE``, ``DP_SYNC_DONE``: ``has_work`` (the scheduler has schedulable work
@@ -178,6 +179,11 @@ def _drains_now(v: RankVars, a: Args) -> bool:
     return PauseMode(a["mode"]) is not PauseMode.WAIT or int(a["running"]) == 0
 
 
+def _drains_queued(v: RankVars, a: Args) -> bool:
+    """A wait-mode pause finds requests queued before it (weightsync patch 0005: it drains them)."""
+    return PauseMode(a["mode"]) is PauseMode.WAIT and int(a["waiting"]) > 0
+
+
 GUARDS: dict[str, Callable[[RankVars, Args], bool]] = {
     # loop
     "step_plain": lambda v, a: _works(v, a) and not _is_sync_step(v, a),
@@ -224,6 +230,7 @@ GUARDS: dict[str, Callable[[RankVars, Args], bool]] = {
     "pause_abort_busy": lambda v, a: PauseMode(a["mode"]) is PauseMode.ABORT and v.engines_running,
     "pause_drains_now": _drains_now,
     "pause_must_drain": lambda v, a: not _drains_now(v, a),
+    "pause_drains_queued": _drains_queued,
     "pause_idle_fast_path": lambda v, a: _drains_now(v, a) and not v.engines_running,
     "pause_drains_now_busy": lambda v, a: _drains_now(v, a) and v.engines_running,
     # resume
@@ -358,6 +365,9 @@ UPDATES: dict[str, Callable[[RankVars, Args], RankVars]] = {
 EFFECTS: dict[str, str] = {
     "abort_requests": "abort every in-flight request; partial outputs with finish_reason='abort'",
     "queue_request": "append the request to the scheduler's waiting queue",
+    "admit_waiting": "a wait-mode pause drains the requests queued before it: the scheduler may start them "
+    "under PAUSED_NEW (and counts them unfinished) until they finish; requests added after the pause stay "
+    "queued (weightsync patch 0005)",
     "abort_request": "abort one request on the client's ABORT",
     "emit_start_wave": "send start_wave(current_wave) to the DP coordinator",
     "emit_wave_complete": "rank 0 only: send wave_complete(wave that ended) to the DP coordinator",

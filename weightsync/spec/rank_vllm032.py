@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from weightsync.spec.rank_tables import _E, _S, Table, _t, _transfer_rows
+from weightsync.spec.rank_tables import _E, _S, Table, _t, _transfer_rows, drain_queued_row
 from weightsync.spec.states import RankState
 from weightsync.spec.table import ALWAYS
 
@@ -149,11 +149,16 @@ def _v032_loop_rows(state: RankState, paused: bool) -> Table:
     return rows
 
 
-def _v032_pause_rows(state: RankState) -> Table:
+def _v032_pause_rows(state: RankState, drain_queued: bool) -> Table:
+    """The pause rows. vLLM 0.32's ``wait`` drains only the running requests: one queued on the rank when
+    the pause arrives stays queued under PAUSED_NEW until the resume (``v1/core/sched/scheduler.py:900-917``,
+    ``get_num_unfinished_requests`` at ``:2803-2811``). ``drain_queued``: weightsync's patch 0005 drains it
+    too (:func:`~weightsync.spec.rank_tables.drain_queued_row`)."""
     upd = ("set_pause_state", "set_pending_pause", "set_engines_running")
     return {
         (state, _E.PAUSE): (
             _t("pause_abort", _S.PAUSED, upd, ("abort_requests",), C_PAUSE + " (abort)"),
+            *((drain_queued_row(upd),) if drain_queued else ()),
             _t("pause_drains_now", _S.PAUSED, upd, (), C_PAUSE),
             _t("pause_must_drain", _S.PAUSING, upd, (), C_PAUSE + " (wait drains)"),
         )
@@ -252,7 +257,7 @@ def vllm032_table(epoch: bool) -> Table:
     round leaves the label unchanged (the worker machine holds it), and every call is legal in every state
     where the busy loop can take it (a refusal is an error reply, the rank unchanged: non-sticky).
 
-    vllm-0.32-epoch adds: the resume all-reduce carries [has_unfinished, current_wave] with MAX, every rank
+    vllm-0.32-epoch adds: a wait-mode pause drains the requests queued before it (patch 0005); the resume all-reduce carries [has_unfinished, current_wave] with MAX, every rank
     adopts MAX + 1 and resets its step counter; a resume is a no-op on a running rank; the round is the
     state ``updating`` (start only when verified, update and finish only while updating, each refused
     otherwise), a pause on a verified rank returns at once, a pause or resume during an update is refused;
@@ -261,7 +266,7 @@ def vllm032_table(epoch: bool) -> Table:
     rows: Table = {}
     for s in (_S.RUNNING, _S.PAUSING, _S.PAUSED, _S.VERIFIED):
         rows.update(_v032_serving_rows(s))
-        rows.update(_v032_pause_rows(s))
+        rows.update(_v032_pause_rows(s, drain_queued=epoch))
         rows.update(_v032_resume_rows(s))
     rows.update(_v032_loop_rows(_S.RUNNING, paused=False))
     rows.update(_v032_loop_rows(_S.PAUSING, paused=True))

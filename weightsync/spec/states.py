@@ -72,6 +72,13 @@ IN_FLIGHT_FINISH: dict[PauseMode, frozenset[str]] = {
 }
 
 
+#: The modes whose pause returns only once every request that reached the rank before it has finished:
+#: vLLM's contract for ``wait`` (PR #34125: "``mode=wait`` finishes processing"; PR #51488 treats the pause as
+#: a generation boundary). vLLM 0.32 keeps it for running requests only (a queued one waits for the resume,
+#: ``v1/core/sched/scheduler.py:900-917``); property ``wait_drains`` judges it.
+DRAINS_BEFORE_RETURN: frozenset[PauseMode] = frozenset({PauseMode.WAIT})
+
+
 class RankEvent(StrEnum):
     """Inputs of a rank machine: local (utility) calls, received messages, loop steps and collective outcomes."""
 

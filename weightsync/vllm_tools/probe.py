@@ -261,10 +261,16 @@ def install() -> bool:
 
     def pause_scheduler(self: Any, mode: str = "abort", clear_cache: bool = True) -> Any:
         log = _log(self)
-        running = int(self.scheduler.get_request_counts()[0])
+        running, waiting = (int(n) for n in self.scheduler.get_request_counts())
         out = orig["pause_scheduler"](self, mode, clear_cache)
         log.write(
-            self, "pause", mode=str(mode), clear_cache=bool(clear_cache), running=running, done=out is None
+            self,
+            "pause",
+            mode=str(mode),
+            clear_cache=bool(clear_cache),
+            running=running,
+            waiting=waiting,
+            done=out is None,
         )
         return out
 

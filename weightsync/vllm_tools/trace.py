@@ -185,7 +185,10 @@ def to_replay_trace(
                 emit(t, {**base, "event": "START_DP_WAVE", "args": args, "observed": _obs(rec)})
             elif ev == "pause":
                 kw = {"mode": rec["mode"], "clear_cache": rec["clear_cache"]}
-                args = {k: jsonable(v) for k, v in call_args(RankEvent.PAUSE, kw, rec["running"]).items()}
+                args = {
+                    k: jsonable(v)
+                    for k, v in call_args(RankEvent.PAUSE, kw, rec["running"], rec["waiting"]).items()
+                }
                 emit(t, {**base, "event": RankEvent.PAUSE.value, "args": args, "observed": _obs(rec)})
             elif ev in ("resume", "step"):
                 line: dict[str, Any] = {**base, "event": ev, "args": {}, "observed_before": _obs(rec)}

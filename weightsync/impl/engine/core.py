@@ -6,8 +6,7 @@ Loop (vLLM 0.32 ``DPEngineCoreProc.run_busy_loop``, ``v1/engine/core.py:2328-240
    the coordinator's wave socket (START_DP_WAVE) -- starting from a different one each iteration, so no
    order is imposed between sockets. Each message becomes a :class:`~weightsync.spec.states.RankEvent` and
    is fired on the rank's :class:`~weightsync.spec.rank.RankMachine`.
-2. Fire ``STEP(has_work)``; the table answers with ``execute_step`` + ``enter_dp_step`` / ``enter_dp_sync``
-   or nothing (idle).
+2. Fire ``STEP(has_work)``; the table answers with ``execute_step`` + ``enter_dp_step`` or nothing (idle).
 3. Run the returned effects by name (:attr:`EngineCore.effects`, one method per
    :data:`~weightsync.spec.rank.EFFECTS` entry). Collective effects block in the DP group and then fire the
    collective's outcome event (``DP_STEP_DONE``, ``DP_SYNC_DONE``, ``RESUME_BARRIER_DONE``...).
@@ -260,6 +259,9 @@ class EngineCore(CallReplies):
         # only the rows of mode=abort name this effect (the table decided; vLLM 0.32 core.py:2088-2092)
         self._send_deltas(self.sched.abort_all())
 
+    def _admit_waiting(self, fired: Fired) -> None:
+        self._send_deltas(self.sched.admit_waiting())
+
     def _queue_request(self, fired: Fired) -> None:
         assert isinstance(self._ctx_msg, AddMsg)
         self.sched.add(self._ctx_msg.request)
@@ -392,7 +394,7 @@ class EngineCore(CallReplies):
             )
             return
         try:
-            args = call_args(event, call.kwargs, len(self.sched.running))
+            args = call_args(event, call.kwargs, len(self.sched.running), len(self.sched.waiting))
         except ValueError as exc:  # bad arguments: refused before the table sees the call
             self._reply_error(call, exc)
             return

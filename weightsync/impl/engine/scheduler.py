@@ -146,6 +146,24 @@ class Scheduler:
         """This rank's has-unfinished contribution (0/1) to the DP sync all-reduce."""
         return unfinished_for_sync(self.pause_state, len(self.waiting), len(self.running))
 
+    def _admit(self, limit: int | None) -> list[TokenDelta]:
+        """Move waiting requests into the running batch (up to ``limit`` running; None: all of them). A
+        rejected one ends here with ``finish_reason="error"``; its delta is returned."""
+        out: list[TokenDelta] = []
+        while self.waiting and (limit is None or len(self.running) < limit):
+            live = self.waiting.popleft()
+            if live.error is not None:
+                out.append(self._delta(live, [], [], "error", live.error))
+                continue
+            self.running[live.request.req_id] = live
+        return out
+
+    def admit_waiting(self) -> list[TokenDelta]:
+        """The table's ``admit_waiting`` effect (a wait-mode pause drains the requests queued before it,
+        weightsync patch 0005): every waiting request joins the running batch now, past ``max_batch`` if
+        need be, so each drains with the running ones under PAUSED_NEW. Returns the deltas of rejected ones."""
+        return self._admit(None)
+
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[TokenDelta]:
         """Run one step; returns the token deltas (empty for a dummy step, e.g. under PAUSED_ALL).
@@ -154,12 +172,7 @@ class Scheduler:
         """
         out: list[TokenDelta] = []
         if admits_waiting(self.pause_state):
-            while self.waiting and len(self.running) < self.max_batch:
-                live = self.waiting.popleft()
-                if live.error is not None:
-                    out.append(self._delta(live, [], [], "error", live.error))
-                    continue
-                self.running[live.request.req_id] = live
+            out = self._admit(self.max_batch)
         if not advances_running(self.pause_state) or not self.running:
             return out
         self.steps += 1

@@ -23,7 +23,7 @@ from weightsync.spec.controller import Policy, controller_table
 from weightsync.spec.coordinator import coordinator_table
 from weightsync.spec.front_end import FrontEvent, FrontState, FrontVars, front_end_fire, front_end_table
 from weightsync.spec.rank import GUARDS, UPDATES, RankVars, Table, Variant, apply, get_variant, select
-from weightsync.spec.states import PauseMode, RankEvent, RankState
+from weightsync.spec.states import DRAINS_BEFORE_RETURN, PauseMode, RankEvent, RankState
 from weightsync.spec.table import Transition, apply_transition, select_transition
 from weightsync.spec.worker import (
     WORKER_GUARDS,
@@ -61,6 +61,8 @@ class ModelBase:
         self.ordered = config.channels == "ordered"
         self.n_fifos, self.f_add, self.f_ctrl, self.f_wave = CHANNEL_FIFOS[config.channels]
         self.mode = PauseMode(config.mode)
+        #: the mode's pause returns only once the rank's requests drained (property ``wait_drains``)
+        self.drains_before_return = self.mode in DRAINS_BEFORE_RETURN
         self.sync_interval = b.sync_interval
         self.tokens = b.tokens
         self.requests = b.requests
@@ -80,7 +82,7 @@ class ModelBase:
         self._cache: dict[tuple[Any, ...], tuple[Transition | None, RankVars]] = {}
         self._worker_cache: dict[tuple[WorkerVars, WorkerEvent], WorkerVars] = {}
         # a controller call's table arguments by (event, requests running on the rank): spec call_args
-        self._call_args_cache: dict[tuple[RankEvent, int], tuple[tuple[str, Any], ...]] = {}
+        self._call_args_cache: dict[tuple[RankEvent, int, int], tuple[tuple[str, Any], ...]] = {}
         # the DP coordinator's table (spec/coordinator.py) for this variant, and its firings by input
         self.coord_table = coordinator_table(
             self.variant.coordinator_latches, self.variant.first_req_exclusion

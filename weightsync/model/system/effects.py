@@ -13,6 +13,9 @@ from weightsync.model.system.state import (
     FAIL_PHASE,
     FAILABLE_EFFECTS,
     FAILED_REPLY,
+    GHOST_QUEUED,
+    GHOST_RECEIVED,
+    GHOST_REPLY,
     OWE_PAUSE,
     OWE_RESUME,
     PAUSE,
@@ -40,12 +43,14 @@ from weightsync.spec.collectives import (
 from weightsync.spec.front_end import RANK_EFFECT_EVENT
 from weightsync.spec.rank import EFFECT_RANKS, RankVars, effect_acts_on
 from weightsync.spec.states import (
+    DRAINS_BEFORE_RETURN,
     RankEvent,
     RankState,
     admits_waiting,
     advances_running,
     schedulable,
 )
+from weightsync.spec.table import Transition
 from weightsync.spec.worker import WORKER_EVENT_OF_EFFECT
 
 #: Effects that answer a call at once (a pause or resume without any is answered later).
@@ -138,7 +143,8 @@ class RankEffects(ModelBase):
         if self.track_owed:
             rank = self._owe(i, rank, ev, extra, untracked)
         elif ev is RankEvent.PAUSE:
-            rank = rank.with_status(rank.status, 1)
+            tr = self.fire(i, rank.vars, ev, extra)[0] if rank.waiting else None
+            rank = rank.with_status(rank.status, self._received_ghost(rank, extra, tr))
         elif ev is RankEvent.RESUME:
             rank = rank.with_status(rank.status, 0)
         return self._rank_event(s, i, rank, ev, extra, fail=fail, untracked=untracked, arg=msg[2])
@@ -148,11 +154,12 @@ class RankEffects(ModelBase):
         spec's :func:`~weightsync.spec.controller.call_args` (the pause's ``mode``, ``clear_cache``,
         ``running``) and, where the variant's worker flags decide, the worker's state for a weight-transfer
         call (:data:`~weightsync.spec.collectives.CALL_FAIL_PHASE`'s calls, ``spec/rank_vars.py``)."""
-        if ev in CALL_ARGS:  # cached: mode and clear_cache are the configuration's, only ``running`` varies
-            key = (ev, len(rank.running))
+        if ev in CALL_ARGS:  # cached: mode and clear_cache are the configuration's; the queues vary
+            key = (ev, len(rank.running), len(rank.waiting))
             extra = self._call_args_cache.get(key)
             if extra is None:
-                args = call_args(ev, {"mode": self.mode, "clear_cache": self.clear_cache}, key[1])
+                kwargs = {"mode": self.mode, "clear_cache": self.clear_cache}
+                args = call_args(ev, kwargs, key[1], key[2])
                 extra = self._call_args_cache[key] = tuple(sorted(args.items()))
             return extra
         if self.worker_args and ev in CALL_FAIL_PHASE:
@@ -173,13 +180,26 @@ class RankEffects(ModelBase):
             return rank
         if ev is RankEvent.PAUSE:
             rank = rank._replace(
-                pause_ghost=1 if not untracked or rank.pause_ghost == 0 else rank.pause_ghost
+                pause_ghost=self._received_ghost(rank, extra, tr)
+                if not untracked or rank.pause_ghost == 0
+                else rank.pause_ghost
             )
         else:
             rank = rank._replace(pause_ghost=0)
         if untracked and not _IMMEDIATE_REPLIES & set(tr.effects):
             rank = rank._replace(owed=rank.owed | (OWE_PAUSE if ev is RankEvent.PAUSE else OWE_RESUME))
         return rank
+
+    def _received_ghost(self, rank: Rank, extra: tuple[tuple[str, Any], ...], tr: Transition | None) -> int:
+        """The pause ghost of a rank whose slice is ``rank`` when it takes a pause with arguments ``extra``
+        by row ``tr``: GHOST_QUEUED when the pause's mode must drain before it returns
+        (:data:`~weightsync.spec.states.DRAINS_BEFORE_RETURN`), requests are queued on the rank, and the row
+        does not admit them (vLLM 0.32 leaves them queued until the resume); else GHOST_RECEIVED."""
+        if not rank.waiting or dict(extra)["mode"] not in DRAINS_BEFORE_RETURN:
+            return GHOST_RECEIVED
+        if tr is None or "admit_waiting" in tr.effects or "abort_requests" in tr.effects:
+            return GHOST_RECEIVED
+        return GHOST_QUEUED
 
     def _step(self, s: GlobalState, i: int) -> GlobalState | None:
         rank = s.ranks[i]
@@ -236,6 +256,11 @@ class RankEffects(ModelBase):
             scratch.ranks[i] = rank.with_queues(
                 tuple(sorted((*rank.waiting, (req, self.tokens)))), rank.running
             )
+        elif eff == "admit_waiting":  # patch 0005: the queued requests drain with the running ones
+            if rank.waiting:
+                kv = int(rank.vars.weight_version)
+                running = tuple(sorted(rank.running + tuple((r, left, kv) for r, left in rank.waiting)))
+                scratch.ranks[i] = rank.with_queues((), running)
         elif eff == "execute_step":
             ps = rank.vars.pause_state
             waiting, running = rank.waiting, rank.running
@@ -259,7 +284,9 @@ class RankEffects(ModelBase):
                 rank = rank._replace(worker=self.worker_fire(rank.worker, WORKER_EVENT_OF_EFFECT[eff]))
             scratch.ranks[i] = rank
         elif eff in ("reply", "reply_pause", "reply_resume"):
-            pause_ghost = 2 if eff == "reply_pause" and rank.pause_ghost == 1 else rank.pause_ghost
+            pause_ghost = rank.pause_ghost
+            if eff == "reply_pause":
+                pause_ghost = GHOST_REPLY.get(pause_ghost, pause_ghost)
             if scratch.untracked:
                 status = rank.status
             elif self.track_owed and eff != "reply":

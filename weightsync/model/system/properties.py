@@ -6,6 +6,9 @@ from weightsync.model.system.environment import Environment
 from weightsync.model.system.state import (
     DP_KINDS,
     FINISH,
+    GHOST_QUEUED_REPLIED,
+    GHOST_RECEIVED,
+    GHOSTS_REPLIED,
     IDLE,
     PAUSE,
     RESUME,
@@ -15,7 +18,13 @@ from weightsync.model.system.state import (
     GlobalState,
     Label,
 )
-from weightsync.spec.states import PauseMode, PauseState, RankState, admits_waiting, advances_running
+from weightsync.spec.states import (
+    PauseMode,
+    PauseState,
+    RankState,
+    admits_waiting,
+    advances_running,
+)
 from weightsync.spec.worker import WorkerState
 
 
@@ -48,11 +57,26 @@ class Properties(Environment):
             bad.append("coordinator_belief")
         if not self._front_end_belief_right(s):
             bad.append("front_end_belief")
-        if self.mode is PauseMode.ABORT and any(r.pause_ghost == 2 and r.running for r in ranks):
+        if self.mode is PauseMode.ABORT and any(r.pause_ghost in GHOSTS_REPLIED and r.running for r in ranks):
             bad.append("mode_semantics")
         if not self.seen_all_verified and all(r.vars.state is RankState.VERIFIED for r in ranks):
             self.seen_all_verified = True
         return bad
+
+    def _wait_drained(self, s: GlobalState, t: GlobalState) -> bool:
+        """An edge ``s -> t`` on which some rank's pause returns (its ghost becomes a replied one), under a
+        mode that drains before its pause returns (``wait``, :data:`~weightsync.spec.states.DRAINS_BEFORE_RETURN`),
+        leaves that rank running no request, and none it found queued when the pause arrived still queued
+        (the ghost GHOST_QUEUED_REPLIED: vLLM 0.32 ``v1/core/sched/scheduler.py:900-917`` holds them under
+        PAUSED_NEW until the resume). A request the client aborted in between is indistinguishable from a
+        later one, so a rank whose ghost says so and whose queue is empty is drained. An edge property, so
+        the states after such a pause are still explored (the update and resume that follow it)."""
+        for a, b in zip(s.ranks, t.ranks, strict=True):
+            if a.pause_ghost == b.pause_ghost or b.pause_ghost not in GHOSTS_REPLIED:
+                continue
+            if b.running or (b.pause_ghost == GHOST_QUEUED_REPLIED and b.waiting):
+                return False
+        return True
 
     def _coordinator_belief_right(self, s: GlobalState) -> bool:
         """Once the engines are idle and nothing is in flight (no message, no collective, no outstanding
@@ -114,9 +138,14 @@ class Properties(Environment):
         )  # keep and wait abort nothing the client did not abort
 
     def edge_check(self, s: GlobalState, label: Label, t: GlobalState) -> list[str]:
-        """Transition properties: quiescence (no rank steps or enters a DP collective while another rank
+        """Transition properties: wait_drains (:meth:`_wait_drained`), quiescence (no rank steps or enters a DP collective while another rank
         is inside a weight-transfer collective; issue #36594, PR #39366), plus the non-vacuity witness
         'an update completes while a START_DP_WAVE is in flight'."""
+        if self.drains_before_return and not self._wait_drained(s, t):
+            return ["wait_drains", *self._edge_check(s, label, t)]
+        return self._edge_check(s, label, t)
+
+    def _edge_check(self, s: GlobalState, label: Label, t: GlobalState) -> list[str]:
         kind = label[0]
         if kind == "step":
             i = label[1]
@@ -165,7 +194,9 @@ class Properties(Environment):
             q[0] for q in before.waiting if any(x[0] == q[0] for x in after.running) or q[0] in newdone
         }
         pause_ghost = before.pause_ghost
-        frozen = pause_ghost == 2 or (pause_ghost == 1 and self.mode is PauseMode.KEEP)
+        frozen = pause_ghost in GHOSTS_REPLIED or (
+            pause_ghost == GHOST_RECEIVED and self.mode is PauseMode.KEEP
+        )
         if (pause_ghost and started) or (advanced and frozen):
             bad.append("pause_gating")
         if advanced and pause_ghost and self.mode is PauseMode.ABORT:

@@ -116,8 +116,9 @@ class Rank(NamedTuple):
         inq: input FIFOs (per-socket: ADD, controller, wave; ordered: one).
         outq: FIFO to the coordinator (per-socket only; ordered mode uses the coordinator's single FIFO).
         status: the controller's current call to this rank: 0 not sent, 1 sent, 2 replied, 3 spurious reply.
-        pause_ghost: ghost for the pause properties: 0 no pause in effect, 1 the rank received pause (and no resume
-            since), 2 its pause reply was sent.
+        pause_ghost: ghost for the pause properties: 0 no pause in effect, 1 the rank received pause (and no
+            resume since), 2 its pause reply was sent; 3 and 4 are 1 and 2 for a wait-mode pause that left
+            requests queued on the rank when it arrived (:data:`GHOST_RECEIVED`, :data:`GHOST_REPLIED`).
         worker: the rank's worker-side weight-update machine (:mod:`weightsync.spec.worker`), driven by
             the table's ``start_weight_update`` / ``finish_weight_update`` / ``enter_weight_broadcast`` /
             ``enter_transfer_init`` effects.
@@ -215,6 +216,14 @@ class Ctrl(NamedTuple):
     recovering: bool
     extra_used: int
 
+
+#: ``Rank.pause_ghost`` values: received (no reply yet) and replied, each plain or for a wait-mode pause that
+#: left requests it found queued (property ``wait_drains``).
+GHOST_RECEIVED, GHOST_REPLIED, GHOST_QUEUED, GHOST_QUEUED_REPLIED = 1, 2, 3, 4
+#: The replied ghost of each received one (the ``reply_pause`` effect).
+GHOST_REPLY = {GHOST_RECEIVED: GHOST_REPLIED, GHOST_QUEUED: GHOST_QUEUED_REPLIED}
+#: Ghosts of a pause whose reply was sent.
+GHOSTS_REPLIED = frozenset({GHOST_REPLIED, GHOST_QUEUED_REPLIED})
 
 #: ``Rank.owed`` bits.
 OWE_PAUSE, OWE_RESUME = 1, 2

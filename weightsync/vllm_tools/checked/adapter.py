@@ -285,7 +285,7 @@ class VLLMAdapter:
         m = PauseMode(mode)
         t = self.timeout_s if timeout is None else float(timeout)
         with self._lock:
-            probe = [{"mode": m, "clear_cache": bool(clear_cache), "running": 0}] * self.dp_size
+            probe = [{"mode": m, "clear_cache": bool(clear_cache), "running": 0, "waiting": 0}] * self.dp_size
             effects = self._preflight(RankEvent.PAUSE, probe)
             self._refuse(RankEvent.PAUSE, probe, effects)
             try:
@@ -300,7 +300,14 @@ class VLLMAdapter:
             self._held_running = m is PauseMode.KEEP
             for r in range(self.dp_size):
                 c = self._counts(before[r])
-                args = {"mode": m, "clear_cache": bool(clear_cache), "running": max(0, before[r])}
+                # vLLM reports one unfinished count per rank: passed as ``running`` (under the fixed
+                # variants' wait, queued requests drain like running ones: the same target state)
+                args = {
+                    "mode": m,
+                    "clear_cache": bool(clear_cache),
+                    "running": max(0, before[r]),
+                    "waiting": 0,
+                }
                 self._fire(r, RankEvent.PAUSE, args, c)
             self._lockstep(RankState.VERIFIED, [self._counts(a) for a in after])
 
