@@ -153,7 +153,8 @@ def _v032_pause_rows(state: RankState, drain_queued: bool) -> Table:
     """The pause rows. vLLM 0.32's ``wait`` drains only the running requests: one queued on the rank when
     the pause arrives stays queued under PAUSED_NEW until the resume (``v1/core/sched/scheduler.py:900-917``,
     ``get_num_unfinished_requests`` at ``:2803-2811``). ``drain_queued``: weightsync's patch 0005 drains it
-    too (:func:`~weightsync.spec.rank_tables.drain_queued_row`)."""
+    too (:func:`~weightsync.spec.rank_tables.drain_queued_row`): the requests queued when the scheduler
+    leaves UNPAUSED for PAUSED_NEW, so only a pause of a running rank."""
     upd = ("set_pause_state", "set_pending_pause", "set_engines_running")
     return {
         (state, _E.PAUSE): (
@@ -266,7 +267,8 @@ def vllm032_table(epoch: bool) -> Table:
     rows: Table = {}
     for s in (_S.RUNNING, _S.PAUSING, _S.PAUSED, _S.VERIFIED):
         rows.update(_v032_serving_rows(s))
-        rows.update(_v032_pause_rows(s, drain_queued=epoch))
+        # the fix drains what an unpaused rank has queued; a second pause leaves the drain set alone
+        rows.update(_v032_pause_rows(s, drain_queued=epoch and s is _S.RUNNING))
         rows.update(_v032_resume_rows(s))
     rows.update(_v032_loop_rows(_S.RUNNING, paused=False))
     rows.update(_v032_loop_rows(_S.PAUSING, paused=True))
