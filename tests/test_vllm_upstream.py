@@ -138,3 +138,18 @@ def test_front_end_belief_stays_true_as_shipped_and_not_patched_or_with_the_plug
     assert rc == 0 and got == {name: "passed"}, got
     rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp_path)  # the default
     assert rc == 0 and got == {name: "passed"}, got
+
+
+def test_wait_pause_leaves_a_queued_request_as_shipped_and_not_patched_or_with_the_plugin(
+    overlay: Path, tmp_path: Path
+) -> None:
+    """Patch 0005 (issue 24): a request added just before ``pause_generation(mode="wait")``, while the rank
+    is stepping another, is still queued when the pause returns as shipped (every trial), and drained before
+    it returns patched, and with the plugin's default fix (grafted onto the engines' ``Scheduler``)."""
+    module, name = "test_wait_pause_drains_queued.py", "test_wait_pause_drains_a_request_added_just_before_it"
+    rc, got = run_vllm_tests(module, overlay=None, fix_env=fix.OFF, tmp=tmp_path)
+    assert rc == 1 and "still queued in" in got[name], got
+    rc, got = run_vllm_tests(module, overlay=overlay, fix_env=fix.OFF, tmp=tmp_path)
+    assert rc == 0 and got == {name: "passed"}, got
+    rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp_path)  # the default
+    assert rc == 0 and got == {name: "passed"}, got

@@ -15,7 +15,10 @@ each and run its test):
 4. ``0004``: the DP front-end does not set ``engines_running`` when it forwards a FIRST_REQ
    (``vllm/v1/engine/core_client.py``), so a request added during a pause does not leave it believing
    paused, idle engines run (vllm-project/vllm#51481). It runs in the process that holds the
-   ``AsyncLLM`` (vLLM loads plugins there too, ``engine/arg_utils.py:906``).
+   ``AsyncLLM`` (vLLM loads plugins there too, ``engine/arg_utils.py:906``);
+5. ``0005``: a wait-mode pause drains the requests queued when it came (and those preempted during the
+   drain), not only those a step already scheduled (``vllm/v1/core/sched/scheduler.py``); requests added
+   after it stay queued until the resume.
 
 :func:`install_from_env` (the plugin's hook, run in every vLLM process that loads plugins) decides from
 :data:`ENV_FIX`: unset means :data:`DEFAULT_FIX`. On a vLLM other than 0.32.x the default installs nothing
@@ -28,9 +31,10 @@ The fix logs once per process that it is active.
 :func:`install` compiles each copy and grafts onto the installed class (:data:`SOURCES`) every method the
 series changes or adds (compared by code object), each rebound to the installed module's globals and to
 the installed class (its ``super()`` cell), so vLLM runs the patched methods and nothing else of the copy.
-``0002``'s ``__init__`` hunk only sets ``self.weight_update_state = "idle"``; the plugin runs inside
-``EngineCore.__init__`` (``core.py:129``), after ``DPEngineCoreProc.__init__`` has begun, so that
-attribute is installed as a class default instead (:data:`INIT_ATTRS`).
+``0002``'s ``__init__`` hunk only sets ``self.weight_update_state = "idle"``, and ``0005``'s only
+``self.pause_drain = frozenset()``; the plugin runs inside ``EngineCore.__init__`` (``core.py:129``), after
+``DPEngineCoreProc.__init__`` has begun, so those attributes are installed as class defaults instead
+(:data:`INIT_ATTRS`).
 
 Raises (from :func:`install`, before anything is changed): :class:`RuntimeError` when vLLM is not 0.32.0,
 a file is not the series' source, ``patch(1)`` is missing, or a patch does not apply.
@@ -83,9 +87,17 @@ SOURCES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "vllm.v1.engine.core_client",
         ("DPAsyncMPClient",),
     ),
+    "vllm/v1/core/sched/scheduler.py": (
+        "d9a39870286c424cef2fc0730e24092ee3df67e848608e2278944846bab804ae",
+        "vllm.v1.core.sched.scheduler",
+        ("Scheduler",),
+    ),
 }
 #: attributes an ``__init__`` hunk sets, installed as class defaults (see the module docstring)
-INIT_ATTRS: dict[str, dict[str, Any]] = {"DPEngineCoreProc": {"weight_update_state": "idle"}}
+INIT_ATTRS: dict[str, dict[str, Any]] = {
+    "DPEngineCoreProc": {"weight_update_state": "idle"},
+    "Scheduler": {"pause_drain": frozenset()},  # 0005; only ever replaced, never mutated
+}
 VLLM_VERSION = "0.32.0"
 
 _installed: list[str] = []
