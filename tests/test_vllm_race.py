@@ -11,6 +11,8 @@ once (``make test-slow-ci``).
   happen, and after every held message is released every request finishes.
 - ``weightsync repro vllm-0.32 --engine vllm --mode abort --property front_end_belief``: the late request's
   counterexample followed step by step, then vLLM's front-end believing paused, idle engines running.
+- ``weightsync repro vllm-0.32 --engine vllm --mode wait --property wait_drains``: a request added just before
+  a wait-mode pause, still queued when the pause returns.
 - ``weightsync record --engine vllm --cycles 20``: 20 pause / weight round / resume cycles with random
   traffic; ``weightsync replay --variant vllm-0.32`` accepts the engines' trace (every recorded event an
   edge of the table, vLLM's variables equal to the table's after each, collective outcomes equal to the
@@ -64,6 +66,18 @@ def test_the_front_ends_stale_belief_reproduces_on_vllm_as_shipped() -> None:
     assert res.diverged_at is None and res.followed_steps == len(res.steps) == 13
     assert res.belief_stale_s is not None and 0.0 < res.belief_stale_s <= 6.0
     assert res.ranks == {"0": "", "1": ""} and not res.errors
+
+
+def test_the_wait_pause_leaves_a_queued_request_on_vllm_as_shipped() -> None:
+    """Issue 24: the model's shortest ``wait_drains`` counterexample (an ADD, then pause(wait) on the same
+    rank before it steps: the probe holds its busy loop after the ADD until the pause is in) followed step by
+    step on vLLM; the pause returns, the request produces nothing while paused and finishes after resume."""
+    res = run_vllm_repro("vllm-0.32", mode="wait", timeout_s=30, of="wait_drains")
+    print(json.dumps({k: getattr(res, k) for k in ("result", "followed_steps", "reason")}))
+    assert res.result == "reproduced", (res.reason, res.steps[-3:], res.events)
+    assert res.property == "wait_drains" and res.fix == OFF
+    assert res.diverged_at is None and res.followed_steps == len(res.steps) == 8
+    assert res.requests_finished == {"req-0": 4} and not res.errors
 
 
 def test_the_fix_makes_the_same_schedule_complete() -> None:

@@ -20,10 +20,10 @@ def _repro_vllm(args: argparse.Namespace) -> int:
     mod = vllm_module(args, "weightsync.repro.vllm.run", "--engine vllm")
     if mod is None:
         return EXIT_USAGE
-    if args.property is not None and (args.fix or args.property not in mod.BELIEF_PROPERTIES):
+    if args.property is not None and (args.fix or args.property not in mod.DRIVEN_PROPERTIES):
         msg = (
             f"--property {args.property}: --engine vllm drives the counterexample of "
-            f"{', '.join(mod.BELIEF_PROPERTIES)} on vLLM as shipped (no --fix)"
+            f"{', '.join(mod.DRIVEN_PROPERTIES)} on vLLM as shipped (no --fix)"
         )
         emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
         return EXIT_USAGE

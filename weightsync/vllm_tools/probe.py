@@ -49,6 +49,11 @@ by the driver to that engine: ``AsyncMPClient._call_utility_async(..., engine=..
 to vLLM's handler on the busy-loop thread, where vLLM would have handled it; ``weightsync_release_all``
 releases every held message and stops holding on that engine. This is how a schedule makes a
 rank take a START_DP_WAVE after its resume (vLLM 0.32 ``EngineCoreProc.process_input_sockets``, ``v1/engine/core.py:1831-1931``).
+
+Gating a step: with :data:`ENV_ADD_WAITS` set (seconds), an engine that handled an ADD waits on its
+busy-loop thread until its input queue holds the next message (or the time is up) before it may step, so
+``_process_input_queue`` hands that message to vLLM too before the next step (``v1/engine/core.py:1597-1601``).
+This is how a schedule makes a rank take an ADD and the pause after it with no step between.
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ from typing import Any
 ENV_EVENTS = "WEIGHTSYNC_VLLM_EVENTS"
 #: comma-separated request types the engines hold until released (only ``START_DP_WAVE``)
 ENV_HOLD = "WEIGHTSYNC_VLLM_HOLD"
+#: seconds an engine that handled an ADD waits for its next input message before it may step (unset: no
+#: wait); a schedule whose rank takes the ADD and its next message with no step between sets it
+ENV_ADD_WAITS = "WEIGHTSYNC_VLLM_ADD_WAITS_S"
 HOLDABLE = frozenset({"START_DP_WAVE"})
 
 _installed = False
@@ -180,7 +188,8 @@ def install() -> bool:
     set and vLLM is 0.32.x; idempotent. Returns whether the probe is installed.
 
     Raises:
-        ValueError: :data:`ENV_HOLD` names a request type the probe cannot hold.
+        ValueError: :data:`ENV_HOLD` names a request type the probe cannot hold, or :data:`ENV_ADD_WAITS`
+            is not a number.
     """
     global _installed
     if _installed:
@@ -192,6 +201,11 @@ def install() -> bool:
     if not str(vllm.__version__).startswith("0.32."):
         return False
     hold = {h.strip() for h in os.environ.get(ENV_HOLD, "").split(",") if h.strip()}
+    raw = os.environ.get(ENV_ADD_WAITS, "").strip()
+    try:
+        add_waits_s = float(raw) if raw else 0.0
+    except ValueError:
+        raise ValueError(f"{ENV_ADD_WAITS}={raw!r}: seconds, a number") from None
     if hold - HOLDABLE:
         raise ValueError(f"{ENV_HOLD}={sorted(hold)}: only {sorted(HOLDABLE)} can be held")
     from vllm.v1.engine import EngineCoreRequestType
@@ -229,6 +243,10 @@ def install() -> bool:
         if request_type == EngineCoreRequestType.ADD:
             req, wave = request
             log.write(self, "ADD", req=str(req.request_id), wave=int(wave))
+            if add_waits_s > 0:  # the busy loop steps only once the next message is in (or on timeout)
+                deadline = time.monotonic() + add_waits_s
+                while self.input_queue.empty() and time.monotonic() < deadline:
+                    time.sleep(0.001)
         elif request_type == EngineCoreRequestType.ABORT:
             log.write(self, "ABORT", reqs=[str(r) for r in request])
 
@@ -394,4 +412,4 @@ def read_events(directory: str | Path) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
-__all__ = ["ENV_EVENTS", "ENV_HOLD", "HOLDABLE", "install", "read_events", "snapshot"]
+__all__ = ["ENV_ADD_WAITS", "ENV_EVENTS", "ENV_HOLD", "HOLDABLE", "install", "read_events", "snapshot"]

@@ -66,6 +66,7 @@ from weightsync.repro.schedule import (
     model_counterexample,
 )
 from weightsync.repro.vllm.driver import _blocked, _brief, _Driver, _idle, _line, _Observer, _state, _until
+from weightsync.repro.vllm.queued import QUEUED_PROPERTIES, finish_queued
 from weightsync.vllm_tools.fix import OFF
 from weightsync.vllm_tools.serving import LoopThread, shutdown_async_llm, start_async_llm
 
@@ -99,9 +100,9 @@ def run_vllm_repro(
         )
     if fix is not None and fix not in FIX_VARIANT:
         raise ValueError(f"--fix {fix!r}: the fixes are {', '.join(FIX_VARIANT)}")
-    if of is not None and (of not in BELIEF_PROPERTIES or fix is not None):
+    if of is not None and (of not in DRIVEN_PROPERTIES or fix is not None):
         raise ValueError(
-            f"--property {of!r}: the vLLM driver observes the end states of {', '.join(BELIEF_PROPERTIES)} "
+            f"--property {of!r}: the vLLM driver observes the end states of {', '.join(DRIVEN_PROPERTIES)} "
             "(as shipped; the fix's tests are the patch series' own) and, by default, of a one-sided collective"
         )
     say = log or (lambda _m: None)
@@ -125,7 +126,8 @@ def run_vllm_repro(
     with tempfile.TemporaryDirectory(prefix="weightsync-vllm-repro-") as tmp:
         work = Path(workdir or tmp)
         events = work / "events"
-        served = _serve(work, events, fix, timeout_s, say)
+        gate = step_s if res.property in QUEUED_PROPERTIES else 0.0
+        served = _serve(work, events, fix, timeout_s, say, gate)
         try:
             _drive(served, actions, events, res, step_s, impossible, say)
             _finish(served, events, res, buggy, labels, impossible, timeout_s, step_s, say)
@@ -148,7 +150,14 @@ class _Served:
         self.lt.close()
 
 
-def _serve(work: Path, events: Path, fix: str | None, timeout_s: int, say: Callable[[str], None]) -> _Served:
+def _serve(
+    work: Path,
+    events: Path,
+    fix: str | None,
+    timeout_s: int,
+    say: Callable[[str], None],
+    add_waits_s: float = 0.0,
+) -> _Served:
     from weightsync.vllm_tools import fix as fix_mod
     from weightsync.vllm_tools import probe
     from weightsync.vllm_tools.models import build_tiny_mixtral
@@ -157,6 +166,8 @@ def _serve(work: Path, events: Path, fix: str | None, timeout_s: int, say: Calla
     build_tiny_mixtral(model_dir)
     os.environ[probe.ENV_EVENTS] = str(events)
     os.environ[probe.ENV_HOLD] = "START_DP_WAVE"
+    if add_waits_s:  # the schedule's rank takes its ADD and the pause after it with no step between
+        os.environ[probe.ENV_ADD_WAITS] = str(add_waits_s)
     if fix:
         fix_mod.patched_sources()  # fails here, with the reason, before any engine starts
         if fix == fix_mod.DEFAULT_FIX:  # the plugin installs it by default: the path a user's engines take
@@ -182,7 +193,7 @@ def _serve(work: Path, events: Path, fix: str | None, timeout_s: int, say: Calla
             cpu_distributed_timeout_seconds=timeout_s,
         )
     finally:
-        for k in (probe.ENV_EVENTS, probe.ENV_HOLD, fix_mod.ENV_FIX):
+        for k in (probe.ENV_EVENTS, probe.ENV_HOLD, probe.ENV_ADD_WAITS, fix_mod.ENV_FIX):
             os.environ.pop(k, None)
     say(f"AsyncLLM(data_parallel_size=2) of a tiny Mixtral up in {start_s:.1f} s")
     return _Served(llm, lt)
@@ -295,6 +306,8 @@ def _drive(
 #: the properties whose counterexample ends in a wrong belief, not a hang: the driver observes the end state
 #: (:func:`_finish_belief`)
 BELIEF_PROPERTIES = ("front_end_belief",)
+#: the properties ``--property`` may name on vLLM as shipped (each with its own end-state oracle)
+DRIVEN_PROPERTIES = BELIEF_PROPERTIES + QUEUED_PROPERTIES
 #: how long the front-end's belief is watched after the last step, seconds (longer than the coordinator's
 #: 5 s poll timeout, ``v1/engine/coordinator.py:264-290``, so the publish that corrects it is seen)
 BELIEF_WATCH_S = 8.0
@@ -379,6 +392,9 @@ def _finish(
     d = served.driver
     if res.fix == OFF and res.property in BELIEF_PROPERTIES:
         _finish_belief(served, events, res, buggy, labels, step_s)
+        return
+    if res.fix == OFF and res.property in QUEUED_PROPERTIES:
+        finish_queued(served, events, res, step_s)
         return
     if res.fix == OFF:  # vLLM as shipped (the plugin's default fix turned off)
         states, _ = replay_labels(buggy, labels)
@@ -471,4 +487,13 @@ def _finish(
         res.reason = f"requests {fin}, errors {res.errors}, ranks {res.ranks}"
 
 
-__all__ = ["COMPARED", "Action", "ReproResult", "compile_schedule", "fix_divergence", "run_vllm_repro"]
+__all__ = [
+    "BELIEF_PROPERTIES",
+    "COMPARED",
+    "DRIVEN_PROPERTIES",
+    "Action",
+    "ReproResult",
+    "compile_schedule",
+    "fix_divergence",
+    "run_vllm_repro",
+]
