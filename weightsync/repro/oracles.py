@@ -94,9 +94,11 @@ def reproduce_queued(run: ScheduleDriver, res: ReproResult, end: ModelEnd) -> No
     hold it queued), and after the controller's update and resume each finishes (the engine stays healthy,
     as vLLM's did in issue 24)."""
     c = run.c
+    if run.call is not None:  # the model's last step is the pause's completion: its reply is on the way
+        run.call.join(run.left(run.step_s))
     call_done = run.call is not None and not run.call.is_alive() and "controller" not in run.errors
     pending = [s for s in run.streams if not s.done.is_set()]
-    bad = [] if call_done else ["the pause call had not returned at the schedule's end"]
+    bad = [] if call_done else [f"the pause call had not returned {run.step_s:g} s after the schedule's end"]
     if not pending:
         bad.append("every request had finished before the pause returned")
     if any(k for k in end.blocked.values()):
