@@ -1,6 +1,7 @@
 """Issue 24, item 2: which requests a wait-mode pause drains. vLLM 0.32 (and PR #39366 as shipped) leave a
 request queued on the rank when the pause arrives queued until the resume; the fixed variants drain it
-(patch 0005). The model's counterexamples, and the same schedules driven on the reference engine."""
+(patch 0005). The model's counterexamples, and the same schedules driven on the reference engine (30 s each:
+``slow``, run once by CI)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def _repro(capsys: pytest.CaptureFixture[str], variant: str) -> tuple[int, dict[
     return rc, json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.timeout(180)
 def test_two_phase_leaves_it_queued_on_the_reference_engine(capsys: pytest.CaptureFixture[str]) -> None:
     """Real processes and gloo: every model step followed, the pause returns, the request produces no token
@@ -64,6 +67,8 @@ def test_two_phase_leaves_it_queued_on_the_reference_engine(capsys: pytest.Captu
     assert out["requests_finished"] == {"req-0": 2}
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.timeout(180)
 def test_two_phase_epoch_drains_it_before_the_pause_returns(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out = _repro(capsys, "two-phase-epoch")
