@@ -197,7 +197,7 @@ class RankEffects(ModelBase):
         does not admit them (vLLM 0.32 leaves them queued until the resume); else GHOST_RECEIVED."""
         if not rank.waiting or dict(extra)["mode"] not in DRAINS_BEFORE_RETURN:
             return GHOST_RECEIVED
-        if tr is None or "admit_waiting" in tr.effects or "abort_requests" in tr.effects:
+        if tr is None or "admit_waiting" in tr.effects:
             return GHOST_RECEIVED
         return GHOST_QUEUED
 

@@ -212,3 +212,20 @@ def _line(rec: dict[str, Any]) -> str:
 
 
 __all__ = ["T"]
+
+
+def record_end(served: Any, events: Path, res: Any) -> dict[str, int]:
+    """Fill ``res``'s ``requests_finished`` (tokens per request, -1 unfinished), ``ranks`` (the collective
+    each rank's log ends in) and ``events`` (each rank's last 8 records) from ``served``'s outputs and the
+    probe's logs in ``events``; returns ``requests_finished``."""
+    from weightsync.vllm_tools.probe import read_events
+
+    fin = {
+        rid: len(outs[-1].outputs[0].token_ids) if outs and outs[-1].finished else -1
+        for rid, outs in served.outputs.items()
+    }
+    res.requests_finished = fin
+    recs = read_events(events)
+    res.ranks = {str(r): _blocked(rr)[0] for r, rr in recs.items()}
+    res.events = {str(r): [_line(x) for x in rr[-8:]] for r, rr in recs.items()}
+    return fin

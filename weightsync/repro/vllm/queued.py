@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from weightsync.repro.vllm.driver import _blocked, _line, _state, _until
+from weightsync.repro.vllm.driver import _state, _until, record_end
 
 #: properties whose end state is a pause that returned over a request it should have drained (the driver
 #: gates the ADD's rank so the pause reaches it before a step, and observes the request's progress)
@@ -21,8 +21,6 @@ def finish_queued(served: Any, events: Path, res: Any, step_s: float) -> None:
     (the paused ranks hold it queued under PAUSED_NEW, ``v1/core/sched/scheduler.py:900-917``); after
     ``resume_generation`` each finishes. ``served``: the run's ``_Served``; ``res``: its ``ReproResult``,
     filled in here."""
-    from weightsync.vllm_tools.probe import read_events
-
     d = served.driver
     calls = served.__dict__.get("calls", [])
     if res.diverged_at is not None:
@@ -48,14 +46,7 @@ def finish_queued(served: Any, events: Path, res: Any, step_s: float) -> None:
             fut.result(step_s * 3)
         except Exception as exc:
             res.errors["driver"] = f"{type(exc).__name__}: {exc}"
-    fin = {
-        rid: len(outs[-1].outputs[0].token_ids) if outs and outs[-1].finished else -1
-        for rid, outs in served.outputs.items()
-    }
-    res.requests_finished = fin
-    recs = read_events(events)
-    res.ranks = {str(r): _blocked(rr)[0] for r, rr in recs.items()}
-    res.events = {str(r): [_line(x) for x in rr[-8:]] for r, rr in recs.items()}
+    fin = record_end(served, events, res)
     if any(v < 0 for v in fin.values()) or res.errors:
         bad.append(f"after the resume: requests {fin}, errors {res.errors}")
     if bad:

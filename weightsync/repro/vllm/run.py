@@ -65,7 +65,17 @@ from weightsync.repro.schedule import (
     compile_schedule,
     model_counterexample,
 )
-from weightsync.repro.vllm.driver import _blocked, _brief, _Driver, _idle, _line, _Observer, _state, _until
+from weightsync.repro.vllm.driver import (
+    _blocked,
+    _brief,
+    _Driver,
+    _idle,
+    _line,
+    _Observer,
+    _state,
+    _until,
+    record_end,
+)
 from weightsync.repro.vllm.queued import QUEUED_PROPERTIES, finish_queued
 from weightsync.vllm_tools.fix import OFF
 from weightsync.vllm_tools.serving import LoopThread, shutdown_async_llm, start_async_llm
@@ -469,14 +479,8 @@ def _finish(
             res.errors[f"after-{r}"] = f"{type(exc).__name__}: {exc}"
     # the wave ends (the ranks' next sync finds no work) and every rank goes idle
     _until(lambda: all(_idle(rr) for rr in read_events(events).values()), step_s * 3)
-    fin = {
-        rid: len(outs[-1].outputs[0].token_ids) if outs and outs[-1].finished else -1
-        for rid, outs in served.outputs.items()
-    }
-    res.requests_finished = fin
+    fin = record_end(served, events, res)
     recs = read_events(events)
-    res.ranks = {str(r): _blocked(rr)[0] for r, rr in recs.items()}
-    res.events = {str(r): [_line(x) for x in rr[-8:]] for r, rr in recs.items()}
     if all(v > 0 for v in fin.values()) and not res.errors and all(_idle(rr) for rr in recs.values()):
         res.result = "completed"
         res.reason = (
