@@ -95,9 +95,9 @@ def test_killing_an_engine_mid_update_fails_fast_naming_the_rank(
     and engine rank 0 fail with their transfer timeout (8 s here), and the demo exits 1 naming rank 1."""
     monkeypatch.setenv(KILL_ENV, "1:1")
     code, res = _demo(capsys, "--steps", "3", "--timeout", "8", "--trace", str(tmp_path / "t.jsonl"))
-    assert code == 1
-    assert not res["ok"] and res["dead_ranks"] == [1]
     err = res["error"]
+    assert code == 1, err
+    assert not res["ok"] and res["dead_ranks"] == [1], err
     assert "engine rank 1" in err and "died, killed by SIGKILL, during update_weights" in err, err
     assert "engine rank 0 failed" in err and "trainer send failed" in err, err
     assert "timed out after 8" in err or "PeerFailedError" in err, err
@@ -174,3 +174,38 @@ def test_both_demos_refuse_a_bad_shared_setting_before_starting(
         with pytest.raises(DemoUsageError) as ei:
             replace(cfg, **changes).validate()
         assert str(ei.value) == message, type(cfg).__name__
+
+
+def test_a_failure_waits_for_a_dying_engine_to_be_reaped() -> None:
+    """A SIGKILLed rank's sockets close before its parent can reap it, so a peer's gloo error ("connection
+    closed by peer") can reach the demo while ``is_alive()`` still says True. The failure's description
+    waits (at most ``DEATH_GRACE_S``) for the death before naming the ranks; before this, a loaded CI run
+    reported ``dead_ranks == []``."""
+    from concurrent.futures import Future
+
+    from weightsync.demo.checks import DEATH_GRACE_S, describe_failure
+
+    class _Client:
+        failures: dict[int, Any] = {}
+
+        def call_rank(self, rank: int, method: str) -> Future[Any]:
+            f: Future[Any] = Future()
+            f.set_result({"state": "failed"} if method == "get_state" else f"rank {rank}: peer closed")
+            return f
+
+    class _Guard:
+        client = _Client()
+        polls = 0
+
+        def dead(self) -> dict[int, int | None]:
+            self.polls += 1
+            return {1: -9} if self.polls > 5 else {}  # reaped on the sixth look (~0.25 s)
+
+        def pids(self) -> dict[int, int]:
+            return {0: 100, 1: 101}
+
+    g = _Guard()
+    msg, dead = describe_failure(RuntimeError("Connection closed by peer"), g, None, 2, 1.0)  # type: ignore[arg-type]
+    assert dead == [1] and "engine rank 1" in msg and "SIGKILL" in msg, msg
+    assert "engine rank 0 failed its round" in msg, msg
+    assert g.polls <= 6 + 1 and DEATH_GRACE_S >= 1.0

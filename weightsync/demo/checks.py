@@ -125,13 +125,29 @@ def _round_failed(guard: ClientGuard, rank: int) -> bool:
         return False
 
 
+#: how long a failure waits for an engine process's death to become visible, seconds. A SIGKILLed rank's
+#: sockets close while the kernel tears the process down, so its peers' gloo calls fail (connection closed
+#: by peer) before ``waitpid`` can reap it; on a loaded machine the teardown takes a while.
+DEATH_GRACE_S = 3.0
+
+
+def _dead_after_grace(guard: ClientGuard) -> dict[int, int | None]:
+    """``guard.dead()``, polled for up to :data:`DEATH_GRACE_S` while it is empty."""
+    deadline = time.monotonic() + DEATH_GRACE_S
+    dead = guard.dead()
+    while not dead and time.monotonic() < deadline:
+        time.sleep(0.05)
+        dead = guard.dead()
+    return dead
+
+
 def describe_failure(
     exc: BaseException, guard: ClientGuard | None, trainer: Any, ranks: int, timeout_s: float
 ) -> tuple[str, list[int]]:
     """One message naming the dead rank (if any), the trainer's error and the surviving engines' errors,
     and the dead DP ranks."""
     parts: list[str] = []
-    dead: dict[int, int | None] = guard.dead() if guard is not None else {}
+    dead: dict[int, int | None] = _dead_after_grace(guard) if guard is not None else {}
     dead_ranks: list[int] = []
     if dead and guard is not None:
         dead_ranks = sorted(dead)
