@@ -186,7 +186,8 @@ def test_a_failure_waits_for_a_dying_engine_to_be_reaped() -> None:
     from weightsync.demo.checks import DEATH_GRACE_S, describe_failure
 
     class _Client:
-        failures: dict[int, Any] = {}
+        def __init__(self) -> None:
+            self.failures: dict[int, Any] = {}
 
         def call_rank(self, rank: int, method: str) -> Future[Any]:
             f: Future[Any] = Future()

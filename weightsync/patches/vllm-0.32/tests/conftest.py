@@ -60,6 +60,15 @@ def dp_moe_engine(tiny_moe_dir):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     backend = os.environ.get("VLLM_TEST_WEIGHT_TRANSFER_BACKEND", "nccl")
+    # the DP group's collective timeout: a test that expects a one-sided
+    # collective shortens it so the engines die within the test
+    timeouts = {}
+    if os.environ.get("VLLM_TEST_DP_TIMEOUT_S"):
+        seconds = int(os.environ["VLLM_TEST_DP_TIMEOUT_S"])
+        timeouts = {
+            "distributed_timeout_seconds": seconds,
+            "cpu_distributed_timeout_seconds": seconds,
+        }
     args = AsyncEngineArgs(
         model=tiny_moe_dir,
         skip_tokenizer_init=True,
@@ -70,6 +79,7 @@ def dp_moe_engine(tiny_moe_dir):
         data_parallel_size=2,
         disable_log_stats=True,
         weight_transfer_config={"backend": backend},
+        **timeouts,
     )
     lt = LoopThread()
 
