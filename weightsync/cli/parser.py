@@ -167,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr = add("prove", "regenerate proofs/ and spec/ (or, with --check, fail if they are stale)")
     pr.add_argument("--check", action="store_true")
     pr.add_argument(
+        "--missing",
+        action="store_true",
+        help="check only the rows whose file is missing or proved against another table; keep the others",
+    )
+    pr.add_argument(
         "--allow-stale-mutation",
         action="store_true",
         help="with --check: a mutation report computed against another table is a warning, not a failure",
