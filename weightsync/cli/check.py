@@ -33,6 +33,7 @@ def check(args: argparse.Namespace) -> int:
         repeat_resume=args.repeat_resume,
         failures=args.failures,
         pause_during_update=args.pause_during_update,
+        repeat_pause=args.repeat_pause,
         resume_during_update=args.resume_during_update,
     )
     out = check(

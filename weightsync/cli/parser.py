@@ -86,7 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = add("check", "explore a variant's N-rank product exhaustively and check every property")
     c.add_argument("--variant", default="two-phase-epoch")
     c.add_argument("--ranks", type=POSITIVE, default=2)
-    c.add_argument("--mode", default="all", choices=[*MODES, "all"])
+    c.add_argument(
+        "--mode",
+        default="all",
+        choices=[*MODES, "all", "any"],
+        help="all: each pause mode in its own exploration; any: the controller picks the mode at each pause "
+        "(a second pause may differ from the first)",
+    )
     c.add_argument(
         "--channels",
         default="per-socket",
@@ -138,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=NON_NEGATIVE,
         default=0,
         help="weight-transfer failures the model may inject (init, start, update, finish)",
+    )
+    c.add_argument(
+        "--repeat-pause",
+        action="store_true",
+        help="the controller may send pause once more while its pause is outstanding or after it returned "
+        "(with --mode any, in another mode)",
     )
     c.add_argument(
         "--pause-during-update",

@@ -43,10 +43,24 @@ from weightsync.model.properties import (
     VIOLATED,
 )
 from weightsync.model.system import Bounds, Config, G, Label, Model, describe
+from weightsync.model.system.state import ANY_MODE, ModeSetting
 from weightsync.spec.states import PauseMode
 
 #: Submission order of the pause modes' explorations (keep's state space is the largest).
-_MODE_WEIGHT = {PauseMode.KEEP: 0, PauseMode.WAIT: 1, PauseMode.ABORT: 2}
+_MODE_WEIGHT: dict[ModeSetting, int] = {
+    ANY_MODE: -1,
+    PauseMode.KEEP: 0,
+    PauseMode.WAIT: 1,
+    PauseMode.ABORT: 2,
+}
+
+
+def mode_setting(mode: ModeSetting | str) -> ModeSetting:
+    """A pause mode, or :data:`ANY_MODE` for ``"any"`` (the controller picks the mode at each pause).
+
+    Raises:
+        ValueError: ``mode`` is neither."""
+    return ANY_MODE if mode in (ANY_MODE, ANY_MODE.value) else PauseMode(mode)
 
 
 @dataclass
@@ -62,7 +76,7 @@ class ModeResult:
         model, exploration: kept when asked (``keep=True``) for export / replay.
     """
 
-    mode: PauseMode
+    mode: ModeSetting
     states: int
     transitions: int
     depth: int
@@ -79,13 +93,13 @@ class ModeResult:
 def build_model(
     variant: str,
     ranks: int,
-    mode: PauseMode | str = PauseMode.KEEP,
+    mode: ModeSetting | str = PauseMode.KEEP,
     channels: str = "per-socket",
     bounds: Bounds | None = None,
     **model_kwargs: Any,
 ) -> Model:
     """The model of ``variant`` with ``ranks`` DP ranks, one pause mode, channel semantics and bounds."""
-    return Model(Config(variant, ranks, PauseMode(mode), channels, bounds or Bounds()), **model_kwargs)
+    return Model(Config(variant, ranks, mode_setting(mode), channels, bounds or Bounds()), **model_kwargs)
 
 
 def explore_model(
@@ -355,7 +369,7 @@ def default_symmetry(ranks: int) -> bool:
 
 
 def _check_one(
-    args: tuple[str, int, PauseMode, str, Bounds, bool, int, bool, bool, str | None],
+    args: tuple[str, int, ModeSetting, str, Bounds, bool, int, bool, bool, str | None],
 ) -> ModeResult:
     variant, ranks, mode, channels, bounds, symmetry, max_states, progress, stalls, of = args
     return check_mode(
@@ -397,7 +411,7 @@ def check(
     peak_rss_mb, and for a violation ``counterexample {property, mode, steps, records, labels}``.
     """
     b = bounds or Bounds()
-    modes = list(PauseMode) if mode == "all" else [PauseMode(mode)]
+    modes: list[ModeSetting] = list(PauseMode) if mode == "all" else [mode_setting(mode)]
     sym = default_symmetry(ranks) if symmetry is None else symmetry
     if counterexample_of is not None and counterexample_of not in PROPERTIES:
         raise ValueError(

@@ -61,6 +61,24 @@ EXTRA_PROOFS: tuple[tuple[str, str, str, int, Bounds, str], ...] = (
     ("failures", "vllm-0.32-epoch", "per-socket", 2, Bounds(failures=1, init_transfer=True), "verified"),
     ("cycles-2", "vllm-0.32-epoch", "per-socket", 2, Bounds(cycles=2), "verified"),
 )
+#: Rows explored with ``--mode any`` (the controller picks the pause mode at each pause), same fields. The
+#: ``counterexample`` rows of the fixes are open findings (issue 19): a retried pause (``repeat-pause``).
+_REPEAT_PAUSE = Bounds(repeat_pause=True)
+ANY_MODE_PROOFS: tuple[tuple[str, str, str, int, Bounds, str], ...] = (
+    ("any-mode", "two-phase-epoch", "per-socket", 2, Bounds(), "verified"),
+    ("any-mode", "vllm-0.32-epoch", "per-socket", 2, Bounds(), "verified"),
+    ("any-mode", "vllm-0.32", "per-socket", 2, Bounds(), "counterexample"),
+    (
+        "any-mode-pause-during-update",
+        "vllm-0.32-epoch",
+        "per-socket",
+        2,
+        Bounds(pause_during_update=True),
+        "verified",
+    ),
+    ("any-mode-repeat-pause", "two-phase-epoch", "per-socket", 2, _REPEAT_PAUSE, "counterexample"),
+    ("any-mode-repeat-pause", "vllm-0.32-epoch", "per-socket", 2, _REPEAT_PAUSE, "counterexample"),
+)
 
 
 def proof_name(variant: str, channels: str, ranks: int) -> str:
@@ -98,17 +116,20 @@ def prove(root: Path, log: Callable[[str], None] = print, missing_only: bool = F
     bounds = Bounds()
     rows = []
     t0 = time.perf_counter()
-    jobs: list[tuple[str, str, int, Bounds, str, str, str]] = [
-        (v, c, n, bounds, proof_name(v, c, n), VARIANTS[v].expected_verdict(c), "default")
+    jobs: list[tuple[str, str, int, Bounds, str, str, str, str]] = [
+        (v, c, n, bounds, proof_name(v, c, n), VARIANTS[v].expected_verdict(c), "default", "all")
         for v, c, n in expected_proofs()
     ]
-    jobs += [(v, c, n, b, extra_name(tag, v, c, n), exp, tag) for tag, v, c, n, b, exp in EXTRA_PROOFS]
-    for variant, channels, ranks, row_bounds, fname, expected, tag in jobs:
+    jobs += [(v, c, n, b, extra_name(tag, v, c, n), exp, tag, "all") for tag, v, c, n, b, exp in EXTRA_PROOFS]
+    jobs += [
+        (v, c, n, b, extra_name(tag, v, c, n), exp, tag, "any") for tag, v, c, n, b, exp in ANY_MODE_PROOFS
+    ]
+    for variant, channels, ranks, row_bounds, fname, expected, tag, mode in jobs:
         kept = _fresh_row(pdir / fname, digest) if missing_only else None
         if kept is not None:
             rows.append(kept)
             continue
-        result = check(variant, ranks, mode="all", channels=channels, bounds=row_bounds)
+        result = check(variant, ranks, mode=mode, channels=channels, bounds=row_bounds)
         result.pop("peak_rss_mb", None)
         cx = result.get("counterexample")
         if cx is not None:
@@ -164,11 +185,17 @@ def _summary_markdown(summary: dict[str, Any], bounds: Bounds) -> str:
         f"Spec digest: `{summary['spec_digest']}`. Default bounds: {bounds._asdict()}. Every pause mode (abort, "
         "wait, keep) is explored for each row, progress included; N=2 rows explore the full product, N=3 rows "
         "explore it up to permutations of ranks 1 and 2 (symmetry reduction, which every property survives: "
-        "`weightsync/model/check.py`). "
+        "`weightsync/model/check.py`). Rows tagged `any-mode...` explore one model in which the controller "
+        "picks the mode at each pause (`--mode any`); their `counterexample` rows of the fixes are open "
+        "findings. "
         f"Python {summary['python']}; total {summary['seconds']} s.",
         "",
         "Rows with other bounds (column `bounds`): "
-        + "; ".join(dict.fromkeys(f"`{tag}` = {_changed(b, bounds)}" for tag, _, _, _, b, _ in EXTRA_PROOFS))
+        + "; ".join(
+            dict.fromkeys(
+                f"`{tag}` = {_changed(b, bounds)}" for tag, _, _, _, b, _ in (*EXTRA_PROOFS, *ANY_MODE_PROOFS)
+            )
+        )
         + ".",
         "",
         "| variant | channels | N | bounds | verdict | expected | violated property | states | transitions | depth "
@@ -195,7 +222,7 @@ def check_fresh(root: Path, allow_stale_mutation: bool = False) -> list[str]:
     digest = spec_digest()
     pdir = root / "proofs"
     names = [proof_name(v, c, n) for v, c, n in expected_proofs()]
-    names += [extra_name(tag, v, c, n) for tag, v, c, n, _, _ in EXTRA_PROOFS]
+    names += [extra_name(tag, v, c, n) for tag, v, c, n, _, _ in (*EXTRA_PROOFS, *ANY_MODE_PROOFS)]
     for name in names:
         p = pdir / name
         if not p.is_file():

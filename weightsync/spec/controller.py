@@ -83,6 +83,7 @@ ONE_ROUND_ARGS: dict[str, Any] = {
     "repeat_resume": False,
     "pause_during_update": False,
     "resume_during_update": False,
+    "repeat_pause": False,
 }
 
 
@@ -97,8 +98,9 @@ class CtrlVars(NamedTuple):
         stray_resume_used: the one resume no pause preceded was sent (model bound ``stray_resume``).
         repeat_resume_used: the one retried resume was sent (model bound ``repeat_resume``).
         recovering: a round failed and no round has succeeded since.
-        extra_used: bits :data:`X_PAUSE` / :data:`X_RESUME`: the second pause / the resume during an
-            update were sent (model bounds ``pause_during_update`` / ``resume_during_update``).
+        extra_used: bits :data:`X_PAUSE` / :data:`X_RESUME` / :data:`X_REPEAT_PAUSE`: the second pause /
+            the resume during an update / the repeated pause before the round were sent (model bounds
+            ``pause_during_update`` / ``resume_during_update`` / ``repeat_pause``).
     """
 
     state: Phase = Phase.IDLE
@@ -117,7 +119,7 @@ class CtrlVars(NamedTuple):
 
 
 #: ``extra_used`` bits.
-X_PAUSE, X_RESUME = 1, 2
+X_PAUSE, X_RESUME, X_REPEAT_PAUSE = 1, 2, 4
 
 
 def front_end_answers(pause_in_front_end: bool, call: str) -> bool:
@@ -165,7 +167,8 @@ def _one_round(a: Args) -> bool:
 
 #: Arguments: ``policy`` (:class:`Policy`), ``cycles`` (cycles the controller may run), ``requests_sent``
 #: (client requests sent so far), and the model's bounds ``stray_resume``, ``repeat_resume``,
-#: ``pause_during_update``, ``resume_during_update`` (bools; ``update_round`` passes False).
+#: ``pause_during_update``, ``resume_during_update``, ``repeat_pause`` (bools; ``update_round`` passes
+#: False).
 CTRL_GUARDS = {
     "cycles_left": _cycles_left,
     "init_before_serving": lambda v, a: (
@@ -180,6 +183,7 @@ CTRL_GUARDS = {
     "retry_resume_left": lambda v, a: bool(a["repeat_resume"]) and not v.repeat_resume_used,
     "extra_pause_left": lambda v, a: bool(a["pause_during_update"]) and not v.extra_used & X_PAUSE,
     "extra_resume_left": lambda v, a: bool(a["resume_during_update"]) and not v.extra_used & X_RESUME,
+    "repeat_pause_left": lambda v, a: bool(a["repeat_pause"]) and not v.extra_used & X_REPEAT_PAUSE,
     # the policies (module docstring)
     "recovers": lambda v, a: _recover(a),
     "recovers_initialised": lambda v, a: _recover(a) and v.transfer_initialised,
@@ -199,6 +203,7 @@ CTRL_UPDATES = {
     "use_retry_resume": lambda v, a: v._replace(repeat_resume_used=True),
     "use_extra_pause": lambda v, a: v._replace(extra_used=v.extra_used | X_PAUSE),
     "use_extra_resume": lambda v, a: v._replace(extra_used=v.extra_used | X_RESUME),
+    "use_repeat_pause": lambda v, a: v._replace(extra_used=v.extra_used | X_REPEAT_PAUSE),
     "note_failure": lambda v, a: v._replace(recovering=True),
     "count_round": lambda v, a: v._replace(update_rounds=v.update_rounds + 1, recovering=False),
 }
@@ -210,7 +215,8 @@ CTRL_EFFECTS: dict[str, str] = {
     "at once (front-end-pause: vLLM before PR #34125; PR #28037)",
     "retry_resume": "re-send resume to every rank while the first is outstanding (untracked: its answers "
     "are not counted)",
-    "extra_pause": "send a second pause to every rank while a round is in flight (untracked)",
+    "extra_pause": "send a second pause to every rank, while a round is in flight or (model bound "
+    "repeat_pause) while the first pause is outstanding or after it returned (untracked)",
     "extra_resume": "send resume to every rank while a round is in flight (untracked)",
     "end_round": "the round is over: return",
     "raise_failure": "the round is over: raise the failed call's error (no weight moved, or a failed pause)",
@@ -272,6 +278,16 @@ def controller_table(pause_in_front_end: bool = False) -> Table:
         )
         for p in (_P.START, _P.UPDATE, _P.FINISH):
             untracked[p] = tuple(r._replace(target=p) for r in extras)
+        untracked[_P.PAUSE] = (
+            t(
+                "repeat_pause_left",
+                _P.PAUSE,
+                ("use_repeat_pause",),
+                ("extra_pause",),
+                "model bound repeat_pause (a client retry, a second controller, or a pause in another mode "
+                "while paused; vLLM 0.32 v1/engine/core.py:2061-2103 applies each pause_scheduler call)",
+            ),
+        )
         untracked[_P.RESUME] = (
             t(
                 "retry_resume_left",
@@ -328,9 +344,10 @@ def controller_table(pause_in_front_end: bool = False) -> Table:
             *failed(next_cycle),
             give_up._replace(rule=R_ONE + ": the resume failed; its error"),
         ),
-        (_P.PAUSE, _E.DONE): after_pause,
+        (_P.PAUSE, _E.DONE): (*after_pause, *untracked.get(_P.PAUSE, ())),
         (_P.PAUSE, _E.FAILED): (
             *failed(after_pause),
+            *untracked.get(_P.PAUSE, ()),
             give_up._replace(
                 rule=R_ONE + ": a failed pause may leave the ranks in different states; a resume would send "
                 "the verified ones alone into the resume barrier, so the pause's error, no resume"
@@ -430,6 +447,7 @@ __all__ = [
     "CTRL_GUARDS",
     "CTRL_UPDATES",
     "X_PAUSE",
+    "X_REPEAT_PAUSE",
     "X_RESUME",
     "CtrlEvent",
     "CtrlVars",

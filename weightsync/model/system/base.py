@@ -6,16 +6,21 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightsync.model.system.state import (
+    ANY_MODE,
     CHANNEL_FIFOS,
     CHANNELS,
+    GHOST_MODES,
+    GHOST_STRIDE,
     IDLE,
     NOT_SENT,
     TRAINER_IDLE,
+    AnyMode,
     Config,
     Coordinator,
     Ctrl,
     FrontEnd,
     GlobalState,
+    ModeSetting,
     Rank,
     _new_tuple,
 )
@@ -60,9 +65,15 @@ class ModelBase:
         self.n = config.ranks
         self.ordered = config.channels == "ordered"
         self.n_fifos, self.f_add, self.f_ctrl, self.f_wave = CHANNEL_FIFOS[config.channels]
-        self.mode = PauseMode(config.mode)
-        #: the mode's pause returns only once the rank's requests drained (property ``wait_drains``)
-        self.drains_before_return = self.mode in DRAINS_BEFORE_RETURN
+        self.mode: ModeSetting = config.mode if config.mode is ANY_MODE else PauseMode(config.mode)
+        #: the controller picks the mode at each pause (the pause messages and ghosts carry it)
+        self.any_mode = self.mode is ANY_MODE
+        #: the modes a pause may have
+        self.pause_modes: tuple[PauseMode, ...] = (
+            tuple(PauseMode) if isinstance(self.mode, AnyMode) else (self.mode,)
+        )
+        #: some pause returns only once the rank's requests drained (property ``wait_drains``)
+        self.drains_before_return = any(m in DRAINS_BEFORE_RETURN for m in self.pause_modes)
         self.sync_interval = b.sync_interval
         self.tokens = b.tokens
         self.requests = b.requests
@@ -74,6 +85,7 @@ class ModelBase:
         self.repeat_resume = b.repeat_resume
         self.failures = b.failures
         self.pause_during_update = b.pause_during_update
+        self.repeat_pause = b.repeat_pause
         self.resume_during_update = b.resume_during_update
         self.track_owed = self.variant.untracked_replies
         self.worker_args = self.variant.worker_flags_decide
@@ -82,7 +94,9 @@ class ModelBase:
         self._cache: dict[tuple[Any, ...], tuple[Transition | None, RankVars]] = {}
         self._worker_cache: dict[tuple[WorkerVars, WorkerEvent], WorkerVars] = {}
         # a controller call's table arguments by (event, requests running on the rank): spec call_args
-        self._call_args_cache: dict[tuple[RankEvent, int, int], tuple[tuple[str, Any], ...]] = {}
+        self._call_args_cache: dict[
+            tuple[RankEvent, int, int, PauseMode | None], tuple[tuple[str, Any], ...]
+        ] = {}
         # the DP coordinator's table (spec/coordinator.py) for this variant, and its firings by input
         self.coord_table = coordinator_table(
             self.variant.coordinator_latches, self.variant.first_req_exclusion
@@ -120,6 +134,18 @@ class ModelBase:
         )
 
     # ------------------------------------------------------------------ the table
+
+    def ghost_mode(self, ghost: int) -> PauseMode:
+        """The mode of the pause a rank's ghost records (the model's one mode unless :data:`ANY_MODE`).
+
+        Raises:
+            ValueError: under ANY_MODE, a ghost with no mode field (no pause in effect)."""
+        if not isinstance(self.mode, AnyMode):
+            return self.mode
+        k = ghost // GHOST_STRIDE - 1
+        if k < 0:
+            raise ValueError(f"pause ghost {ghost} carries no mode")
+        return GHOST_MODES[k]
 
     def fire(
         self, i: int, v: RankVars, event: RankEvent, extra: tuple[tuple[str, Any], ...]

@@ -15,7 +15,6 @@ from weightsync.model.system.state import (
     FAILED_REPLY,
     GHOST_QUEUED,
     GHOST_RECEIVED,
-    GHOST_REPLY,
     OWE_PAUSE,
     OWE_RESUME,
     PAUSE,
@@ -30,6 +29,8 @@ from weightsync.model.system.state import (
     Trainer,
     _new_tuple,
     _ScratchState,
+    ghost_replied,
+    ghost_with_mode,
 )
 from weightsync.spec.calls import CALL_ARGS, WORKER_OUTCOME, call_args, worker_outcome
 from weightsync.spec.collectives import (
@@ -44,6 +45,7 @@ from weightsync.spec.front_end import RANK_EFFECT_EVENT
 from weightsync.spec.rank import EFFECT_RANKS, RankVars, effect_acts_on
 from weightsync.spec.states import (
     DRAINS_BEFORE_RETURN,
+    PauseMode,
     RankEvent,
     RankState,
     admits_waiting,
@@ -138,7 +140,7 @@ class RankEffects(ModelBase):
             )
         call = msg[1]
         ev = CALL_EVENT[call]
-        extra = self.call_extra(rank, ev)
+        extra = self.call_extra(rank, ev, PauseMode(msg[3]) if len(msg) > 3 else None)
         untracked = msg[2] == RETRY
         if self.track_owed:
             rank = self._owe(i, rank, ev, extra, untracked)
@@ -149,16 +151,19 @@ class RankEffects(ModelBase):
             rank = rank.with_status(rank.status, 0)
         return self._rank_event(s, i, rank, ev, extra, fail=fail, untracked=untracked, arg=msg[2])
 
-    def call_extra(self, rank: Rank, ev: RankEvent) -> tuple[tuple[str, Any], ...]:
+    def call_extra(
+        self, rank: Rank, ev: RankEvent, mode: PauseMode | None = None
+    ) -> tuple[tuple[str, Any], ...]:
         """The event arguments of a controller call ``ev`` received by a rank whose slice is ``rank``: the
         spec's :func:`~weightsync.spec.controller.call_args` (the pause's ``mode``, ``clear_cache``,
         ``running``) and, where the variant's worker flags decide, the worker's state for a weight-transfer
-        call (:data:`~weightsync.spec.collectives.CALL_FAIL_PHASE`'s calls, ``spec/rank_vars.py``)."""
+        call (:data:`~weightsync.spec.collectives.CALL_FAIL_PHASE`'s calls, ``spec/rank_vars.py``).
+        ``mode``: the pause's mode where its message names one (:data:`ANY_MODE`); else the model's."""
         if ev in CALL_ARGS:  # cached: mode and clear_cache are the configuration's; the queues vary
-            key = (ev, len(rank.running), len(rank.waiting))
+            key = (ev, len(rank.running), len(rank.waiting), mode)
             extra = self._call_args_cache.get(key)
             if extra is None:
-                kwargs = {"mode": self.mode, "clear_cache": self.clear_cache}
+                kwargs = {"mode": self.mode if mode is None else mode, "clear_cache": self.clear_cache}
                 args = call_args(ev, kwargs, key[1], key[2])
                 extra = self._call_args_cache[key] = tuple(sorted(args.items()))
             return extra
@@ -175,13 +180,22 @@ class RankEffects(ModelBase):
         reply is deferred (to the pause's completion, or the resume barrier's) is owed."""
         if ev not in (RankEvent.PAUSE, RankEvent.RESUME):
             return rank
-        tr, _ = self.fire(i, rank.vars, ev, extra)
+        tr, after = self.fire(i, rank.vars, ev, extra)
         if tr is None or "refuse" in tr.effects:
             return rank
         if ev is RankEvent.PAUSE:
+            # An untracked pause keeps the pause in effect, unless (ANY_MODE) it is in another mode and the
+            # rank takes it up (its variables change: vLLM applies the new PauseState): then the rank
+            # follows the new pause, and the properties judge by its mode.
+            retagged = (
+                self.any_mode
+                and rank.pause_ghost != 0
+                and self.ghost_mode(rank.pause_ghost) is not dict(extra)["mode"]
+                and after != rank.vars
+            )
             rank = rank._replace(
                 pause_ghost=self._received_ghost(rank, extra, tr)
-                if not untracked or rank.pause_ghost == 0
+                if not untracked or rank.pause_ghost == 0 or retagged
                 else rank.pause_ghost
             )
         else:
@@ -195,11 +209,13 @@ class RankEffects(ModelBase):
         by row ``tr``: GHOST_QUEUED when the pause's mode must drain before it returns
         (:data:`~weightsync.spec.states.DRAINS_BEFORE_RETURN`), requests are queued on the rank, and the row
         does not admit them (vLLM 0.32 leaves them queued until the resume); else GHOST_RECEIVED."""
-        if not rank.waiting or dict(extra)["mode"] not in DRAINS_BEFORE_RETURN:
-            return GHOST_RECEIVED
+        mode = dict(extra)["mode"]
+        tag = mode if self.any_mode else None  # under ANY_MODE the ghost names its pause's mode
+        if not rank.waiting or mode not in DRAINS_BEFORE_RETURN:
+            return ghost_with_mode(GHOST_RECEIVED, tag)
         if tr is None or "admit_waiting" in tr.effects:
-            return GHOST_RECEIVED
-        return GHOST_QUEUED
+            return ghost_with_mode(GHOST_RECEIVED, tag)
+        return ghost_with_mode(GHOST_QUEUED, tag)
 
     def _step(self, s: GlobalState, i: int) -> GlobalState | None:
         rank = s.ranks[i]
@@ -286,7 +302,7 @@ class RankEffects(ModelBase):
         elif eff in ("reply", "reply_pause", "reply_resume"):
             pause_ghost = rank.pause_ghost
             if eff == "reply_pause":
-                pause_ghost = GHOST_REPLY.get(pause_ghost, pause_ghost)
+                pause_ghost = ghost_replied(pause_ghost)
             if scratch.untracked:
                 status = rank.status
             elif self.track_owed and eff != "reply":

@@ -9,6 +9,7 @@ from weightsync.model.system.effects import RankEffects
 from weightsync.model.system.state import (
     CALL_EVENT,
     FAILED_REPLY,
+    GHOST_RECEIVED,
     INIT,
     NOT_SENT,
     PHASE_CALL,
@@ -24,6 +25,7 @@ from weightsync.model.system.state import (
     Trainer,
     _new_tuple,
     _ScratchState,
+    ghost_with_mode,
 )
 from weightsync.spec.calls import TRAINER_COLLECTIVE, Phase
 from weightsync.spec.controller import (
@@ -43,7 +45,7 @@ from weightsync.spec.coordinator import (
     coordinator_fire,
 )
 from weightsync.spec.front_end import FrontEvent
-from weightsync.spec.states import RankEvent
+from weightsync.spec.states import PauseMode, RankEvent
 from weightsync.spec.table import ALWAYS
 
 #: The untracked calls of the controller table's effects (``Bounds.pause_during_update`` /
@@ -174,15 +176,30 @@ class Environment(RankEffects):
         # The controller's fan-out is atomic under both channel semantics: only the controller writes the
         # controller->rank FIFOs, so sending to every rank at once and letting each rank receive at its
         # own time reaches the same interleavings as per-rank sends (the receipts stay independent).
+        # Under ANY_MODE every pause is one move per mode; its label and its messages name the mode.
+        any_mode = self.any_mode
         for eff, call, ctrl2 in moves:
             if eff == "fan_out":
-                out.append((("fan", call, -1), self._fan_out(s, ctrl2, None, True)))
+                if any_mode and call == "pause":
+                    for m in self.pause_modes:
+                        out.append((("fan", call, -1, m.value), self._fan_out(s, ctrl2, None, True, mode=m)))
+                else:
+                    out.append((("fan", call, -1), self._fan_out(s, ctrl2, None, True)))
             elif eff == "front_end_call":
-                out.append((("fe", call), self._front_end_call(s, ctrl2.phase, ctrl2)))
+                if any_mode and call == "pause":
+                    for m in self.pause_modes:
+                        out.append((("fe", call, m.value), self._front_end_call(s, ctrl2.phase, ctrl2, m)))
+                else:
+                    out.append((("fe", call), self._front_end_call(s, ctrl2.phase, ctrl2)))
             elif eff == "retry_resume":
                 out.append((("retry", call), self._retry(s, ctrl2)))
             elif eff in _UNTRACKED:
-                out.append((("extra", _UNTRACKED[eff]), self._retry(s, ctrl2, _UNTRACKED[eff])))
+                extra = _UNTRACKED[eff]
+                if any_mode and extra == "pause":
+                    for m in self.pause_modes:
+                        out.append((("extra", extra, m.value), self._retry(s, ctrl2, extra, m)))
+                else:
+                    out.append((("extra", extra), self._retry(s, ctrl2, extra)))
             else:  # the round is over (policy one_round only): the controller stops, no message
                 out.append((("end", eff), s._replace(ctrl=ctrl2)))
 
@@ -224,11 +241,16 @@ class Environment(RankEffects):
             "stray_resume": self.stray_resume,
             "repeat_resume": self.repeat_resume,
             "pause_during_update": self.pause_during_update,
+            "repeat_pause": self.repeat_pause,
             "resume_during_update": self.resume_during_update,
         }
 
-    def _retry(self, s: GlobalState, ctrl: Ctrl, call: str = "resume") -> GlobalState:
-        """Send ``call`` to every rank (behind whatever each rank's controller FIFO holds), untracked."""
+    def _retry(
+        self, s: GlobalState, ctrl: Ctrl, call: str = "resume", mode: PauseMode | None = None
+    ) -> GlobalState:
+        """Send ``call`` to every rank (behind whatever each rank's controller FIFO holds), untracked; a
+        pause under :data:`ANY_MODE` names its ``mode``."""
+        msg = ("U", call, RETRY) if mode is None else ("U", call, RETRY, mode.value)
         scratch = _ScratchState(s)
         scratch.ctrl = ctrl
         scratch.untracked = True
@@ -236,9 +258,7 @@ class Environment(RankEffects):
         for i in range(self.n):
             if not self._deliver_now(scratch, i, call):
                 rank = scratch.ranks[i]
-                scratch.ranks[i] = rank._replace(
-                    inq=(*rank.inq[:f], (*rank.inq[f], ("U", call, RETRY)), *rank.inq[f + 1 :])
-                )
+                scratch.ranks[i] = rank._replace(inq=(*rank.inq[:f], (*rank.inq[f], msg), *rank.inq[f + 1 :]))
         scratch.untracked = False
         return scratch.freeze()
 
@@ -278,9 +298,11 @@ class Environment(RankEffects):
         target: int | None,
         new_phase: bool,
         trainer: bool = False,
+        mode: PauseMode | None = None,
     ) -> GlobalState:
         """Send the call of ``ctrl``'s phase to rank ``target`` (None: every rank at once, ``ordered``
-        channels), or let the trainer join the weight-transfer collective (``trainer=True``)."""
+        channels), or let the trainer join the weight-transfer collective (``trainer=True``); a pause under
+        :data:`ANY_MODE` names its ``mode``."""
         scratch = _ScratchState(s)
         phase = ctrl.phase
         call = PHASE_CALL[phase]
@@ -292,25 +314,28 @@ class Environment(RankEffects):
         scratch.ctrl = ctrl
         targets = [] if trainer else (list(range(self.n)) if target is None else [target])
         arg = call_version(phase, ctrl.update_rounds)  # finish carries the version
+        msg = ("U", call, arg) if mode is None else ("U", call, arg, mode.value)
         for i in targets:
             rank = scratch.ranks[i].with_status(SENT, scratch.ranks[i].pause_ghost)
             scratch.ranks[i] = rank
             if not self._deliver_now(scratch, i, call):
-                scratch.ranks[i] = rank.with_inq(
-                    (*rank.inq[:f], (*rank.inq[f], ("U", call, arg)), *rank.inq[f + 1 :])
-                )
+                scratch.ranks[i] = rank.with_inq((*rank.inq[:f], (*rank.inq[f], msg), *rank.inq[f + 1 :]))
         if phase in TRAINER_COLLECTIVE and (trainer or target is None):
             scratch.trainer = _new_tuple(Trainer, (TRAINER_COLLECTIVE[phase].value, SENT))
         return scratch.freeze()
 
-    def _front_end_call(self, s: GlobalState, phase: int, ctrl: Ctrl) -> GlobalState:
-        """front-end-pause: the API front-end applies pause/resume to every rank machine at once."""
+    def _front_end_call(
+        self, s: GlobalState, phase: int, ctrl: Ctrl, mode: PauseMode | None = None
+    ) -> GlobalState:
+        """front-end-pause: the API front-end applies pause/resume to every rank machine at once (a pause
+        under :data:`ANY_MODE` in ``mode``)."""
         scratch = _ScratchState(s)
         scratch.ctrl = ctrl
         scratch.trainer = TRAINER_IDLE
         ev = CALL_EVENT[PHASE_CALL[phase]]
         for i in range(self.n):
-            rank = scratch.ranks[i]._replace(status=SENT, pause_ghost=1 if ev is RankEvent.PAUSE else 0)
+            ghost = ghost_with_mode(GHOST_RECEIVED, mode) if ev is RankEvent.PAUSE else 0
+            rank = scratch.ranks[i]._replace(status=SENT, pause_ghost=ghost)
             scratch.ranks[i] = rank
-            self._nested(scratch, i, ev, self.call_extra(rank, ev))
+            self._nested(scratch, i, ev, self.call_extra(rank, ev, mode))
         return scratch.freeze()

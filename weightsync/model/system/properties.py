@@ -17,8 +17,10 @@ from weightsync.model.system.state import (
     TRANSFER_KINDS,
     GlobalState,
     Label,
+    ghost_base,
 )
 from weightsync.spec.states import (
+    DRAINS_BEFORE_RETURN,
     PauseMode,
     PauseState,
     RankState,
@@ -57,7 +59,12 @@ class Properties(Environment):
             bad.append("coordinator_belief")
         if not self._front_end_belief_right(s):
             bad.append("front_end_belief")
-        if self.mode is PauseMode.ABORT and any(r.pause_ghost in GHOSTS_REPLIED and r.running for r in ranks):
+        if (self.any_mode or self.mode is PauseMode.ABORT) and any(
+            ghost_base(r.pause_ghost) in GHOSTS_REPLIED
+            and r.running
+            and self.ghost_mode(r.pause_ghost) is PauseMode.ABORT
+            for r in ranks
+        ):
             bad.append("mode_semantics")
         if not self.seen_all_verified and all(r.vars.state is RankState.VERIFIED for r in ranks):
             self.seen_all_verified = True
@@ -72,9 +79,12 @@ class Properties(Environment):
         later one, so a rank whose ghost says so and whose queue is empty is drained. An edge property, so
         the states after such a pause are still explored (the update and resume that follow it)."""
         for a, b in zip(s.ranks, t.ranks, strict=True):
-            if a.pause_ghost == b.pause_ghost or b.pause_ghost not in GHOSTS_REPLIED:
+            base = ghost_base(b.pause_ghost)
+            if a.pause_ghost == b.pause_ghost or base not in GHOSTS_REPLIED:
                 continue
-            if b.running or (b.pause_ghost == GHOST_QUEUED_REPLIED and b.waiting):
+            if self.any_mode and self.ghost_mode(b.pause_ghost) not in DRAINS_BEFORE_RETURN:
+                continue  # that pause's mode returns without draining
+            if b.running or (base == GHOST_QUEUED_REPLIED and b.waiting):
                 return False
         return True
 
@@ -130,7 +140,9 @@ class Properties(Environment):
             or (sent == 1 and seen[0] != 0)
         ):
             return False
-        if self.mode is PauseMode.ABORT:
+        if self.mode is PauseMode.ABORT or self.any_mode:
+            # an abort-mode pause may have aborted any request (under ANY_MODE the state does not say
+            # which pause aborted what, so only the count and the identities are checked)
             return True
         client_aborted = s.front.client_aborted
         return all(
@@ -194,12 +206,12 @@ class Properties(Environment):
             q[0] for q in before.waiting if any(x[0] == q[0] for x in after.running) or q[0] in newdone
         }
         pause_ghost = before.pause_ghost
-        frozen = pause_ghost in GHOSTS_REPLIED or (
-            pause_ghost == GHOST_RECEIVED and self.mode is PauseMode.KEEP
-        )
+        base = ghost_base(pause_ghost)
+        pause_mode = self.ghost_mode(pause_ghost) if pause_ghost else None
+        frozen = base in GHOSTS_REPLIED or (base == GHOST_RECEIVED and pause_mode is PauseMode.KEEP)
         if (pause_ghost and started) or (advanced and frozen):
             bad.append("pause_gating")
-        if advanced and pause_ghost and self.mode is PauseMode.ABORT:
+        if advanced and pause_ghost and pause_mode is PauseMode.ABORT:
             bad.append("mode_semantics")
         if self.clear_cache and any(
             q[0] in advanced and q[2] != before.vars.weight_version for q in before.running

@@ -5,6 +5,7 @@ trainer's (:class:`Trainer`), the global state (:class:`GlobalState`, alias ``G`
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, NamedTuple
 
 from weightsync.spec.calls import CALL_EVENT as CALL_EVENT
@@ -79,6 +80,9 @@ class Bounds(NamedTuple):
         resume_during_update: the controller may send ``resume`` to every rank once while a round is in flight
             (an orchestrator's timeout or ``finally`` path racing its own update); its replies are not
             counted, and the round then carries on.
+        repeat_pause: the controller may send ``pause`` to every rank once more while its pause is
+            outstanding or after it returned, before the round (a client retry, a second controller, or,
+            under ``--mode any``, a pause in another mode while paused); its replies are not counted.
     """
 
     requests: int = 1
@@ -93,14 +97,28 @@ class Bounds(NamedTuple):
     failures: int = 0
     pause_during_update: bool = False
     resume_during_update: bool = False
+    repeat_pause: bool = False
+
+
+class AnyMode(Enum):
+    """The controller picks the pause mode at each pause it sends (``weightsync check --mode any``): an RL
+    orchestrator that aborts at one pause and keeps at the next, or pauses again in another mode."""
+
+    ANY = "any"
+
+
+ANY_MODE = AnyMode.ANY
+#: a model's pause-mode setting: one mode for every pause, or :data:`ANY_MODE`
+ModeSetting = PauseMode | AnyMode
 
 
 class Config(NamedTuple):
-    """One model instance: variant, number of DP ranks, pause mode, channel semantics and bounds."""
+    """One model instance: variant, number of DP ranks, pause mode (or :data:`ANY_MODE`), channel
+    semantics and bounds."""
 
     variant: str = "two-phase-epoch"
     ranks: int = 2
-    mode: PauseMode = PauseMode.KEEP
+    mode: ModeSetting = PauseMode.KEEP
     channels: str = "per-socket"
     bounds: Bounds = Bounds()
 
@@ -224,6 +242,27 @@ GHOST_RECEIVED, GHOST_REPLIED, GHOST_QUEUED, GHOST_QUEUED_REPLIED = 1, 2, 3, 4
 GHOST_REPLY = {GHOST_RECEIVED: GHOST_REPLIED, GHOST_QUEUED: GHOST_QUEUED_REPLIED}
 #: Ghosts of a pause whose reply was sent.
 GHOSTS_REPLIED = frozenset({GHOST_REPLIED, GHOST_QUEUED_REPLIED})
+#: Under :data:`ANY_MODE` a ghost also names its pause's mode: ``base + GHOST_STRIDE * (1 + k)`` for mode
+#: ``GHOST_MODES[k]`` (a model with one mode keeps the plain values, so its state space is unchanged).
+GHOST_STRIDE = 8
+GHOST_MODES: tuple[PauseMode, ...] = tuple(PauseMode)
+
+
+def ghost_base(ghost: int) -> int:
+    """The ghost without its mode field (0 no pause in effect, else a ``GHOST_*`` value)."""
+    return ghost % GHOST_STRIDE
+
+
+def ghost_with_mode(base: int, mode: PauseMode | None) -> int:
+    """Ghost ``base`` carrying ``mode`` (None: a model with one mode, the plain value)."""
+    return base if mode is None or base == 0 else base + GHOST_STRIDE * (1 + GHOST_MODES.index(mode))
+
+
+def ghost_replied(ghost: int) -> int:
+    """The ghost after its pause's reply (the ``reply_pause`` effect), its mode field kept."""
+    base = ghost_base(ghost)
+    return ghost - base + GHOST_REPLY.get(base, base)
+
 
 #: ``Rank.owed`` bits.
 OWE_PAUSE, OWE_RESUME = 1, 2

@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from weightsync.model.system.effects import collective_args
-from weightsync.model.system.state import CALL_EVENT, TRANSFER_KINDS, GlobalState, Label, Rank
+from weightsync.model.system.state import (
+    CALL_EVENT,
+    PAUSE,
+    TRANSFER_KINDS,
+    GlobalState,
+    Label,
+    ModeSetting,
+    Rank,
+)
 from weightsync.spec.collectives import COLLECTIVES
 from weightsync.spec.states import Collective, PauseMode, RankEvent
 
@@ -39,20 +47,26 @@ class Step(NamedTuple):
         return f"{base} ({self.detail})" if self.detail else base
 
 
-def fmt_msg(m: tuple[Any, ...], mode: PauseMode) -> str:
-    """A message as text: ``ADD(req=0, wave=1)``, ``START_DP_WAVE(wave=1, exclude=0)``, ``pause(keep)``..."""
+def fmt_msg(m: tuple[Any, ...], mode: ModeSetting) -> str:
+    """A message as text: ``ADD(req=0, wave=1)``, ``START_DP_WAVE(wave=1, exclude=0)``, ``pause(keep)``...
+    (a pause names the mode its message carries, else the model's ``mode``)."""
     k = m[0]
     if k == "ADD":
         return f"ADD(req={m[1]}, wave={m[2]})"
     if k == "W":
         return f"START_DP_WAVE(wave={m[1]}, exclude={m[2]})"
     if k == "U":
-        return f"pause({mode.value})" if m[1] == "pause" else str(m[1])
+        return f"pause({m[3] if len(m) > 3 else mode.value})" if m[1] == "pause" else str(m[1])
     if k == "FIRST_REQ":
         return f"FIRST_REQ(exclude={m[1]}, wave={m[2]})"
     if k == "ABORT":
         return f"ABORT(req={m[1]})"
     return f"{k}(wave={m[1]})"
+
+
+def _label_mode(label: Label, at: int, mode: ModeSetting) -> str:
+    """The pause mode a controller label names at index ``at`` (:data:`ANY_MODE`), else the model's."""
+    return str(label[at]) if len(label) > at else str(mode.value)
 
 
 def _lane_of_sender(m: tuple[Any, ...]) -> str:
@@ -70,7 +84,7 @@ def message_event(
     if m[0] == "W":
         return RankEvent.START_DP_WAVE, (("exclude", m[2]), ("wave", m[1]))
     ev = CALL_EVENT[m[1]]
-    return ev, model.call_extra(rank, ev)
+    return ev, model.call_extra(rank, ev, PauseMode(m[3]) if len(m) > 3 else None)
 
 
 def _in_spec_order(kind: str, outcome: tuple[tuple[str, Any], ...]) -> list[tuple[str, Any]]:
@@ -171,7 +185,7 @@ def describe(model: Model, s: GlobalState, label: Label, t: GlobalState) -> Step
         )
     if kind == "fan":
         call, i = label[1], label[2]
-        msg = f"pause({mode.value})" if call == "pause" else call
+        msg = f"pause({_label_mode(label, 3, mode)})" if call == "pause" else call
         if i < 0:
             return Step(
                 "controller",
@@ -184,7 +198,7 @@ def describe(model: Model, s: GlobalState, label: Label, t: GlobalState) -> Step
         return Step("controller", "fans out", f"{msg} to rank {i}", "", "controller", (f"rank {i}",))
     if kind == "fe":
         call = label[1]
-        msg = f"pause({mode.value})" if call == "pause" else call
+        msg = f"pause({_label_mode(label, 2, mode)})" if call == "pause" else call
         d = "; ".join(
             f"r{i}:{s.ranks[i].vars.state.value}->{t.ranks[i].vars.state.value}" for i in range(model.n)
         )
@@ -202,8 +216,13 @@ def describe(model: Model, s: GlobalState, label: Label, t: GlobalState) -> Step
         return Step("trainer", "enters", "weight_broadcast", "trainer_send_weights", "", ("trainer",))
     if kind in ("retry", "extra"):
         call = label[1]
-        msg = f"pause({mode.value})" if call == "pause" else call
-        why = "a retry while the first is outstanding" if kind == "retry" else "while a round is in flight"
+        msg = f"pause({_label_mode(label, 2, mode)})" if call == "pause" else call
+        if kind == "retry":
+            why = "a retry while the first is outstanding"
+        elif s.ctrl.phase == PAUSE:
+            why = "a repeated pause: its first is outstanding or returned, no round begun"
+        else:
+            why = "while a round is in flight"
         return Step(
             "controller",
             "fans out",

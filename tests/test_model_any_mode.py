@@ -1,0 +1,90 @@
+"""``weightsync check --mode any`` (the controller picks the pause mode at each pause) and ``--repeat-pause``
+(a second pause to every rank while the first is outstanding or after it returned, before the round):
+issue 19, item 1. A model with one mode explores exactly the state space it did before either existed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from weightsync.model.check import build_model, check
+from weightsync.model.system import Bounds
+from weightsync.model.system.state import ANY_MODE, ghost_base, ghost_replied, ghost_with_mode
+from weightsync.spec.states import PauseMode
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_model_with_one_mode_is_unchanged() -> None:
+    """Regression: the proofs' row, re-explored, has the same state and transition counts."""
+    want = json.loads((ROOT / "proofs" / "two-phase-epoch__ordered__n2.json").read_text())
+    got = check("two-phase-epoch", 2, channels="ordered", workers=1)
+    assert (got["verdict"], got["states"], got["transitions"]) == (
+        want["verdict"],
+        want["states"],
+        want["transitions"],
+    )
+
+
+def test_the_controller_picks_each_mode_and_the_message_carries_it() -> None:
+    m = build_model("two-phase-epoch", 2, "any", bounds=Bounds(requests=0))
+    assert m.mode is ANY_MODE and m.pause_modes == tuple(PauseMode)
+    s0 = m.initial()
+    fans = {lab: t for lab, t in m.successors(s0) if lab[0] == "fan"}
+    assert set(fans) == {("fan", "pause", -1, mode.value) for mode in PauseMode}
+    for lab, t in fans.items():
+        assert {r.inq[m.f_ctrl][-1] for r in t.ranks} == {("U", "pause", 0, lab[3])}, lab
+
+
+def test_a_ghost_names_its_pause_mode_only_under_any() -> None:
+    assert ghost_with_mode(1, None) == 1 and ghost_with_mode(0, PauseMode.WAIT) == 0
+    for mode in PauseMode:
+        g = ghost_with_mode(1, mode)
+        assert ghost_base(g) == 1 and ghost_base(ghost_replied(g)) == 2
+        m = build_model("vllm-0.32-epoch", 2, "any")
+        assert m.ghost_mode(g) is mode and m.ghost_mode(ghost_replied(g)) is mode
+    with pytest.raises(ValueError, match="carries no mode"):
+        build_model("vllm-0.32-epoch", 2, "any").ghost_mode(1)
+
+
+@pytest.mark.parametrize("variant", ["two-phase-epoch", "vllm-0.32-epoch"])
+def test_the_fixes_verify_when_each_pause_picks_its_mode(variant: str) -> None:
+    out = check(variant, 2, mode="any", workers=1)
+    assert out["verdict"] == "verified", out.get("counterexample")
+    assert set(out["per_mode"]) == {"any"}
+
+
+def test_a_retried_wait_pause_livelocks_vllm_032_epoch() -> None:
+    """The retry reaches rank 1 before the consensus round and rank 0 after it: rank 0 sets pending_pause
+    again, rank 1 never does, and ``sync_dp_state`` (``config/parallel.py:850-875``) keeps both ranks
+    stepping with no consensus: the pause never returns. Neither vLLM 0.32 nor the patch series handles
+    it (open: issue 19)."""
+    out = check("vllm-0.32-epoch", 2, mode="wait", bounds=Bounds(repeat_pause=True), workers=1)
+    cx = out["counterexample"]
+    assert cx["property"] == "progress_pause" and len(cx["steps"]) == 12, cx["steps"]
+    text = "\n".join(cx["steps"])
+    assert "fans out pause(wait) to every rank again (untracked) (a repeated pause" in text
+    assert "complete dp_sync(sum_unfinished=1, sum_pending_pause=2)" in text
+    assert "rank 0 receives pause(wait) (pause_must_drain: pausing->pausing)" in cx["steps"][10]
+
+
+def test_a_retried_pause_is_a_protocol_error_in_two_phase_epoch() -> None:
+    """weightsync's own table has no row for a pause that reaches a rank whose pause is in progress (open:
+    issue 19; the table change needs the mutation run)."""
+    out = check("two-phase-epoch", 2, mode="abort", bounds=Bounds(repeat_pause=True), workers=1)
+    cx = out["counterexample"]
+    assert cx["property"] == "phase_bracketing"
+    assert "illegal in paused: protocol error" in cx["steps"][-2], cx["steps"]
+
+
+def test_keep_then_wait_leaves_a_queued_request_in_vllm_032_epoch() -> None:
+    """Under ANY_MODE a wait that a rank takes up while its keep pause is in flight (PauseState PAUSED_ALL
+    to PAUSED_NEW) is judged as a wait pause: patch 0005 snapshots the queue only when the scheduler
+    leaves UNPAUSED, so a request queued before the keep stays queued (open: issue 19)."""
+    out = check("vllm-0.32-epoch", 2, mode="any", bounds=Bounds(repeat_pause=True), workers=1)
+    cx = out["counterexample"]
+    assert cx["property"] == "wait_drains", cx["steps"]
+    text = "\n".join(cx["steps"])
+    assert "pause(keep) to every rank (atomic)" in text and "pause(wait) to every rank again" in text
