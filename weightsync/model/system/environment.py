@@ -27,7 +27,7 @@ from weightsync.model.system.state import (
     _ScratchState,
     ghost_with_mode,
 )
-from weightsync.spec.calls import TRAINER_COLLECTIVE, Phase
+from weightsync.spec.calls import CALL_ARGS, TRAINER_COLLECTIVE, Phase
 from weightsync.spec.controller import (
     CtrlEvent,
     CtrlVars,
@@ -48,6 +48,9 @@ from weightsync.spec.front_end import FrontEvent
 from weightsync.spec.states import PauseMode, RankEvent
 from weightsync.spec.table import ALWAYS
 
+#: The controller calls whose table arguments include the pause mode (``spec/calls.py`` CALL_ARGS): under
+#: ANY_MODE the controller picks it per call.
+MODE_CALLS = frozenset(c for c, ev in CALL_EVENT.items() if "mode" in CALL_ARGS.get(ev, ()))
 #: The untracked calls of the controller table's effects (``Bounds.pause_during_update`` /
 #: ``resume_during_update``).
 _UNTRACKED = {"extra_pause": "pause", "extra_resume": "resume"}
@@ -180,13 +183,13 @@ class Environment(RankEffects):
         any_mode = self.any_mode
         for eff, call, ctrl2 in moves:
             if eff == "fan_out":
-                if any_mode and call == "pause":
+                if any_mode and call in MODE_CALLS:
                     for m in self.pause_modes:
                         out.append((("fan", call, -1, m.value), self._fan_out(s, ctrl2, None, True, mode=m)))
                 else:
                     out.append((("fan", call, -1), self._fan_out(s, ctrl2, None, True)))
             elif eff == "front_end_call":
-                if any_mode and call == "pause":
+                if any_mode and call in MODE_CALLS:
                     for m in self.pause_modes:
                         out.append((("fe", call, m.value), self._front_end_call(s, ctrl2.phase, ctrl2, m)))
                 else:
@@ -195,7 +198,7 @@ class Environment(RankEffects):
                 out.append((("retry", call), self._retry(s, ctrl2)))
             elif eff in _UNTRACKED:
                 extra = _UNTRACKED[eff]
-                if any_mode and extra == "pause":
+                if any_mode and extra in MODE_CALLS:
                     for m in self.pause_modes:
                         out.append((("extra", extra, m.value), self._retry(s, ctrl2, extra, m)))
                 else:
