@@ -157,14 +157,20 @@ def test_wait_pause_leaves_a_queued_request_as_shipped_and_not_patched_or_with_t
 ) -> None:
     """Patch 0005 (issue 24): a request added just before ``pause_generation(mode="wait")``, while the rank
     is stepping another, is still queued when the pause returns as shipped (every trial), and drained before
-    it returns patched, and with the plugin's default fix (grafted onto the engines' ``Scheduler``)."""
-    module, name = "test_wait_pause_drains_queued.py", "test_wait_pause_drains_a_request_added_just_before_it"
+    it returns patched, and with the plugin's default fix (grafted onto the engines' ``Scheduler``). So is
+    one queued before a keep that a wait follows while the keep is in flight (issue 19, item 1: the model's
+    ``--mode any --repeat-pause`` counterexample of ``wait_drains``)."""
+    module = "test_wait_pause_drains_queued.py"
+    names = (
+        "test_wait_pause_drains_a_request_added_just_before_it",
+        "test_a_wait_after_a_keep_in_flight_drains_the_requests_queued_before_it",
+    )
     rc, got = run_vllm_tests(module, overlay=None, fix_env=fix.OFF, tmp=tmp_path)
-    assert rc == 1 and "still queued in" in got[name], got
+    assert rc == 1 and all("still queued in" in got[n] for n in names), got
     rc, got = run_vllm_tests(module, overlay=overlay, fix_env=fix.OFF, tmp=tmp_path)
-    assert rc == 0 and got == {name: "passed"}, got
+    assert rc == 0 and got == dict.fromkeys(names, "passed"), got
     rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp_path)  # the default
-    assert rc == 0 and got == {name: "passed"}, got
+    assert rc == 0 and got == dict.fromkeys(names, "passed"), got
 
 
 def test_a_repeated_pause_hangs_with_0001_alone_and_not_with_0006_or_the_plugin(
@@ -192,3 +198,20 @@ def test_a_repeated_pause_hangs_with_0001_alone_and_not_with_0006_or_the_plugin(
     assert rc == 0 and got == {frozen: "passed", init: "passed"}, got
     rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp_path, extra_env=short)  # the default
     assert rc == 0 and got == {frozen: "passed", init: "passed"}, got
+
+
+def test_a_retried_pause_livelocks_as_shipped_and_not_patched_or_with_the_plugin(
+    overlay: Path, tmp_path: Path
+) -> None:
+    """Patch 0007 (issue 19, item 1: ``weightsync check --variant vllm-0.32-epoch --mode wait --repeat-pause``
+    found it, ``progress_pause`` in 12 steps): a wait pause retried to rank 0 after the consensus round
+    while rank 0 still drains leaves no pause call returning as shipped (the ranks step dummy batches
+    forever); patched, and with the plugin's default fix, the retry joins the pause and every call returns
+    once the request drained."""
+    module, name = "test_dp_retried_pause.py", "test_a_pause_retried_after_the_consensus_returns"
+    rc, got = run_vllm_tests(module, overlay=None, fix_env=fix.OFF, tmp=tmp_path)
+    assert rc == 1 and "TimeoutError" in got[name], got
+    rc, got = run_vllm_tests(module, overlay=overlay, fix_env=fix.OFF, tmp=tmp_path)
+    assert rc == 0 and got == {name: "passed"}, got
+    rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp_path)  # the default
+    assert rc == 0 and got == {name: "passed"}, got

@@ -194,10 +194,10 @@ R_DRAIN_QUEUED = (
 )
 
 
-def drain_queued_row(updates: tuple[str, ...]) -> Transition:
+def drain_queued_row(updates: tuple[str, ...], guard: str = "pause_drains_queued") -> Transition:
     """The fixed variants' pause row for a wait-mode pause that finds queued requests: the rank drains them
-    with its running ones (effect ``admit_waiting``) before its pause completes."""
-    return _t("pause_drains_queued", _S.PAUSING, updates, ("admit_waiting",), R_DRAIN_QUEUED)
+    with its running ones (effect ``admit_waiting``) before its pause completes. ``guard`` names when."""
+    return _t(guard, _S.PAUSING, updates, ("admit_waiting",), R_DRAIN_QUEUED)
 
 
 def _running_rows(stale_add_rearms: bool = True, mirror_start_wave: bool = False) -> Table:

@@ -184,6 +184,20 @@ def _drains_queued(v: RankVars, a: Args) -> bool:
     return PauseMode(a["mode"]) is PauseMode.WAIT and int(a["waiting"]) > 0
 
 
+def _drains_queued_entering_paused_new(v: RankVars, a: Args) -> bool:
+    """Patch 0005 as ``Scheduler.set_pause_state`` runs it: a wait-mode pause records the queued requests
+    when the scheduler enters PAUSED_NEW from another PauseState (UNPAUSED, or keep's PAUSED_ALL while that
+    pause is in flight); one that finds PAUSED_NEW already (an abort or wait pause in flight) leaves the
+    recorded set alone."""
+    return _drains_queued(v, a) and v.pause_state is not PauseState.PAUSED_NEW
+
+
+def _joins_consensus(v: RankVars, a: Args) -> bool:
+    """Patch 0007: the rank is past the DP pause consensus (``ignore_start_dp_wave``) and still drains
+    (``engines_running``), so a pause joins the one in progress."""
+    return v.ignore_start_dp_wave and v.engines_running
+
+
 GUARDS: dict[str, Callable[[RankVars, Args], bool]] = {
     # loop
     "step_plain": lambda v, a: _works(v, a) and not _is_sync_step(v, a),
@@ -231,6 +245,8 @@ GUARDS: dict[str, Callable[[RankVars, Args], bool]] = {
     "pause_drains_now": _drains_now,
     "pause_must_drain": lambda v, a: not _drains_now(v, a),
     "pause_drains_queued": _drains_queued,
+    "pause_drains_queued_entering_paused_new": _drains_queued_entering_paused_new,
+    "pause_joins_consensus": _joins_consensus,
     "pause_idle_fast_path": lambda v, a: _drains_now(v, a) and not v.engines_running,
     "pause_drains_now_busy": lambda v, a: _drains_now(v, a) and v.engines_running,
     # resume

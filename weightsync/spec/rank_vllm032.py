@@ -154,12 +154,14 @@ def _v032_pause_rows(state: RankState, drain_queued: bool) -> Table:
     the pause arrives stays queued under PAUSED_NEW until the resume (``v1/core/sched/scheduler.py:900-917``,
     ``get_num_unfinished_requests`` at ``:2803-2811``). ``drain_queued``: weightsync's patch 0005 drains it
     too (:func:`~weightsync.spec.rank_tables.drain_queued_row`): the requests queued when the scheduler
-    leaves UNPAUSED for PAUSED_NEW, so only a pause of a running rank."""
+    enters PAUSED_NEW from another PauseState: from UNPAUSED, or from PAUSED_ALL when a wait follows a keep
+    still in flight (a pause on a verified rank changes nothing, patch 0006)."""
     upd = ("set_pause_state", "set_pending_pause", "set_engines_running")
+    drain = drain_queued_row(upd, "pause_drains_queued_entering_paused_new")
     return {
         (state, _E.PAUSE): (
             _t("pause_abort", _S.PAUSED, upd, ("abort_requests",), C_PAUSE + " (abort)"),
-            *((drain_queued_row(upd),) if drain_queued else ()),
+            *((drain,) if drain_queued else ()),
             _t("pause_drains_now", _S.PAUSED, upd, (), C_PAUSE),
             _t("pause_must_drain", _S.PAUSING, upd, (), C_PAUSE + " (wait drains)"),
         )
@@ -247,6 +249,14 @@ def _v032_weight_rows(state: RankState) -> Table:
 
 
 R_EPOCH_032 = "weightsync vllm-0.32-epoch"
+#: weightsync patch 0007 (a pause retried across the consensus round; found by the model under
+#: ``--repeat-pause``, ``progress_pause``, and reproduced on real vLLM: ``tests/test_vllm_retried_pause.py``)
+R_JOIN_CONSENSUS = (
+    "weightsync patch 0007: a pause that reaches a rank past the DP pause consensus while it still drains "
+    "joins that pause: it changes nothing and returns when the rank is idle (vLLM 0.32 "
+    "v1/engine/core.py:2216-2231 sets pending_pause again, and sync_dp_state, config/parallel.py:850-875, "
+    "then never sees every rank pending: the ranks step dummy batches forever)"
+)
 
 
 def vllm032_table(epoch: bool) -> Table:
@@ -267,8 +277,8 @@ def vllm032_table(epoch: bool) -> Table:
     rows: Table = {}
     for s in (_S.RUNNING, _S.PAUSING, _S.PAUSED, _S.VERIFIED):
         rows.update(_v032_serving_rows(s))
-        # the fix drains what an unpaused rank has queued; a second pause leaves the drain set alone
-        rows.update(_v032_pause_rows(s, drain_queued=epoch and s is _S.RUNNING))
+        # the fix drains what the rank has queued when a wait enters PAUSED_NEW (patch 0005)
+        rows.update(_v032_pause_rows(s, drain_queued=epoch))
         rows.update(_v032_resume_rows(s))
     rows.update(_v032_loop_rows(_S.RUNNING, paused=False))
     rows.update(_v032_loop_rows(_S.PAUSING, paused=True))
@@ -310,6 +320,11 @@ def vllm032_table(epoch: bool) -> Table:
             ALWAYS, _S.RUNNING, (), ("reply_resume",), R_EPOCH_032 + ": a resume on a running rank is a no-op"
         ),
     )
+    for s in (_S.PAUSING, _S.PAUSED):
+        rows[(s, _E.PAUSE)] = (
+            _t("pause_joins_consensus", s, (), (), R_JOIN_CONSENSUS),
+            *rows[(s, _E.PAUSE)],
+        )
     rows[(_S.VERIFIED, _E.PAUSE)] = (
         _t(
             ALWAYS,

@@ -62,3 +62,48 @@ def test_wait_pause_drains_a_request_added_just_before_it(dp_moe_engine):
         f"pause_generation(mode='wait') returned with a request added before it "
         f"still queued in {drained.count(False)} of {TRIALS} trials"
     )
+
+
+def test_a_wait_after_a_keep_in_flight_drains_the_requests_queued_before_it(dp_moe_engine):
+    """pause(mode="keep") and pause(mode="wait") sent back to back while A
+    generates and B is queued on DP rank 0: both reach the rank before the
+    keep's consensus, the keep sets PAUSED_ALL and the wait PAUSED_NEW. The
+    wait must drain B too, which was added before it; as shipped (and with
+    0005 recording the queue only on leaving UNPAUSED) B stays queued until
+    the resume."""
+    llm, lt = dp_moe_engine
+
+    async def trial(k: int) -> bool:
+        long = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+        short = SamplingParams(
+            max_tokens=4,
+            temperature=0.0,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        a = await llm.add_request(f"ka-{k}", PROMPT, long, data_parallel_rank=0)
+        first = await asyncio.wait_for(a.get(), TIMEOUT_S)
+        assert not first.finished  # A is generating: the engine is stepping
+        b = await llm.add_request(f"kb-{k}", PROMPT, short, data_parallel_rank=0)
+        # Both tasks send before either awaits a reply, keep first: the rank
+        # handles both between two steps.
+        keep = asyncio.ensure_future(llm.pause_generation(mode="keep", clear_cache=False))
+        wait = asyncio.ensure_future(llm.pause_generation(mode="wait", clear_cache=False))
+        await asyncio.wait_for(asyncio.gather(keep, wait), TIMEOUT_S)
+        out = first
+        while not out.finished:  # A was running: the wait drained it
+            out = await asyncio.wait_for(a.get(), 1.0)
+        drained = await _final(b, 1.0)
+        await llm.resume_generation()
+        final = drained or await asyncio.wait_for(b.get(), TIMEOUT_S)
+        assert final.finished and len(final.outputs[0].token_ids) == 4
+        return drained is not None
+
+    async def scenario():
+        return [await trial(k) for k in range(TRIALS)]
+
+    drained = lt.run(scenario(), TRIALS * 3 * TIMEOUT_S)
+    assert all(drained), (
+        f"pause_generation(mode='wait') after a keep in flight returned with a "
+        f"request added before both still queued in {drained.count(False)} of {TRIALS} trials"
+    )
