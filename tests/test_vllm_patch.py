@@ -56,7 +56,7 @@ def patched() -> str:
 def test_the_series_applies_in_order_to_a_copy_of_the_installed_tree(patched: str, tmp_path: Path) -> None:
     """``patch -p1`` of each patch, in order, with no fuzz, to copies of the files it changes; the
     installed tree itself is untouched (a dry run there must apply too)."""
-    assert [p.name[:4] for p in fix.SERIES] == ["0001", "0002", "0003", "0004", "0005", "0006"]
+    assert [p.name[:4] for p in fix.SERIES] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007"]
     for rel in fix.SOURCES:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(SITE / rel, tmp_path / rel)
@@ -206,3 +206,25 @@ def test_a_pause_on_paused_engines_changes_nothing_and_init_waits_for_the_pause(
         paused.collective_rpc("update_weights", kwargs={"update_info": {}})
     paused.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})  # after a failed session
     assert paused.model_executor.calls[-1] == "init_weight_transfer_engine"
+
+
+def test_a_pause_retried_past_the_consensus_joins_the_pause_in_progress(patched: str) -> None:
+    """Patch 0007: a pause that reaches a rank past the DP pause consensus (``ignore_start_dp_wave``) while
+    it still drains (``engines_running``) changes nothing, whatever its mode: ``pending_pause`` stays clear
+    (set again, the rank would wait alone for a consensus its peers never join) and the PauseState stays.
+    Its future resolves when the rank is idle, as the pause it joins does."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    core = load_core(patched)
+    eng = make_engine(
+        core, None, 0, paused=True, unfinished=True, engines_running=True, _idle_state_callbacks=[]
+    )
+    eng.scheduler.pause_state = PauseState.PAUSED_NEW  # a wait pause drains
+    futures = [eng.pause_scheduler(mode, clear_cache=False) for mode in ("wait", "abort", "keep")]
+    assert all(f is not None and not f.done() for f in futures)
+    assert not eng.pending_pause and eng.ignore_start_dp_wave and eng.engines_running
+    assert eng.scheduler.pause_state == PauseState.PAUSED_NEW and eng.model_executor.calls == []
+    eng.engines_running = False  # drained: the loop finds the rank idle
+    eng._notify_idle_state_callbacks()
+    assert [f.result(0) for f in futures if f is not None] == [None, None, None]
+    assert eng.model_executor.calls == ["synchronize_device"] * 3

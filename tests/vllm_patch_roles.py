@@ -57,7 +57,9 @@ class Executor:
         self.calls: list[str] = []
         self.fail = fail
 
-    def collective_rpc(self, method: str, timeout: Any, args: Any, kwargs: Any) -> list[None]:
+    def collective_rpc(
+        self, method: str, timeout: Any = None, args: Any = (), kwargs: Any = None
+    ) -> list[None]:
         self.calls.append(method)
         if method == self.fail:
             raise RuntimeError(f"worker {method} failed")

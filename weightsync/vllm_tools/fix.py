@@ -17,12 +17,15 @@ each and run its test):
    paused, idle engines run (vllm-project/vllm#51481). It runs in the process that holds the
    ``AsyncLLM`` (vLLM loads plugins there too, ``engine/arg_utils.py:906``);
 5. ``0005``: a wait-mode pause drains the requests queued when it came (and those preempted during the
-   drain), not only those a step already scheduled (``vllm/v1/core/sched/scheduler.py``); requests added
-   after it stay queued until the resume;
+   drain), not only those a step already scheduled (``vllm/v1/core/sched/scheduler.py``), also when it
+   follows a keep pause still in flight; requests added after it stay queued until the resume;
 6. ``0006``: a pause on paused engines returns at once and changes nothing, whatever its mode (applied,
    a wait after a keep let a paused rank schedule its kept request alone while its DP peers idled: the
    forward's DP collective timed out), and ``init_weight_transfer_engine`` is refused while a pause is in
-   flight or a weight update is active (``core.py``).
+   flight or a weight update is active (``core.py``);
+7. ``0007``: a pause that reaches a rank after the DP pause consensus, while the ranks still drain, joins
+   the pause in progress (applied, it set ``pending_pause`` on that rank alone, and ``sync_dp_state`` kept
+   every rank stepping dummy batches forever with no pause returning) (``core.py``).
 
 :func:`install_from_env` (the plugin's hook, run in every vLLM process that loads plugins) decides from
 :data:`ENV_FIX`: unset means :data:`DEFAULT_FIX`. On a vLLM other than 0.32.x the default installs nothing
