@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.model.check import build_model, check
+from weightsync.model.check import build_model, check, check_mode
 from weightsync.model.system import Bounds
 from weightsync.model.system.state import ANY_MODE, ghost_base, ghost_replied, ghost_with_mode
-from weightsync.spec.states import PauseMode
+from weightsync.spec.rank import get_variant
+from weightsync.spec.rank_tables import Table
+from weightsync.spec.states import PauseMode, RankState
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,14 +62,25 @@ def test_the_fixes_verify_when_each_pause_picks_its_mode(variant: str) -> None:
     assert set(out["per_mode"]) == {"any"}
 
 
-def test_a_retried_wait_pause_livelocks_vllm_032_epoch() -> None:
-    """The retry reaches rank 1 before the consensus round and rank 0 after it: rank 0 sets pending_pause
-    again, rank 1 never does, and ``sync_dp_state`` (``config/parallel.py:850-875``) keeps both ranks
-    stepping with no consensus: the pause never returns. Neither vLLM 0.32 nor the patch series handles
-    it (open: issue 19)."""
+def _without_rows(variant: str, guard: str, states: tuple[RankState, ...]) -> Table:
+    """``variant``'s table without its rows named ``guard`` at ``states`` (the table before a fix)."""
+    return {
+        (s, e): tuple(tr for tr in trs if not (tr.guard == guard and s in states))
+        for (s, e), trs in get_variant(variant).table.items()
+    }
+
+
+def test_a_retried_wait_pause_livelocks_vllm_032_epoch_without_patch_0007() -> None:
+    """The retry reaches rank 1 before the consensus round and rank 0 after it: without patch 0007's row
+    (``pause_joins_consensus``) rank 0 sets pending_pause again, rank 1 never does, and ``sync_dp_state``
+    (``config/parallel.py:850-875``) keeps both ranks stepping with no consensus: the pause never returns
+    (reproduced on the real engines: ``tests/test_vllm_retried_pause.py``). With the row it verifies."""
     out = check("vllm-0.32-epoch", 2, mode="wait", bounds=Bounds(repeat_pause=True), workers=1)
-    cx = out["counterexample"]
-    assert cx["property"] == "progress_pause" and len(cx["steps"]) == 12, cx["steps"]
+    assert out["verdict"] == "verified", out.get("counterexample")
+    before = _without_rows("vllm-0.32-epoch", "pause_joins_consensus", (RankState.PAUSING, RankState.PAUSED))
+    model = build_model("vllm-0.32-epoch", 2, "wait", bounds=Bounds(repeat_pause=True), table=before)
+    cx = check_mode(model).counterexample
+    assert cx is not None and cx["property"] == "progress_pause" and len(cx["steps"]) == 12, cx
     text = "\n".join(cx["steps"])
     assert "fans out pause(wait) to every rank again (untracked) (a repeated pause" in text
     assert "complete dp_sync(sum_unfinished=1, sum_pending_pause=2)" in text
@@ -85,12 +98,20 @@ def test_a_retried_pause_is_a_protocol_error_in_two_phase_epoch() -> None:
 
 @pytest.mark.slow
 @pytest.mark.ci
-def test_keep_then_wait_leaves_a_queued_request_in_vllm_032_epoch() -> None:
+def test_keep_then_wait_drains_the_queue_only_with_the_keep_case_of_patch_0005() -> None:
     """Under ANY_MODE a wait that a rank takes up while its keep pause is in flight (PauseState PAUSED_ALL
-    to PAUSED_NEW) is judged as a wait pause: patch 0005 snapshots the queue only when the scheduler
-    leaves UNPAUSED, so a request queued before the keep stays queued (open: issue 19)."""
-    out = check("vllm-0.32-epoch", 2, mode="any", bounds=Bounds(repeat_pause=True), workers=1)
-    cx = out["counterexample"]
-    assert cx["property"] == "wait_drains", cx["steps"]
+    to PAUSED_NEW) is judged as a wait pause. Patch 0005 first recorded the queue only when the scheduler
+    left UNPAUSED (the drain row at ``running`` alone), and a request queued before the keep stayed queued
+    (``wait_drains``, 11 steps; the real engines showed it: the keep case of the series' test fails 3 of 3
+    with that version). Recording it on entering PAUSED_NEW from PAUSED_ALL too, the row verifies."""
+    bounds = Bounds(repeat_pause=True)
+    out = check("vllm-0.32-epoch", 2, mode="any", bounds=bounds, workers=1)
+    assert out["verdict"] == "verified", out.get("counterexample")
+    before = _without_rows(
+        "vllm-0.32-epoch", "pause_drains_queued_entering_paused_new", (RankState.PAUSING, RankState.PAUSED)
+    )
+    model = build_model("vllm-0.32-epoch", 2, ANY_MODE, bounds=bounds, table=before)
+    cx = check_mode(model, counterexample_of="wait_drains").counterexample
+    assert cx is not None and cx["property"] == "wait_drains" and len(cx["steps"]) == 11, cx
     text = "\n".join(cx["steps"])
     assert "pause(keep) to every rank (atomic)" in text and "pause(wait) to every rank again" in text

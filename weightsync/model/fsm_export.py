@@ -268,7 +268,11 @@ def protocol_markdown() -> str:
         "Variants whose `wait` drains every request queued on the rank when the pause arrives ("
         + ", ".join(f"`{n}`" for n in drains)
         + ", weightsync's patch 0005): the pause row `pause_drains_queued` fires `admit_waiting`, and the "
-        "rank counts them unfinished until they finish. Requests added after the pause stay queued. "
+        "rank counts them unfinished until they finish. Requests added after the pause stay queued. In "
+        "`vllm-0.32-epoch` the row is `pause_drains_queued_entering_paused_new`, as the patch's "
+        "`Scheduler.set_pause_state` runs it: the queue is taken when the scheduler enters PAUSED_NEW from "
+        "UNPAUSED, or from keep's PAUSED_ALL when a wait follows a keep still in flight, and not when an "
+        "abort or wait pause is in flight already. "
         "Property `wait_drains` judges it; under per-socket channels an ADD still in flight when the pause "
         "arrives counts as after it, as it is in vLLM between two API servers.",
         "",

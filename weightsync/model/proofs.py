@@ -196,8 +196,8 @@ def _summary_markdown(summary: dict[str, Any], bounds: Bounds) -> str:
         "wait, keep) is explored for each row, progress included; N=2 rows explore the full product, N=3 rows "
         "explore it up to permutations of ranks 1 and 2 (symmetry reduction, which every property survives: "
         "`weightsync/model/check.py`). Rows tagged `any-mode...` explore one model in which the controller "
-        "picks the mode at each pause (`--mode any`); their `counterexample` rows of the fixes are open "
-        "findings. "
+        "picks the mode at each pause (`--mode any`); the `counterexample` row of `two-phase-epoch` under "
+        "`any-mode-repeat-pause` is an open finding (issue 19). "
         f"Python {summary['python']}; total {summary['seconds']} s.",
         "",
         "Rows with other bounds (column `bounds`): "
