@@ -114,18 +114,29 @@ def run_vllm_tests(
     return r.returncode, outcomes
 
 
+def fails_as_shipped_and_passes_patched_and_with_the_plugin(
+    module: str, names: tuple[str, ...], failure: str, *, overlay: Path, tmp: Path
+) -> None:
+    """The series' ``module`` three ways: as shipped every test in ``names`` fails with ``failure`` in its
+    report; on the patched overlay, and with the plugin's default fix, every one passes."""
+    rc, got = run_vllm_tests(module, overlay=None, fix_env=fix.OFF, tmp=tmp)
+    assert rc == 1 and all(failure in got[n] for n in names), got
+    rc, got = run_vllm_tests(module, overlay=overlay, fix_env=fix.OFF, tmp=tmp)
+    assert rc == 0 and got == dict.fromkeys(names, "passed"), got
+    rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp)  # the default
+    assert rc == 0 and got == dict.fromkeys(names, "passed"), got
+
+
 def test_stray_resume_hangs_as_shipped_and_not_patched_or_with_the_plugin(
     overlay: Path, tmp_path: Path
 ) -> None:
-    name = "test_stray_resume_while_one_rank_serves"
-    rc, got = run_vllm_tests("test_dp_stray_resume.py", overlay=None, fix_env=fix.OFF, tmp=tmp_path)
-    assert rc == 1 and "TimeoutError" in got[name], got  # the hang, caught by the test's timeout
-    rc, got = run_vllm_tests("test_dp_stray_resume.py", overlay=overlay, fix_env=fix.OFF, tmp=tmp_path)
-    assert rc == 0 and got == {name: "passed"}, got
-    rc, got = run_vllm_tests(
-        "test_dp_stray_resume.py", overlay=None, fix_env=None, tmp=tmp_path
-    )  # the default
-    assert rc == 0 and got == {name: "passed"}, got
+    fails_as_shipped_and_passes_patched_and_with_the_plugin(  # the hang, caught by the test's timeout
+        "test_dp_stray_resume.py",
+        ("test_stray_resume_while_one_rank_serves",),
+        "TimeoutError",
+        overlay=overlay,
+        tmp=tmp_path,
+    )
 
 
 def test_weight_update_gate_fails_as_shipped_and_passes_patched(overlay: Path, tmp_path: Path) -> None:
@@ -143,13 +154,13 @@ def test_front_end_belief_stays_true_as_shipped_and_not_patched_or_with_the_plug
     """Patch 0004 (issue 24): after a request added during an abort pause, ``dp_engines_running()`` is
     True for the whole watched window as shipped, and False from 1 s on patched, and with the plugin's
     default fix (grafted in the ``AsyncLLM`` process)."""
-    module, name = "test_dp_front_end_belief.py", "test_late_request_during_abort_pause_leaves_belief_false"
-    rc, got = run_vllm_tests(module, overlay=None, fix_env=fix.OFF, tmp=tmp_path)
-    assert rc == 1 and "dp_engines_running() was True in" in got[name], got
-    rc, got = run_vllm_tests(module, overlay=overlay, fix_env=fix.OFF, tmp=tmp_path)
-    assert rc == 0 and got == {name: "passed"}, got
-    rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp_path)  # the default
-    assert rc == 0 and got == {name: "passed"}, got
+    fails_as_shipped_and_passes_patched_and_with_the_plugin(
+        "test_dp_front_end_belief.py",
+        ("test_late_request_during_abort_pause_leaves_belief_false",),
+        "dp_engines_running() was True in",
+        overlay=overlay,
+        tmp=tmp_path,
+    )
 
 
 def test_wait_pause_leaves_a_queued_request_as_shipped_and_not_patched_or_with_the_plugin(
@@ -160,17 +171,16 @@ def test_wait_pause_leaves_a_queued_request_as_shipped_and_not_patched_or_with_t
     it returns patched, and with the plugin's default fix (grafted onto the engines' ``Scheduler``). So is
     one queued before a keep that a wait follows while the keep is in flight (issue 19, item 1: the model's
     ``--mode any --repeat-pause`` counterexample of ``wait_drains``)."""
-    module = "test_wait_pause_drains_queued.py"
-    names = (
-        "test_wait_pause_drains_a_request_added_just_before_it",
-        "test_a_wait_after_a_keep_in_flight_drains_the_requests_queued_before_it",
+    fails_as_shipped_and_passes_patched_and_with_the_plugin(
+        "test_wait_pause_drains_queued.py",
+        (
+            "test_wait_pause_drains_a_request_added_just_before_it",
+            "test_a_wait_after_a_keep_in_flight_drains_the_requests_queued_before_it",
+        ),
+        "still queued in",
+        overlay=overlay,
+        tmp=tmp_path,
     )
-    rc, got = run_vllm_tests(module, overlay=None, fix_env=fix.OFF, tmp=tmp_path)
-    assert rc == 1 and all("still queued in" in got[n] for n in names), got
-    rc, got = run_vllm_tests(module, overlay=overlay, fix_env=fix.OFF, tmp=tmp_path)
-    assert rc == 0 and got == dict.fromkeys(names, "passed"), got
-    rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp_path)  # the default
-    assert rc == 0 and got == dict.fromkeys(names, "passed"), got
 
 
 def test_a_repeated_pause_hangs_with_0001_alone_and_not_with_0006_or_the_plugin(
@@ -208,10 +218,10 @@ def test_a_retried_pause_livelocks_as_shipped_and_not_patched_or_with_the_plugin
     while rank 0 still drains leaves no pause call returning as shipped (the ranks step dummy batches
     forever); patched, and with the plugin's default fix, the retry joins the pause and every call returns
     once the request drained."""
-    module, name = "test_dp_retried_pause.py", "test_a_pause_retried_after_the_consensus_returns"
-    rc, got = run_vllm_tests(module, overlay=None, fix_env=fix.OFF, tmp=tmp_path)
-    assert rc == 1 and "TimeoutError" in got[name], got
-    rc, got = run_vllm_tests(module, overlay=overlay, fix_env=fix.OFF, tmp=tmp_path)
-    assert rc == 0 and got == {name: "passed"}, got
-    rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp_path)  # the default
-    assert rc == 0 and got == {name: "passed"}, got
+    fails_as_shipped_and_passes_patched_and_with_the_plugin(
+        "test_dp_retried_pause.py",
+        ("test_a_pause_retried_after_the_consensus_returns",),
+        "TimeoutError",
+        overlay=overlay,
+        tmp=tmp_path,
+    )

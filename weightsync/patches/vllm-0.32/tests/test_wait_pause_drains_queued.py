@@ -29,8 +29,10 @@ async def _final(collector, timeout_s: float):
         return None
 
 
-def test_wait_pause_drains_a_request_added_just_before_it(dp_moe_engine):
-    llm, lt = dp_moe_engine
+def _drained_in_each_trial(llm, lt, prefix: str, pause) -> list[bool]:
+    """TRIALS times: A generates on DP rank 0, B is added to it, then
+    ``await pause()``; whether B finished before the pause returned. Each
+    trial ends with a resume after which both requests have finished."""
 
     async def trial(k: int) -> bool:
         long = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
@@ -40,11 +42,11 @@ def test_wait_pause_drains_a_request_added_just_before_it(dp_moe_engine):
             ignore_eos=True,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        a = await llm.add_request(f"a-{k}", PROMPT, long, data_parallel_rank=0)
+        a = await llm.add_request(f"{prefix}a-{k}", PROMPT, long, data_parallel_rank=0)
         first = await asyncio.wait_for(a.get(), TIMEOUT_S)
         assert not first.finished  # A is generating: the engine is stepping
-        b = await llm.add_request(f"b-{k}", PROMPT, short, data_parallel_rank=0)
-        await asyncio.wait_for(llm.pause_generation(mode="wait"), TIMEOUT_S)
+        b = await llm.add_request(f"{prefix}b-{k}", PROMPT, short, data_parallel_rank=0)
+        await asyncio.wait_for(pause(), TIMEOUT_S)
         out = first
         while not out.finished:  # A was running: wait mode drained it
             out = await asyncio.wait_for(a.get(), 1.0)
@@ -57,7 +59,12 @@ def test_wait_pause_drains_a_request_added_just_before_it(dp_moe_engine):
     async def scenario():
         return [await trial(k) for k in range(TRIALS)]
 
-    drained = lt.run(scenario(), TRIALS * 3 * TIMEOUT_S)
+    return lt.run(scenario(), TRIALS * 3 * TIMEOUT_S)
+
+
+def test_wait_pause_drains_a_request_added_just_before_it(dp_moe_engine):
+    llm, lt = dp_moe_engine
+    drained = _drained_in_each_trial(llm, lt, "", lambda: llm.pause_generation(mode="wait"))
     assert all(drained), (
         f"pause_generation(mode='wait') returned with a request added before it "
         f"still queued in {drained.count(False)} of {TRIALS} trials"
@@ -73,36 +80,14 @@ def test_a_wait_after_a_keep_in_flight_drains_the_requests_queued_before_it(dp_m
     the resume."""
     llm, lt = dp_moe_engine
 
-    async def trial(k: int) -> bool:
-        long = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-        short = SamplingParams(
-            max_tokens=4,
-            temperature=0.0,
-            ignore_eos=True,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        a = await llm.add_request(f"ka-{k}", PROMPT, long, data_parallel_rank=0)
-        first = await asyncio.wait_for(a.get(), TIMEOUT_S)
-        assert not first.finished  # A is generating: the engine is stepping
-        b = await llm.add_request(f"kb-{k}", PROMPT, short, data_parallel_rank=0)
+    def keep_then_wait():
         # Both tasks send before either awaits a reply, keep first: the rank
         # handles both between two steps.
         keep = asyncio.ensure_future(llm.pause_generation(mode="keep", clear_cache=False))
         wait = asyncio.ensure_future(llm.pause_generation(mode="wait", clear_cache=False))
-        await asyncio.wait_for(asyncio.gather(keep, wait), TIMEOUT_S)
-        out = first
-        while not out.finished:  # A was running: the wait drained it
-            out = await asyncio.wait_for(a.get(), 1.0)
-        drained = await _final(b, 1.0)
-        await llm.resume_generation()
-        final = drained or await asyncio.wait_for(b.get(), TIMEOUT_S)
-        assert final.finished and len(final.outputs[0].token_ids) == 4
-        return drained is not None
+        return asyncio.gather(keep, wait)
 
-    async def scenario():
-        return [await trial(k) for k in range(TRIALS)]
-
-    drained = lt.run(scenario(), TRIALS * 3 * TIMEOUT_S)
+    drained = _drained_in_each_trial(llm, lt, "k", keep_then_wait)
     assert all(drained), (
         f"pause_generation(mode='wait') after a keep in flight returned with a "
         f"request added before both still queued in {drained.count(False)} of {TRIALS} trials"
