@@ -60,6 +60,7 @@ EXTRA_PROOFS: tuple[tuple[str, str, str, int, Bounds, str], ...] = (
     ("stray-repeat-resume", "vllm-0.32-epoch", "per-socket", 2, _STRAY_REPEAT, "verified"),
     ("failures", "vllm-0.32-epoch", "per-socket", 2, Bounds(failures=1, init_transfer=True), "verified"),
     ("cycles-2", "vllm-0.32-epoch", "per-socket", 2, Bounds(cycles=2), "verified"),
+    ("requests-2", "vllm-0.32-epoch", "per-socket", 2, Bounds(requests=2), "verified"),
 )
 #: Rows explored with ``--mode any`` (the controller picks the pause mode at each pause), same fields. The
 #: ``counterexample`` row of two-phase-epoch is an open finding (issue 19): it has no row for a pause at a
