@@ -16,7 +16,7 @@ from weightsync.model.system import Bounds
 from weightsync.model.system.state import ANY_MODE, ghost_base, ghost_replied, ghost_with_mode
 from weightsync.spec.rank import get_variant
 from weightsync.spec.rank_tables import Table
-from weightsync.spec.states import PauseMode, RankState
+from weightsync.spec.states import PauseMode, RankEvent, RankState
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,12 +87,23 @@ def test_a_retried_wait_pause_livelocks_vllm_032_epoch_without_patch_0007() -> N
     assert "rank 0 receives pause(wait) (pause_must_drain: pausing->pausing)" in cx["steps"][10]
 
 
-def test_a_retried_pause_is_a_protocol_error_in_two_phase_epoch() -> None:
-    """weightsync's own table has no row for a pause that reaches a rank whose pause is in progress (open:
-    issue 19; the table change needs the mutation run)."""
-    out = check("two-phase-epoch", 2, mode="abort", bounds=Bounds(repeat_pause=True), workers=1)
-    cx = out["counterexample"]
-    assert cx["property"] == "phase_bracketing"
+def test_a_repeated_pause_is_taken_in_two_phase_epoch_and_illegal_without_its_rows() -> None:
+    """weightsync's own table takes a pause at a rank whose pause is in flight as the patches 0005-0007 make
+    vLLM 0.32 take it (``spec/rank_tables.py`` ``_repeated_pause_rows``): the row verifies. Without those
+    rows (the table before this change) the second pause is illegal at a paused rank: ``phase_bracketing``,
+    5 steps."""
+    bounds = Bounds(repeat_pause=True)
+    out = check("two-phase-epoch", 2, mode="abort", bounds=bounds, workers=1)
+    assert out["verdict"] == "verified", out.get("counterexample")
+    table = get_variant("two-phase-epoch").table
+    before = {
+        k: trs
+        for k, trs in table.items()
+        if not (k[1] is RankEvent.PAUSE and k[0] in (RankState.PAUSING, RankState.PAUSED, RankState.VERIFIED))
+    }
+    assert len(before) == len(table) - 3
+    cx = check_mode(build_model("two-phase-epoch", 2, "abort", bounds=bounds, table=before)).counterexample
+    assert cx is not None and cx["property"] == "phase_bracketing" and len(cx["steps"]) == 5, cx
     assert "illegal in paused: protocol error" in cx["steps"][-2], cx["steps"]
 
 

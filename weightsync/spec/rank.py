@@ -137,6 +137,7 @@ VARIANTS: dict[str, Variant] = {
             verified_channels=("per-socket", "ordered"),
             coordinator_latches=False,
             first_req_exclusion=False,
+            untracked_replies=True,
             front_end_latches=False,
         ),
         Variant(

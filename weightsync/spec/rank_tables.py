@@ -194,6 +194,16 @@ R_DRAIN_QUEUED = (
 )
 
 
+#: weightsync patch 0007 (a pause retried across the consensus round; found by the model under
+#: ``--repeat-pause``, ``progress_pause``, and reproduced on real vLLM: ``tests/test_vllm_retried_pause.py``)
+R_JOIN_CONSENSUS = (
+    "weightsync patch 0007: a pause that reaches a rank past the DP pause consensus while it still drains "
+    "joins that pause: it changes nothing and returns when the rank is idle (vLLM 0.32 "
+    "v1/engine/core.py:2216-2231 sets pending_pause again, and sync_dp_state, config/parallel.py:850-875, "
+    "then never sees every rank pending: the ranks step dummy batches forever)"
+)
+
+
 def drain_queued_row(updates: tuple[str, ...], guard: str = "pause_drains_queued") -> Transition:
     """The fixed variants' pause row for a wait-mode pause that finds queued requests: the rank drains them
     with its running ones (effect ``admit_waiting``) before its pause completes. ``guard`` names when."""
@@ -253,6 +263,8 @@ def two_phase_table(epoch: bool, safe_resume: bool = False, mirror_start_wave: b
         )
     rows.update(_serving_rows(_S.VERIFIED, honour_waves=True, stale_add_rearms=False, may_step=False))
     rows.update(_serving_rows(_S.UPDATING, honour_waves=True, stale_add_rearms=False, may_step=False))
+    if epoch:
+        rows.update(_repeated_pause_rows(pause_updates))
     rows.update(_transfer_rows())
     rows[(_S.VERIFIED, _E.RESUME)] = (
         _t(
@@ -308,6 +320,38 @@ def two_phase_table(epoch: bool, safe_resume: bool = False, mirror_start_wave: b
         rows[(_S.RESUMING, _E.RESUME_BARRIER_DONE)] = (
             _t(ALWAYS, _S.RUNNING, barrier_updates, ("reply_resume",), rule),
         )
+    return rows
+
+
+R_REPEAT_PAUSE = (
+    "weightsync two-phase-epoch: a pause at a rank whose pause is in flight, before the consensus, is "
+    "taken like the first (vLLM 0.32 v1/engine/core.py:2061-2103 sets the PauseState and pending_pause "
+    "again); one at a verified rank returns at once (weightsync patch 0006)"
+)
+
+
+def _repeated_pause_rows(pause_updates: tuple[str, ...]) -> Table:
+    """``two-phase-epoch``'s rows for a pause while paused (an orchestrator's retry, a second controller, or a
+    pause in another mode; ``weightsync check --mode any --repeat-pause``), as the upstream patches 0005-0007
+    make vLLM 0.32 take it (:mod:`~weightsync.spec.rank_vllm032`):
+
+    - past the consensus while the rank still drains: it joins the pause in progress (patch 0007);
+    - before the consensus: the pause's mode applies again; a wait that finds keep's PAUSED_ALL drains the
+      requests queued before it (patch 0005);
+    - verified: a no-op that returns at once (patch 0006).
+    """
+    rows: Table = {}
+    for s in (_S.PAUSING, _S.PAUSED):
+        rows[(s, _E.PAUSE)] = (
+            _t("pause_joins_consensus", s, (), (), R_JOIN_CONSENSUS),
+            _t("pause_abort", _S.PAUSED, pause_updates, ("abort_requests",), R_REPEAT_PAUSE + " (abort)"),
+            drain_queued_row(pause_updates, "pause_drains_queued_entering_paused_new"),
+            _t("pause_drains_now", _S.PAUSED, pause_updates, (), R_REPEAT_PAUSE),
+            _t("pause_must_drain", _S.PAUSING, pause_updates, (), R_REPEAT_PAUSE + " (wait drains)"),
+        )
+    rows[(_S.VERIFIED, _E.PAUSE)] = (
+        _t(ALWAYS, _S.VERIFIED, (), ("reply_pause",), R_REPEAT_PAUSE + ": verified, a no-op"),
+    )
     return rows
 
 

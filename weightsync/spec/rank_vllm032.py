@@ -4,7 +4,15 @@
 
 from __future__ import annotations
 
-from weightsync.spec.rank_tables import _E, _S, Table, _t, _transfer_rows, drain_queued_row
+from weightsync.spec.rank_tables import (
+    _E,
+    _S,
+    R_JOIN_CONSENSUS,
+    Table,
+    _t,
+    _transfer_rows,
+    drain_queued_row,
+)
 from weightsync.spec.states import RankState
 from weightsync.spec.table import ALWAYS
 
@@ -249,14 +257,6 @@ def _v032_weight_rows(state: RankState) -> Table:
 
 
 R_EPOCH_032 = "weightsync vllm-0.32-epoch"
-#: weightsync patch 0007 (a pause retried across the consensus round; found by the model under
-#: ``--repeat-pause``, ``progress_pause``, and reproduced on real vLLM: ``tests/test_vllm_retried_pause.py``)
-R_JOIN_CONSENSUS = (
-    "weightsync patch 0007: a pause that reaches a rank past the DP pause consensus while it still drains "
-    "joins that pause: it changes nothing and returns when the rank is idle (vLLM 0.32 "
-    "v1/engine/core.py:2216-2231 sets pending_pause again, and sync_dp_state, config/parallel.py:850-875, "
-    "then never sees every rank pending: the ranks step dummy batches forever)"
-)
 
 
 def vllm032_table(epoch: bool) -> Table:
