@@ -53,6 +53,7 @@ from weightsync.spec.table import (
     Transition,
     apply_transition,
     enabled_transitions,
+    registry_digest,
     select_transition,
     table_digest,
 )
@@ -439,6 +440,7 @@ def controller_digest() -> str:
                 for tr in trs
             )
         )
+    parts.append(registry_digest(__name__, "CTRL_GUARDS", "CTRL_UPDATES"))
     return table_digest((), *parts)
 
 

@@ -39,7 +39,14 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, NamedTuple
 
-from weightsync.spec.table import ALWAYS, Transition, apply_transition, select_transition, table_digest
+from weightsync.spec.table import (
+    ALWAYS,
+    Transition,
+    apply_transition,
+    registry_digest,
+    select_transition,
+    table_digest,
+)
 
 
 class CoordState(StrEnum):
@@ -199,7 +206,10 @@ def coordinator_fire(table: Table, v: CoordVars, event: CoordEvent, args: Mappin
 def coordinator_digest(latches: bool, excludes: bool) -> str:
     """SHA-256 of the coordinator table for these flags."""
     table = coordinator_table(latches, excludes)
-    return table_digest((s, e, tr) for (s, e), trs in sorted(table.items()) for tr in trs)
+    return table_digest(
+        ((s, e, tr) for (s, e), trs in sorted(table.items()) for tr in trs),
+        registry_digest(__name__, "COORD_GUARDS", "COORD_UPDATES"),
+    )
 
 
 __all__ = [

@@ -29,7 +29,14 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, NamedTuple
 
-from weightsync.spec.table import ALWAYS, Transition, apply_transition, select_transition, table_digest
+from weightsync.spec.table import (
+    ALWAYS,
+    Transition,
+    apply_transition,
+    registry_digest,
+    select_transition,
+    table_digest,
+)
 
 
 class FrontState(StrEnum):
@@ -165,7 +172,10 @@ def front_end_fire(
 def front_end_digest(latches: bool = True) -> str:
     """SHA-256 of :func:`front_end_table` for ``latches``."""
     table = front_end_table(latches)
-    return table_digest((s, e, tr) for (s, e), trs in sorted(table.items()) for tr in trs)
+    return table_digest(
+        ((s, e, tr) for (s, e), trs in sorted(table.items()) for tr in trs),
+        registry_digest(__name__, "FRONT_END_GUARDS", "FRONT_END_UPDATES"),
+    )
 
 
 __all__ = [

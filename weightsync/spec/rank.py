@@ -24,6 +24,7 @@ from weightsync.spec.rank_vars import GUARDS as GUARDS
 from weightsync.spec.rank_vars import UPDATES as UPDATES
 from weightsync.spec.rank_vars import Args as Args
 from weightsync.spec.rank_vars import RankVars as RankVars
+from weightsync.spec.rank_vars import __name__ as GUARDS_MODULE
 from weightsync.spec.rank_vars import effect_acts_on as effect_acts_on
 from weightsync.spec.rank_vars import relabel_weight_version as relabel_weight_version
 from weightsync.spec.rank_vars import version_order as version_order
@@ -34,6 +35,7 @@ from weightsync.spec.table import (
     TableMachine,
     Transition,
     apply_transition,
+    registry_digest,
     select_transition,
     table_digest,
 )
@@ -119,6 +121,7 @@ class Variant:
             str(self.coordinator_latches),
             str(self.first_req_exclusion),
             *extra,
+            registry_digest(GUARDS_MODULE, "GUARDS", "UPDATES"),
         )
 
 

@@ -14,7 +14,12 @@ documentation are generated from it.
 
 from __future__ import annotations
 
+import ast
+import copy
+import functools
 import hashlib
+import importlib
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -123,6 +128,57 @@ def table_digest(rows: Iterable[tuple[Any, Any, Transition]], *extra: str) -> st
     for e in extra:
         h.update(e.encode())
         h.update(b"\n")
+    return h.hexdigest()
+
+
+@functools.cache
+def registry_digest(module_name: str, *registries: str) -> str:
+    """A SHA-256 hex digest of the code behind named guard / update registries of one module: each entry's
+    name and its value's source, and the source of every function of that module the values call, directly
+    or through each other (docstrings, comments and layout left out: the text is ``ast.unparse`` of the
+    parsed code). A table's digest names its guards and updates; this one covers what they compute, so
+    changing a guard's body makes ``weightsync prove --check`` report the proofs stale.
+
+    Covered: the registry dict literals and the module's own functions. Not covered: what those functions
+    import from other modules (an enum's members, a constant of ``weightsync.spec.states``).
+
+    Args:
+        module_name: the module defining the registries, e.g. ``"weightsync.spec.rank_vars"``.
+        registries: names of module-level dict literals, e.g. ``"GUARDS", "UPDATES"``.
+
+    Raises:
+        ValueError: a name is not assigned a dict literal at the module's top level.
+    """
+    tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    literals: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            literals.update((t.id, node.value) for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
+            literals[node.target.id] = node.value
+    h = hashlib.sha256()
+    called: set[str] = set()
+
+    def calls(node: ast.AST) -> set[str]:
+        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in functions}
+
+    for name in registries:
+        value = literals.get(name)
+        if not isinstance(value, ast.Dict):
+            raise ValueError(f"registry_digest: {module_name}.{name} is not a dict literal at the top level")
+        h.update(f"\n{name}\n{ast.unparse(value)}".encode())
+        called |= calls(value)
+    done: set[str] = set()
+    while called - done:
+        fn = min(called - done)
+        done.add(fn)
+        node = copy.deepcopy(functions[fn])
+        body = node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            node.body = body[1:] or [ast.Pass()]  # the docstring
+        h.update(f"\n{ast.unparse(node)}".encode())
+        called |= calls(node)
     return h.hexdigest()
 
 

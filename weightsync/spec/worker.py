@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, NamedTuple
 
-from weightsync.spec.table import ALWAYS, TableMachine, Transition, table_digest
+from weightsync.spec.table import ALWAYS, TableMachine, Transition, registry_digest, table_digest
 
 
 class WorkerState(StrEnum):
@@ -166,7 +166,7 @@ def worker_table_digest() -> str:
         ((s, e, tr) for (s, e), trs in WORKER_TABLE.items() for tr in trs),
         key=lambda r: (r[0].value, r[1].value),
     )
-    return table_digest(rows)
+    return table_digest(rows, registry_digest(__name__, "WORKER_GUARDS", "WORKER_UPDATES"))
 
 
 class WorkerMachine(TableMachine[WorkerState, WorkerEvent]):
