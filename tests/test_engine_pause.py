@@ -138,3 +138,25 @@ def test_three_ranks_all_modes() -> None:
         assert c.client.get_weight_version() == "three-keep-21"
     finally:
         c.close()
+
+
+def test_a_pause_while_paused_is_taken_in_its_mode_and_every_call_returns(cluster: Cluster) -> None:
+    """two-phase-epoch's rows for a pause at a rank whose pause is in flight (``spec/rank_tables.py``
+    ``_repeated_pause_rows``; issue 19, found by ``check --mode any --repeat-pause``): a wait pause with
+    requests running and a keep pause sent while it drains both return, whichever row the keep takes (the
+    mode again before the consensus, a join after it, a no-op once verified); a third pause (abort) on the
+    verified ranks returns at once and aborts nothing; after the resume every request finishes."""
+    c = cluster.client
+    streams = _inflight(cluster, 2, 150, "repeat")
+    first = [c.call_rank(r, "pause", mode="wait", clear_cache=True) for r in range(c.dp_size)]
+    second = [c.call_rank(r, "pause", mode="keep", clear_cache=True) for r in range(c.dp_size)]
+    c.gather("pause", first, 60.0)
+    c.gather("pause", second, 60.0)
+    assert {s["state"] for s in c.get_state()} == {"verified"}
+    c.pause("abort", timeout=10.0)
+    assert {s["state"] for s in c.get_state()} == {"verified"}
+    assert not any(s.finish_reason == "abort" for s in streams)
+    c.resume()
+    for s in streams:
+        assert s.wait(60).finish_reason == "length" and len(s.tokens) == 150
+    assert {s["state"] for s in c.get_state()} == {"running"}
