@@ -107,6 +107,19 @@ def test_a_repeated_pause_is_taken_in_two_phase_epoch_and_illegal_without_its_ro
     assert "illegal in paused: protocol error" in cx["steps"][-2], cx["steps"]
 
 
+def test_an_untracked_pause_never_answered_is_a_deadlock() -> None:
+    """A legitimate end owes no reply (``Properties.is_end``): with the verified rank's reply to a repeated
+    pause dropped, the retry never returns and the run ends in a deadlock of that call."""
+    table = dict(get_variant("two-phase-epoch").table)
+    (row,) = table[(RankState.VERIFIED, RankEvent.PAUSE)]
+    table[(RankState.VERIFIED, RankEvent.PAUSE)] = (row._replace(effects=()),)
+    bounds = Bounds(repeat_pause=True)
+    model = build_model("two-phase-epoch", 2, "abort", bounds=bounds, table=table)
+    cx = check_mode(model, stop_at_first=True).counterexample
+    assert cx is not None and cx["property"] == "no_deadlock", cx
+    assert "pause(abort) to every rank again (untracked)" in "\n".join(cx["steps"])
+
+
 @pytest.mark.slow
 @pytest.mark.ci
 def test_keep_then_wait_drains_the_queue_only_with_the_keep_case_of_patch_0005() -> None:

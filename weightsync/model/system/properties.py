@@ -227,7 +227,9 @@ class Properties(Environment):
 
     def is_end(self, s: GlobalState) -> bool:
         """A legitimate end: the controller finished its cycles, every request was sent and finished (or
-        aborted), all channels are empty, nobody is blocked, and every rank is running and unpaused."""
+        aborted), all channels are empty, nobody is blocked, every rank is running and unpaused, and no rank
+        owes a reply to an untracked call (a retried or repeated pause or resume returns too; a terminal
+        state where one never will is a deadlock of that call)."""
         phase, started = s.ctrl.phase, s.ctrl.cycles_started
         if started != self.cycles or not (phase == IDLE or self._all_replied(s, phase)):
             return False
@@ -238,7 +240,7 @@ class Properties(Environment):
         if any(s.coord_q) or s.trainer.blocked:
             return False
         for r in s.ranks:
-            if r.blocked or any(r.inq) or r.outq or r.waiting or r.running:
+            if r.blocked or any(r.inq) or r.outq or r.waiting or r.running or r.owed:
                 return False
             if r.vars.state is not RankState.RUNNING or r.vars.pause_state is not PauseState.UNPAUSED:
                 return False
