@@ -18,8 +18,6 @@ Rules:
    so no collective is ever one-sided. A worker whose load fails keeps receiving (and no longer loads)
    and reports its error in the end status, where every rank raises (the failing rank its own error, the
    others PeerFailedError naming it). Bucket boundaries come from ``packing.plan_buckets`` on both sides.
-   A packed bucket's payload travels as one broadcast per span (``packing`` rule 9): a large member
-   straight from the trainer's tensor, each run of small ones packed.
 4. **Pipelining.** With ``packed_num_buffers = n`` slots the trainer packs bucket ``k+1`` (CPU: in a
    background thread) while bucket ``k`` is on the wire, without waiting for the workers, and a worker
    posts bucket ``k``'s receive and the next header before it loads bucket ``k-1``, so bucket ``k``
@@ -97,7 +95,6 @@ from weightsync.impl.transfer.packing import (
     max_packed_bucket,
     pack_bucket,
     pool_cap,
-    spans,
     unpack_bucket,
 )
 from weightsync.impl.transfer.rounds import TensorFeed, open_receive_round, status, veto_round
@@ -130,30 +127,18 @@ def _broadcast_buckets(
         return run if run is not None and run.device == group.device else None
 
     key = group.session.key if group.session is not None else None
-    sizes = [m.nbytes for m in feed.metas]
 
-    def payload(b: Bucket) -> tuple[list[torch.Tensor], int | str | None]:
+    def payload(b: Bucket) -> tuple[torch.Tensor | None, int | str | None]:
         tensors = feed.take(b.members)  # a stream is pulled here, one bucket at a time (rounds rule 4)
         if b.nbytes == 0:
-            return [], bucket_digest(None, args.verify, key)
-        parts = spans(b, sizes, args)
-        if len(parts) > 1:
-            # packing rule 9 (never under verify): a large member is sent from its own memory, each run
-            # of small ones packed at its place in the slot
-            bufs = []
-            for sp in parts:
-                part = direct(sp.part, tensors)
-                if part is None:
-                    part = pack_bucket(group.pool.slot(b.number % n)[sp.start :], sp.part, tensors)
-                bufs.append(part)
-            return bufs, None
+            return None, bucket_digest(None, args.verify, key)
         buf = direct(b, tensors)
         if buf is None:
             if b.oversized or not args.packed or len(b.members) == 1:
                 buf = as_bytes(tensors[b.members[0]].to(group.device).contiguous())
             else:
                 buf = pack_bucket(group.pool.slot(b.number % n), b, tensors)
-        return [buf], bucket_digest(buf, args.verify, key)
+        return buf, bucket_digest(buf, args.verify, key)
 
     at_hand = feed.at_hand
     if args.packed:
@@ -166,8 +151,8 @@ def _broadcast_buckets(
         ]
         group.pool.reserve(n, max_packed_bucket(to_pack), pool_cap(to_pack, args.packed_buffer_size_bytes))
 
-    def submit(b: Bucket) -> concurrent.futures.Future[tuple[list[torch.Tensor], int | str | None]]:
-        fut: concurrent.futures.Future[tuple[list[torch.Tensor], int | str | None]]
+    def submit(b: Bucket) -> concurrent.futures.Future[tuple[torch.Tensor | None, int | str | None]]:
+        fut: concurrent.futures.Future[tuple[torch.Tensor | None, int | str | None]]
         if group.packer is not None and b.nbytes > 0 and (at_hand is None or direct(b, at_hand) is None):
             return group.packer.submit(payload, b)
         fut = concurrent.futures.Future()
@@ -184,16 +169,17 @@ def _broadcast_buckets(
         for k in range(len(buckets)):
             assert fut is not None
             try:
-                bufs, crc = fut.result()
+                buf, crc = fut.result()
             except BaseException as exc:
                 # the weight stream's own exception, whatever its class, aborts the round at this bucket
                 if not isinstance(exc, Exception) and exc is not feed.source_error:
                     raise
-                parts = [[sp.part.nbytes for sp in spans(b, sizes, args)] for b in buckets]
-                abort_round(group, seq, parts, lookahead(n), k, exc, feed.describe(exc), inflight)
+                abort_round(group, seq, buckets, lookahead(n), k, exc, feed.describe(exc), inflight)
             head = encode_header(seq, k, crc, False, group.device)
-            works = [group.broadcast(head), *(group.broadcast(buf) for buf in bufs)]
-            inflight[k] = (works, [head, *bufs])
+            works = [group.broadcast(head)]
+            if buf is not None:
+                works.append(group.broadcast(buf))
+            inflight[k] = (works, [head] if buf is None else [head, buf])
             if k + 1 < len(buckets):
                 reuse = k + 1 - n
                 if reuse in inflight and args.packed:
@@ -363,7 +349,6 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
             staged = [b for b, d in zip(buckets, placed, strict=True) if d is None and not b.oversized]
             g.pool.reserve(n, max_packed_bucket(staged), pool_cap(staged, info.packed_buffer_size_bytes))
         pending: collections.deque[_Pending] = collections.deque()
-        sizes = [m.nbytes for m in metas]
         error: BaseException | None = None
         key = g.session.key if g.session is not None else None
 
@@ -430,9 +415,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine):
                 p.head = empty_header(g.device)
                 p.head_work = g.broadcast(p.head)
                 if p.buf is not None:
-                    # one broadcast per span (packing rule 9), each into its byte range of the bucket
-                    for sp in spans(b, sizes, info):
-                        p.works.append(g.broadcast(p.buf[sp.start : sp.start + sp.part.nbytes]))
+                    p.works.append(g.broadcast(p.buf))
                 pending.append(p)
                 while len(pending) > ahead:
                     finish(pending.popleft())

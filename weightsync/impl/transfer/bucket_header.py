@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 
 from weightsync.impl.transfer.broadcast_group import BroadcastGroup, drain
+from weightsync.impl.transfer.packing import Bucket
 from weightsync.spec.errors import PeerFailedError, WireMismatchError
 
 PHASE_BUCKET = "update_weights/bucket"
@@ -128,7 +129,7 @@ def lookahead(num_buffers: int) -> int:
 def abort_round(
     group: BroadcastGroup,
     seq: int,
-    parts: Sequence[Sequence[int]],
+    buckets: Sequence[Bucket],
     ahead: int,
     k: int,
     error: BaseException,
@@ -137,20 +138,18 @@ def abort_round(
 ) -> NoReturn:
     """``broadcast`` rule 7: the trainer's weight stream raised at bucket ``k``: its message to the store, abort headers
     for bucket ``k`` and the ``ahead`` after it (a worker has posted exactly those when it checks bucket
-    ``k``'s header: :func:`lookahead`, ``broadcast`` rule 3), each with payloads of its spans' sizes (``parts[j]``:
-    the bytes of bucket ``j``'s spans, packing rule 9) that nobody loads, the broadcasts in flight
+    ``k``'s header: :func:`lookahead`, ``broadcast`` rule 3), each with a payload of its size that nobody loads, the broadcasts in flight
     completed, then ``error`` re-raised. Every worker raises PeerFailedError naming rank 0 and ``detail``
     at bucket ``k``."""
     text = detail or f"{type(error).__name__}: {error}"
     key = f"r{seq}/abort"
     group.cp.post(key, {"error": text}, seq, PHASE_BUCKET)
-    for j in range(k, min(k + 1 + ahead, len(parts))):
+    for j in range(k, min(k + 1 + ahead, len(buckets))):
         head = encode_header(seq, j, None, True, group.device)
         works, bufs = [group.broadcast(head)], [head]
-        for nbytes in parts[j]:
-            if nbytes:
-                bufs.append(torch.empty(nbytes, dtype=torch.uint8, device=group.device))
-                works.append(group.broadcast(bufs[-1]))
+        if buckets[j].nbytes:
+            bufs.append(torch.empty(buckets[j].nbytes, dtype=torch.uint8, device=group.device))
+            works.append(group.broadcast(bufs[-1]))
         inflight[j] = (works, bufs)
     for j in sorted(inflight):
         for w in inflight.pop(j)[0]:

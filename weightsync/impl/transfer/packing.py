@@ -26,13 +26,6 @@ Rules (vLLM 0.32 ``distributed/weight_transfer/packed_tensor.py``, with weightsy
    exceed ``B`` (exceed-then-flush; a bucket may hold up to ``B`` plus its last tensor). A bucket whose
    only member exceeds ``B`` is marked ``oversized`` (its bytes are that tensor, as in vLLM). Members at
    an offset their dtype cannot be viewed at are copied out of the buffer on unpacking.
-9. **Spans.** Under the aligned layout, without ``verify``, a packed bucket travels as one broadcast per
-   *span* (:func:`spans`): each member of at least :data:`SPAN_MIN_BYTES` is a span of its own, sent
-   from the trainer's tensor as it is (no packing copy), and each run of smaller members between them is
-   one span, packed. Both sides compute the spans from metadata and receive each into its byte range of
-   the bucket, so the bucket's bytes and offsets are those of rules 2-4 (padding between spans is not
-   sent, and never read). With ``verify`` a bucket is one span (its digest covers the whole buffer);
-   under vLLM's layout too (vLLM's consumer takes one broadcast per bucket).
 """
 
 from __future__ import annotations
@@ -51,13 +44,9 @@ from weightsync.impl.transfer.base import LAYOUTS, ChecksumMismatchError, Tensor
 #: Byte alignment of every tensor inside a bucket (rule 4).
 ALIGN = 16
 #: Version of the wire format; part of the digest so incompatible peers are told apart (v2: the broadcast
-#: transport's per-bucket status travels in-band, :mod:`weightsync.impl.transfer.bucket_header`; v3: a
-#: bucket travels in spans, rule 9).
-WIRE_FORMAT = "weightsync-packed-v3"
+#: transport's per-bucket status travels in-band, :mod:`weightsync.impl.transfer.bucket_header`).
+WIRE_FORMAT = "weightsync-packed-v2"
 
-
-#: A packed member of at least this many bytes (1 MiB) travels as a broadcast of its own (rule 9).
-SPAN_MIN_BYTES = 1 << 20
 
 #: The tensors of a round by position: a list, or (a stream's current window) a dict of member indices.
 Tensors: TypeAlias = Sequence[torch.Tensor] | Mapping[int, torch.Tensor]
@@ -155,53 +144,6 @@ def _plan_vllm(sizes: Sequence[int], buffer_size: int) -> tuple[Bucket, ...]:
     if cur:
         out.append(Bucket(len(out), tuple(cur), tuple(offs), end, False))
     return tuple(out)
-
-
-class Span(NamedTuple):
-    """One broadcast of a bucket (rule 9): bytes ``[start, start + part.nbytes)`` of the bucket, holding
-    ``part``'s members at ``part.offsets``, relative to ``start``."""
-
-    start: int
-    part: Bucket
-
-
-def spans(bucket: Bucket, sizes: Sequence[int], wire: WireArgs) -> tuple[Span, ...]:
-    """Rule 9: the spans bucket ``bucket`` travels in, one broadcast each, in order. ``sizes``: every
-    tensor's bytes, by index. One span, the bucket itself, unless the bucket is packed under the aligned
-    layout without ``verify`` and holds a member of at least :data:`SPAN_MIN_BYTES` beside others. A
-    pure function of its arguments: both sides compute the same spans (rule 5)."""
-    if (
-        bucket.oversized
-        or not wire.packed
-        or wire.verify
-        or wire.layout != "aligned"
-        or len(bucket.members) < 2
-        or all(sizes[i] < SPAN_MIN_BYTES for i in bucket.members)
-    ):
-        return (Span(0, bucket),)
-    out: list[Span] = []
-    run: list[tuple[int, int]] = []
-
-    def close(group: list[tuple[int, int]]) -> None:
-        start = group[0][1]
-        end = group[-1][1] + sizes[group[-1][0]]
-        offsets = tuple(off - start for _, off in group)
-        out.append(
-            Span(start, Bucket(bucket.number, tuple(i for i, _ in group), offsets, end - start, False))
-        )
-
-    for i, off in zip(bucket.members, bucket.offsets, strict=True):
-        if sizes[i] >= SPAN_MIN_BYTES:
-            if run:
-                close(run)
-                run = []
-            close([(i, off)])
-        elif sizes[i] > 0:
-            run.append((i, off))
-    if run:
-        close(run)
-    # one span is the bucket itself: with its own bytes (a zero-size member may end it past the span)
-    return tuple(out) if len(out) > 1 else (Span(0, bucket),)
 
 
 def pool_cap(buckets: Sequence[Bucket], buffer_size: int) -> int:
@@ -456,12 +398,10 @@ def first_difference(ref: dict[str, Any], other: dict[str, Any]) -> str:
 __all__ = [
     "ALIGN",
     "LAYOUTS",
-    "SPAN_MIN_BYTES",
     "VERIFY_MODES",
     "WIRE_FORMAT",
     "Bucket",
     "BufferPool",
-    "Span",
     "Tensors",
     "as_bytes",
     "bucket_digest",
@@ -475,7 +415,6 @@ __all__ = [
     "pack_bucket",
     "plan_buckets",
     "pool_cap",
-    "spans",
     "unpack_bucket",
     "wire_description",
     "wire_digest",
