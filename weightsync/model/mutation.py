@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 from weightsync.model.check import check_mode
 from weightsync.model.properties import SOMETIMES, VIOLATED
 from weightsync.model.system import Bounds, Config, Model
+from weightsync.model.system.state import ANY_MODE, ModeSetting
 from weightsync.spec.rank import GUARDS, RankVars, Table, get_variant
 from weightsync.spec.states import PauseMode
 from weightsync.spec.table import ALWAYS
@@ -41,7 +42,7 @@ class MutationConfig(NamedTuple):
     bounds: Bounds
     max_states: int
     exhaustive: bool = True
-    modes: tuple[PauseMode, ...] | None = None
+    modes: tuple[ModeSetting, ...] | None = None
 
 
 MUTATION_BOUNDS: tuple[MutationConfig, ...] = (
@@ -72,6 +73,12 @@ MUTATION_BOUNDS: tuple[MutationConfig, ...] = (
         False,
         (PauseMode.KEEP,),
     ),
+    # a second pause while the first is in flight or returned, before the round (the pause-while-paused
+    # rows: the mode again before the consensus, a join after it, a no-op once verified), in each mode
+    # (154k-228k states per mode unmutated), and with the controller picking each pause's mode (a wait
+    # after a keep in flight: 975k states exhaustively, so bounded)
+    MutationConfig("repeat-pause", Bounds(repeat_pause=True), 2_500_000),
+    MutationConfig("any-mode-repeat-pause-bounded", Bounds(repeat_pause=True), 200_000, False, (ANY_MODE,)),
 )
 
 
@@ -126,10 +133,10 @@ def kills(
     ranks: int = 2,
     channels: str = "per-socket",
     bounds: Bounds | None = None,
-    modes: tuple[PauseMode, ...] = tuple(PauseMode),
+    modes: tuple[ModeSetting, ...] = tuple(PauseMode),
     max_states: int = 300_000,
     configs: tuple[MutationConfig, ...] | None = None,
-    same_as_unmutated: frozenset[tuple[str, PauseMode]] = frozenset(),
+    same_as_unmutated: frozenset[tuple[str, ModeSetting]] = frozenset(),
 ) -> str | None:
     """The first violated property (``"config:mode:property"``) of ``table`` checked as ``variant``, or None.
 
@@ -169,13 +176,13 @@ class Firings(NamedTuple):
     ``n``, ``K`` and guards) and the ``(vars, event, rank, extra) -> (transition, vars)`` results."""
 
     config: str
-    mode: PauseMode
+    mode: ModeSetting
     model: Model
     results: dict[tuple[Any, ...], tuple[Any, RankVars]]
 
 
 def _unmutated_job(
-    job: tuple[str, MutationConfig, PauseMode, bool, str, int],
+    job: tuple[str, MutationConfig, ModeSetting, bool, str, int],
 ) -> tuple[str | None, dict[Any, Any]]:
     """Explore the unmutated ``variant`` in one configuration and mode: ``(why it fails or None, every table
     lookup made)``. Progress is checked in exhaustive configurations (as :func:`kills` does for a survivor),
