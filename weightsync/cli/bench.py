@@ -60,7 +60,12 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     if mod is None:
         return EXIT_USAGE
     dp = None if args.dp is None else tuple(args.dp)
-    out = mod.run_vllm_bench(quick=bool(args.quick), log=progress(args), dp=dp)
+    out = mod.run_vllm_bench(
+        quick=bool(args.quick),
+        log=progress(args),
+        dp=dp,
+        steady_allocator=not getattr(args, "glibc_malloc_defaults", False),
+    )
     emit(out, args.json, lambda: print(human_summary(out)))
     return EXIT_OK if out["ok"] else EXIT_VIOLATION
 

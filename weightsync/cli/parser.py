@@ -210,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="(vllm) a configuration of this many DP engines, one worker each; repeat for several "
         "(default: 1 and 2; --quick: 1)",
     )
+    b.add_argument(
+        "--glibc-malloc-defaults",
+        action="store_true",
+        help="(vllm) start the engines with glibc's malloc defaults instead of the steady settings the "
+        "bench applies (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_; reported as 'allocator')",
+    )
 
     d = add("demo", "the main job: an asynchronous RL loop syncing a causal LM into DP engines")
     d.add_argument("--ranks", type=POSITIVE, default=2)

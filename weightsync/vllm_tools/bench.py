@@ -63,6 +63,17 @@ from weightsync.vllm_tools.serving import LoopThread, connect_trainer, shutdown_
 
 T = TypeVar("T")
 INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+#: glibc malloc settings the engine processes start with (each one the user exported is kept): allocations up
+#: to 512 MiB come from the heap and freed memory is not returned to the kernel, so every round's
+#: ``torch.empty_strided`` in vLLM's layerwise reload (``model_executor/model_loader/reload/meta.py:49-53``)
+#: reuses pages already faulted in. With glibc's defaults (mmap above a threshold that adapts up to 32 MiB,
+#: trim at 128 KiB) the same reload alternated between about 0.11 and 0.27 s from round to round, and the
+#: ``reload_only`` round between 0.15 and 0.32 s, which made ``vs_limit`` a coin toss (1.06 in one run,
+#: 0.59 in the next); with these settings ``reload_only`` measured 0.125-0.13 s in 4 of 5 rounds.
+STEADY_ALLOCATOR: dict[str, str] = {
+    "MALLOC_MMAP_THRESHOLD_": str(512 * 2**20),
+    "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30),
+}
 
 
 def _crcs(pairs: Iterator[tuple[str, torch.Tensor]]) -> dict[str, int]:
@@ -365,6 +376,7 @@ def run_vllm_bench(
     timeout_s: float = 120.0,
     log: Callable[[str], None] | None = None,
     dp: tuple[int, ...] | None = None,
+    steady_allocator: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark (:mod:`weightsync.bench.vllm`) and return its figures.
 
@@ -378,6 +390,8 @@ def run_vllm_bench(
         log: progress lines (e.g. ``print`` to stderr); None: silent.
         dp: the configurations, as numbers of DP engines of one worker each (default
             :data:`~weightsync.bench.vllm.DP_CONFIGS`; quick: ``(1,)``); one engine start each.
+        steady_allocator: start the engines with :data:`STEADY_ALLOCATOR` (False: glibc's defaults); the
+            values applied are reported as ``allocator``.
 
     Returns:
         :func:`~weightsync.bench.vllm.combined`: per configuration (``configurations``) and, at the top
@@ -417,7 +431,12 @@ def run_vllm_bench(
     overrides = QUICK_MODEL if quick else FULL_MODEL
     loadavg_start = list(os.getloadavg())
     results: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="weightsync-bench-vllm-") as tmp, _env(INSECURE_ENV, "1"):
+    allocator = {k: os.environ.get(k, v) for k, v in STEADY_ALLOCATOR.items()} if steady_allocator else {}
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="weightsync-bench-vllm-"))
+        stack.enter_context(_env(INSECURE_ENV, "1"))
+        for name, value in allocator.items():
+            stack.enter_context(_env(name, value))
         model_dir = Path(tmp) / "llama"
         hf = build_tiny_llama(model_dir, **overrides)
         model_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
@@ -446,7 +465,7 @@ def run_vllm_bench(
         reps=reps,
         vllm_version=str(vllm.__version__),
         loadavg_start=loadavg_start,
-    )
+    ) | {"allocator": allocator}
 
 
 __all__ = ["run_vllm_bench"]
