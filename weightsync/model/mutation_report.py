@@ -126,8 +126,10 @@ SURVIVOR_NOTES: dict[str, str] = {
     "pausing/dp_sync_done#2: drop update clear_pending_pause": _PENDING_AFTER_CONSENSUS,
     "pausing/dp_sync_done#1: drop update clear_pending_pause": _PENDING_AFTER_CONSENSUS,
     "pausing/dp_sync_done#1: drop update set_ignore_start_dp_wave": (
-        "survives since the drain row (patch 0005) changed which states reach this row (it was killed "
-        "before); not yet analysed: the run that found it ended with the session (issue 24)"
+        "a survivor of the bounded search only: the same configuration explored exhaustively (two "
+        "requests, wait mode, N=2: mutation.kills with an exhaustive MutationConfig) kills it in 21 s with "
+        "no_one_sided_collective: past the consensus the drained rank clears its pending pause, so without "
+        "the flag its next sync sees neither, takes the partial row and steps on alone"
     ),
     "running/pause#1: drop update set_engines_running": (
         "the row (pause_drains_queued) admits the queued requests, so the rank has work and its loop steps "
