@@ -1,7 +1,8 @@
 """``weightsync bench explorer``: explorer throughput and memory, with a baseline measured in the same run.
 
-Figures: states/second and peak memory for two-phase-epoch N=3 (keep mode, safety exploration) and N=4
-with symmetry reduction, plus two same-process ratios at N=2: the dict parent-pointer explorer against a
+Figures: the time to verdict of the default variant for N = 2, 3, 4, 6 and 8 ranks (every pause mode, each
+row in a process of its own with a time budget, :mod:`weightsync.bench.reach`); states/second and peak
+memory for two-phase-epoch N=3 (keep mode, safety exploration) and N=4 with symmetry reduction; plus two same-process ratios at N=2: the dict parent-pointer explorer against a
 networkx ``DiGraph`` BFS of the same model (an approach measured 3-5x slower and ~10x heavier), and plain
 vs symmetry-reduced exploration at N=3.
 """
@@ -14,6 +15,7 @@ import time
 import tracemalloc
 from typing import Any
 
+from weightsync.bench.reach import DEFAULT_VARIANT, ENGINE, reach_rows
 from weightsync.model.check import explore_model
 from weightsync.model.explorer import explore, networkx_bfs
 from weightsync.model.system import Bounds, Config, Model
@@ -62,10 +64,14 @@ def _traced(fn: Any) -> tuple[float, int]:
     return dt, peak
 
 
-def run_explorer_bench(quick: bool = False) -> dict[str, Any]:
-    """Measure the explorer; returns one JSON-able dict (``ok`` is True when every run found no violation).
+def run_explorer_bench(quick: bool = False, budget_s: float = 300.0) -> dict[str, Any]:
+    """Measure the explorer; returns one JSON-able dict (``ok`` is True when every run found no violation
+    and every time-to-verdict row verified within its budget).
 
-    ``quick``: N=2 and N=3-with-symmetry only (for tests).
+    ``quick``: N=2 and N=3-with-symmetry only (for tests). ``budget_s``: seconds each time-to-verdict row
+    (:mod:`weightsync.bench.reach`: N = 2, 3, 4, 6, 8, every mode; quick: 2 and 3) may take before it is
+    stopped and reported as ``"timeout"``. ``n3_seconds`` and ``n3_states_per_second`` are the N=3 row's
+    (every mode, every property, symmetry). ``speedup_vs_baseline`` is None: there is one engine.
     """
     runs: list[dict[str, Any]] = []
     # baseline ratios at N=2 (same model, same process)
@@ -110,12 +116,22 @@ def run_explorer_bench(quick: bool = False) -> dict[str, Any]:
             "states_plain_over_symmetric": round(plain3["states"] / sym3["states"], 2),
             "seconds_plain_over_symmetric": round(plain3["seconds"] / sym3["seconds"], 2),
         }
+    rows = reach_rows(budget_s, quick=quick)
+    n3 = next(r for r in rows if r["ranks"] == 3)
+    n3_done = n3["verdict"] != "timeout"
     return {
         "bench": "explorer",
+        "variant": DEFAULT_VARIANT,
+        "n3_seconds": n3["seconds"] if n3_done else None,
+        "n3_states_per_second": round(n3["states"] / n3["seconds"]) if n3_done else None,
+        "speedup_vs_baseline": None,
+        "speedup_note": f"one engine ({ENGINE}): the faster successor function (issue 19 item 3) is not built",
+        "rows": rows,
+        "row_budget_s": budget_s,
         "quick": quick,
         "runs": runs,
         "baseline_networkx": baseline,
         "symmetry_ratio_n3": sym_ratio,
         "peak_rss_mb": round(_rss_mb(), 1),
-        "ok": all(not r["violations"] for r in runs),
+        "ok": all(not r["violations"] for r in runs) and all(r["verdict"] == "verified" for r in rows),
     }

@@ -27,7 +27,9 @@ def _bench_pause(args: argparse.Namespace) -> dict[str, Any]:
 def _bench_explorer(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.bench.explorer import run_explorer_bench
 
-    return run_explorer_bench(quick=bool(getattr(args, "quick", False)))
+    return run_explorer_bench(
+        quick=bool(getattr(args, "quick", False)), budget_s=float(getattr(args, "budget", 300.0))
+    )
 
 
 def _bench_transfer(args: argparse.Namespace) -> dict[str, Any]:

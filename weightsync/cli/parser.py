@@ -211,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 1 and 2; --quick: 1)",
     )
     b.add_argument(
+        "--budget",
+        type=POSITIVE,
+        default=300,
+        help="(explorer) seconds each time-to-verdict row (N = 2, 3, 4, 6, 8) may take before it is stopped",
+    )
+    b.add_argument(
         "--glibc-malloc-defaults",
         action="store_true",
         help="(vllm) start the engines with glibc's malloc defaults instead of the steady settings the "

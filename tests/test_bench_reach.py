@@ -1,0 +1,64 @@
+"""``weightsync bench explorer``'s time-to-verdict rows (weightsync/bench/reach.py): one check per row in a
+process of its own, its figures back as JSON, a budget that stops it."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+
+from weightsync.bench.reach import time_to_verdict
+
+PROOFS = Path(__file__).resolve().parent.parent / "proofs"
+
+
+def test_a_row_reports_the_checks_verdict_and_the_proofs_state_count() -> None:
+    """N=2, every mode, safety, deadlock and progress: the row's figures are the proof row's."""
+    proof = json.loads((PROOFS / "two-phase-epoch__per-socket__n2.json").read_text())
+    row = time_to_verdict(2, progress=True, budget_s=300)
+    assert row["verdict"] == proof["verdict"] == "verified"
+    assert (row["states"], row["transitions"]) == (proof["states"], proof["transitions"])
+    assert row["ranks"] == 2 and row["engine"] == "python-bfs" and row["reductions"] == []
+    assert row["properties"] == ["safety", "deadlock", "progress"]
+    assert row["peak_rss_bytes"] > 10 * 2**20
+    assert 0 < row["seconds"] < 300
+
+
+def test_a_row_past_its_budget_is_stopped_and_reported_as_a_timeout() -> None:
+    row = time_to_verdict(4, progress=True, budget_s=1.0)
+    assert row["verdict"] == "timeout"
+    assert row["states"] is None and row["peak_rss_bytes"] is None
+    assert row["reductions"] == ["symmetry"] and row["budget_s"] == 1.0
+    assert 1.0 <= row["seconds"] < 30
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]
+
+
+@pytest.mark.parametrize(("ranks", "budget"), [(1, 10.0), (2, 0.0), (2, float("nan"))])
+def test_bad_input_is_refused_before_a_process_starts(ranks: int, budget: float) -> None:
+    with pytest.raises(ValueError, match=r"ranks must be >= 2|budget_s must be > 0"):
+        time_to_verdict(ranks, progress=False, budget_s=budget)
+
+
+@pytest.mark.slow
+def test_the_quick_bench_prints_the_issue_fields() -> None:
+    """``weightsync bench explorer --quick``'s figures (about 90 s)."""
+    from weightsync.bench.explorer import run_explorer_bench
+
+    out = run_explorer_bench(quick=True, budget_s=300)
+    assert out["ok"] and out["speedup_vs_baseline"] is None
+    assert [r["ranks"] for r in out["rows"]] == [2, 3]
+    n3 = out["rows"][1]
+    assert out["n3_seconds"] == n3["seconds"] and out["n3_states_per_second"] > 0
+    for r in out["rows"]:
+        assert {
+            "ranks",
+            "engine",
+            "reductions",
+            "bounds",
+            "verdict",
+            "states",
+            "seconds",
+            "peak_rss_bytes",
+        } <= r.keys()

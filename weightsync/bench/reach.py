@@ -1,0 +1,145 @@
+"""Time to verdict as the number of DP ranks grows (``weightsync bench explorer``, issue 19 item 5).
+
+Each row is one ``weightsync check`` of the default variant (``two-phase-epoch``, per-socket channels,
+default :class:`~weightsync.model.system.Bounds`) in every pause mode, run in a fresh process so that its
+peak resident memory is its own (``ru_maxrss`` of that process, bytes) and so that a row still exploring
+when its time budget runs out is stopped (SIGKILL) and reported as ``verdict: "timeout"`` instead of
+holding the bench. A row reports what the checker ran: the engine, the reductions (``symmetry``: rank
+permutations of ranks 1..N-1, :meth:`~weightsync.model.system.Model.canon`), the properties (safety and
+deadlock always; progress, on the unreduced or symmetry-reduced graph, where the row asks for it) and the
+bounds.
+
+The child sends its figures back as JSON bytes over a pipe (``Connection.send_bytes``), never a pickle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import resource
+import signal
+import time
+from typing import Any
+
+from weightsync.model.check import check, worker_context
+from weightsync.model.system import Bounds
+
+#: the default variant of ``weightsync check``
+DEFAULT_VARIANT = "two-phase-epoch"
+#: (ranks, progress) of the full run: progress where the issue asks for it (N <= 4), safety and deadlock
+#: beyond
+FULL_ROWS: tuple[tuple[int, bool], ...] = ((2, True), (3, True), (4, True), (6, False), (8, False))
+QUICK_ROWS: tuple[tuple[int, bool], ...] = ((2, True), (3, True))
+
+
+#: the engine of every row: this package's explicit-state breadth-first explorer
+#: (:func:`weightsync.model.explorer.explore`); the only one so far
+ENGINE = "python-bfs"
+
+
+def _row_child(conn: Any, ranks: int, progress: bool, workers: int, max_states: int) -> None:
+    """In the row's own process (a process group of its own, so that a timeout stops any worker it
+    started): run the check and send its figures as JSON bytes."""
+    os.setpgrp()
+    t0 = time.perf_counter()
+    out = check(
+        DEFAULT_VARIANT,
+        ranks,
+        mode="all",
+        symmetry=ranks >= 3,
+        progress=progress,
+        workers=workers,
+        max_states=max_states,
+    )
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    row = {
+        "verdict": out["verdict"],
+        "states": out["states"],
+        "transitions": out["transitions"],
+        "seconds": round(time.perf_counter() - t0, 3),
+        "peak_rss_bytes": int(peak),
+        "properties": sorted(k for k, v in out["properties"].items() if v != "not checked"),
+    }
+    conn.send_bytes(json.dumps(row).encode())
+    conn.close()
+
+
+def time_to_verdict(
+    ranks: int, *, progress: bool, budget_s: float, workers: int = 1, max_states: int = 40_000_000
+) -> dict[str, Any]:
+    """One row: ``weightsync check`` of the default variant with ``ranks`` ranks, every pause mode (the
+    modes explored one after another by default, so that the peak memory is one process's; ``workers`` > 1
+    explores them in that many processes, as ``weightsync prove`` does, and the peak is then this
+    process's only), in a process of its own,
+    stopped after ``budget_s`` seconds.
+
+    Returns ``ranks``, ``engine``, ``reductions`` (list of names), ``bounds`` (dict), ``properties`` (the
+    property classes asked for), ``verdict`` ("verified", "counterexample", "incomplete" when
+    ``max_states`` was reached, "timeout" when the budget ran out), ``states`` (None on a timeout),
+    ``seconds`` (wall, seconds), ``peak_rss_bytes`` (the row's process, bytes; None on a timeout),
+    ``workers``.
+
+    Raises:
+        ValueError: ``ranks`` < 2 or ``budget_s`` not > 0.
+        RuntimeError: the row's process died without a result before its budget ran out.
+    """
+    if ranks < 2:
+        raise ValueError(f"time_to_verdict: ranks must be >= 2, got {ranks}")
+    if not budget_s > 0:
+        raise ValueError(f"time_to_verdict: budget_s must be > 0 seconds, got {budget_s!r}")
+    ctx: multiprocessing.context.BaseContext = worker_context()
+    ours, theirs = multiprocessing.Pipe(duplex=False)
+    proc = ctx.Process(  # type: ignore[attr-defined]
+        target=_row_child, args=(theirs, ranks, progress, workers, max_states), daemon=False
+    )
+    t0 = time.perf_counter()
+    proc.start()
+    theirs.close()
+    base: dict[str, Any] = {
+        "ranks": ranks,
+        "engine": ENGINE,
+        "reductions": ["symmetry"] if ranks >= 3 else [],
+        "bounds": Bounds()._asdict(),
+        "properties": ["safety", "deadlock"] + (["progress"] if progress else []),
+        "workers": workers,
+    }
+    try:
+        if ours.poll(budget_s):
+            row = json.loads(ours.recv_bytes().decode())
+            proc.join(30)
+            return base | {
+                "verdict": row["verdict"],
+                "states": row["states"],
+                "transitions": row["transitions"],
+                "seconds": row["seconds"],
+                "peak_rss_bytes": row["peak_rss_bytes"],
+            }
+        if not proc.is_alive():
+            raise RuntimeError(
+                f"bench explorer: the N={ranks} row's process exited with code {proc.exitcode} and no result"
+            )
+        return base | {
+            "verdict": "timeout",
+            "states": None,
+            "transitions": None,
+            "seconds": round(time.perf_counter() - t0, 3),
+            "peak_rss_bytes": None,
+            "budget_s": budget_s,
+        }
+    finally:
+        if proc.is_alive() and proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.join(30)
+        ours.close()
+
+
+def reach_rows(budget_s: float, quick: bool = False) -> list[dict[str, Any]]:
+    """Every row of :data:`FULL_ROWS` (``quick``: :data:`QUICK_ROWS`), each with ``budget_s`` seconds."""
+    rows = QUICK_ROWS if quick else FULL_ROWS
+    return [time_to_verdict(n, progress=p, budget_s=budget_s) for n, p in rows]
+
+
+__all__ = ["DEFAULT_VARIANT", "ENGINE", "FULL_ROWS", "QUICK_ROWS", "reach_rows", "time_to_verdict"]
