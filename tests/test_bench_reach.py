@@ -62,3 +62,19 @@ def test_the_quick_bench_prints_the_issue_fields() -> None:
             "seconds",
             "peak_rss_bytes",
         } <= r.keys()
+
+
+def test_a_row_whose_process_dies_raises_naming_the_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row's process that dies before it sends its figures is an error, not a hang or a timeout."""
+    import weightsync.bench.reach as reach
+
+    monkeypatch.setattr(reach, "worker_context", lambda: multiprocessing.get_context("fork"))
+    monkeypatch.setattr(reach, "_row_child", _die)
+    with pytest.raises(RuntimeError, match=r"the N=2 row's process exited with code 3 and no result"):
+        reach.time_to_verdict(2, progress=False, budget_s=60)
+
+
+def _die(*_args: object) -> None:
+    import os
+
+    os._exit(3)

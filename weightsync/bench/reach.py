@@ -60,7 +60,6 @@ def _row_child(conn: Any, ranks: int, progress: bool, workers: int, max_states: 
         "transitions": out["transitions"],
         "seconds": round(time.perf_counter() - t0, 3),
         "peak_rss_bytes": int(peak),
-        "properties": sorted(k for k, v in out["properties"].items() if v != "not checked"),
     }
     conn.send_bytes(json.dumps(row).encode())
     conn.close()
@@ -72,8 +71,7 @@ def time_to_verdict(
     """One row: ``weightsync check`` of the default variant with ``ranks`` ranks, every pause mode (the
     modes explored one after another by default, so that the peak memory is one process's; ``workers`` > 1
     explores them in that many processes, as ``weightsync prove`` does, and the peak is then this
-    process's only), in a process of its own,
-    stopped after ``budget_s`` seconds.
+    process's only), in a process of its own, stopped after ``budget_s`` seconds.
 
     Returns ``ranks``, ``engine``, ``reductions`` (list of names), ``bounds`` (dict), ``properties`` (the
     property classes asked for), ``verdict`` ("verified", "counterexample", "incomplete" when
@@ -107,7 +105,13 @@ def time_to_verdict(
     }
     try:
         if ours.poll(budget_s):
-            row = json.loads(ours.recv_bytes().decode())
+            try:
+                row = json.loads(ours.recv_bytes().decode())
+            except EOFError:  # the child closed the pipe by dying before it sent anything
+                proc.join(30)
+                raise RuntimeError(
+                    f"bench explorer: the N={ranks} row's process exited with code {proc.exitcode} and no result"
+                ) from None
             proc.join(30)
             return base | {
                 "verdict": row["verdict"],
