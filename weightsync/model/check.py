@@ -25,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync.model.compact import explore_compact
 from weightsync.model.explorer import (
     Exploration,
     Violation,
@@ -45,6 +46,10 @@ from weightsync.model.properties import (
 from weightsync.model.system import Bounds, Config, G, Label, Model, describe
 from weightsync.model.system.state import ANY_MODE, ModeSetting
 from weightsync.spec.states import PauseMode
+
+#: The exploration engines (:func:`explore_model`): the compact one is the default.
+ENGINES = ("compact", "baseline")
+DEFAULT_ENGINE = "compact"
 
 #: Submission order of the pause modes' explorations (keep's state space is the largest).
 _MODE_WEIGHT: dict[ModeSetting, int] = {
@@ -110,9 +115,28 @@ def explore_model(
     keep_labels: bool = False,
     max_states: int = 50_000_000,
     stop_at_first: bool = False,
+    engine: str = DEFAULT_ENGINE,
 ) -> Exploration[G]:
     """:func:`~weightsync.model.explorer.explore` of ``model`` from its initial state with its safety checks
-    (invariant, edge and terminal checks), up to rank permutations when ``symmetry``."""
+    (invariant, edge and terminal checks), up to rank permutations when ``symmetry``.
+
+    ``engine``: ``"compact"`` (:mod:`weightsync.model.compact`: encoded states, memoised transitions) or
+    ``"baseline"`` (the model's successor function on :class:`GlobalState` values); both give the same
+    exploration (states in the same order, counts, violations, paths).
+
+    Raises:
+        ValueError: an unknown ``engine``."""
+    if engine == "compact":
+        return explore_compact(
+            model,
+            symmetry=symmetry,
+            keep_edges=keep_edges,
+            keep_labels=keep_labels,
+            max_states=max_states,
+            stop_at_first=stop_at_first,
+        )[0]
+    if engine != "baseline":
+        raise ValueError(f"engine={engine!r}: known engines are {', '.join(ENGINES)}")
     return explore(
         [model.initial()],
         model.successors,

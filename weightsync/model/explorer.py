@@ -25,7 +25,7 @@ import functools
 import gc
 import time
 from array import array
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, TypeVar
 
@@ -89,8 +89,8 @@ class Exploration(Generic[S]):
         terminal: indices of states without successors.
     """
 
-    states: list[S]
-    index: dict[S, int]
+    states: Sequence[S]
+    index: Mapping[S, int]
     parent: array[int]
     via: list[Label]
     level: array[int]

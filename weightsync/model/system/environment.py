@@ -22,6 +22,7 @@ from weightsync.model.system.state import (
     FrontEnd,
     GlobalState,
     Label,
+    Rank,
     Trainer,
     _new_tuple,
     _ScratchState,
@@ -65,6 +66,15 @@ class Environment(RankEffects):
 
     def _coord_recv(self, s: GlobalState, src: int, f: int) -> GlobalState:
         scratch = _ScratchState(s)
+        for wave, exclude in self.coord_take(scratch, src, f):
+            self._broadcast(scratch, wave, exclude)
+        return scratch.freeze()
+
+    def coord_take(self, scratch: _ScratchState, src: int, f: int) -> tuple[tuple[int, int], ...]:
+        """The coordinator takes the head of FIFO ``f`` (``src`` < 0: its own, else rank ``src``'s) into
+        ``scratch`` and fires its table; returns the START_DP_WAVE broadcasts ``(wave, exclude)`` that the
+        caller must still deliver to every rank (:meth:`wave_to`). It reads and changes only the state
+        outside the ranks and rank ``src``'s FIFO to the coordinator."""
         if src < 0:
             q = scratch.coord_q[f]
             msg = q[0]
@@ -90,16 +100,17 @@ class Environment(RankEffects):
         if after.publishing and (front.believed_wave, front.believed_running) == after[:2]:
             after = after._replace(publishing=False)  # nothing to tell the front-end
         scratch.coord = after
-        for wave, exclude in r[1]:
-            self._broadcast(scratch, wave, exclude)
-        return scratch.freeze()
+        return r[1]
 
     def _broadcast(self, scratch: _ScratchState, wave: int, exclude: int) -> None:
-        f = self.f_wave
         for i in range(self.n):
-            rank = scratch.ranks[i]
-            q = rank.inq[f]
-            scratch.ranks[i] = rank.with_inq((*rank.inq[:f], (*q, ("W", wave, exclude)), *rank.inq[f + 1 :]))
+            scratch.ranks[i] = self.wave_to(scratch.ranks[i], wave, exclude)
+
+    def wave_to(self, rank: Rank, wave: int, exclude: int) -> Rank:
+        """``rank`` with START_DP_WAVE(``wave``, ``exclude``) appended to its wave FIFO."""
+        f = self.f_wave
+        q = rank.inq[f]
+        return rank.with_inq((*rank.inq[:f], (*q, ("W", wave, exclude)), *rank.inq[f + 1 :]))
 
     # -- front-end
 
@@ -167,15 +178,7 @@ class Environment(RankEffects):
         Each row's effect is the move: a fan-out of its target phase's call (``fan_out``), the front-end
         answering it (``front_end_call``), or an untracked call (``retry_resume``, ``extra_pause``,
         ``extra_resume``; their replies are not counted)."""
-        c = s.ctrl
-        answered = self._all_replied(s, c.phase)
-        ev = controller_event(c.phase, answered, answered and self._phase_failed(s))
-        requests_sent = s.front.next_request
-        key = (c, ev, requests_sent == 0)
-        moves = self._ctrl_cache.get(key)
-        if moves is None:
-            moves = self._ctrl_moves(c, ev, requests_sent)
-            self._ctrl_cache[key] = moves
+        moves = self.controller_moves(s)
         # The controller's fan-out is atomic under both channel semantics: only the controller writes the
         # controller->rank FIFOs, so sending to every rank at once and letting each rank receive at its
         # own time reaches the same interleavings as per-rank sends (the receipts stay independent).
@@ -205,6 +208,20 @@ class Environment(RankEffects):
                     out.append((("extra", extra), self._retry(s, ctrl2, extra)))
             else:  # the round is over (policy one_round only): the controller stops, no message
                 out.append((("end", eff), s._replace(ctrl=ctrl2)))
+
+    def controller_moves(self, s: GlobalState) -> tuple[tuple[str, str, Ctrl], ...]:
+        """The controller table's choices in ``s`` (see :meth:`_ctrl_moves`). They read the state outside
+        the ranks and every rank's ``status`` only (the compact engine's memo relies on it)."""
+        c = s.ctrl
+        answered = self._all_replied(s, c.phase)
+        ev = controller_event(c.phase, answered, answered and self._phase_failed(s))
+        requests_sent = s.front.next_request
+        key = (c, ev, requests_sent == 0)
+        moves = self._ctrl_cache.get(key)
+        if moves is None:
+            moves = self._ctrl_moves(c, ev, requests_sent)
+            self._ctrl_cache[key] = moves
+        return moves
 
     def _ctrl_moves(self, c: Ctrl, ev: CtrlEvent, requests_sent: int) -> tuple[tuple[str, str, Ctrl], ...]:
         """The controller table's choices from ``c`` on ``ev``: ``(effect, call, controller after)``."""

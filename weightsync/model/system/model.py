@@ -35,32 +35,52 @@ class Model(Properties, Symmetry):
 
     def successors(self, s: GlobalState) -> list[tuple[Label, GlobalState]]:
         """Every enabled transition of ``s`` as ``(label, next_state)``, in a deterministic order:
-        rank inputs and steps (rank by rank), collective completions, the coordinator, the front-end,
-        the controller and the trainer. Transitions that change nothing (an idle loop pass) are omitted."""
+        rank inputs and steps (rank by rank, :meth:`rank_moves`), collective completions and timeouts
+        (:meth:`collective_moves`), the coordinator (:meth:`coord_moves`), the front-end (:meth:`send_moves`,
+        :meth:`refresh_moves`, :meth:`abort_moves`), the controller and the trainer (:meth:`_controller`).
+        Transitions that change nothing (an idle loop pass) are omitted. The compact engine
+        (:mod:`weightsync.model.compact`) calls the same parts in the same order."""
         out: list[tuple[Label, GlobalState]] = []
-        n = self.n
+        for i in range(self.n):
+            self.rank_moves(s, i, out)
+        self.collective_moves(s, out)
+        self.coord_moves(s, out)
+        self.send_moves(s, out)
+        self.refresh_moves(s, out)
+        self.abort_moves(s, out)
+        self._controller(s, out)
+        if self.stray_resume or self.repeat_resume:
+            return [(label, self._settle(t)) for label, t in out]
+        return out
+
+    def rank_moves(self, s: GlobalState, i: int, out: list[tuple[Label, GlobalState]]) -> None:
+        """Rank ``i``'s inputs (the head of each FIFO, and its failing variant) and its loop step. They read
+        rank ``i``'s slice, ``i`` and the state outside the ranks, and change only those (the compact
+        engine's memo relies on it)."""
+        rank = s.ranks[i]
+        if rank.blocked or rank.vars.state is RankState.ERROR:
+            return
+        for f, q in enumerate(rank.inq):
+            if q:
+                out.append((("recv", i, f), self._recv(s, i, f)))
+                if (
+                    s.ctrl.failures_used < self.failures
+                    and q[0][0] == "U"
+                    and q[0][1] in FAILABLE_CALLS
+                    and (
+                        self.worker_args
+                        or rank.vars.state in (RankState.VERIFIED, RankState.FAILED, RankState.UPDATING)
+                    )
+                ):
+                    out.append((("recv", i, f, "fail"), self._recv(s, i, f, fail=True)))
+        t = self._step(s, i)
+        if t is not None:
+            out.append((("step", i), t))
+
+    def collective_moves(self, s: GlobalState, out: list[tuple[Label, GlobalState]]) -> None:
+        """Collective completions (every rank blocked in the same collective, and the trainer in a transfer
+        one), then timeouts (:meth:`_timeouts`). None unless some rank or the trainer is blocked."""
         ranks = s.ranks
-        for i in range(n):
-            rank = ranks[i]
-            if rank.blocked or rank.vars.state is RankState.ERROR:
-                continue
-            for f, q in enumerate(rank.inq):
-                if q:
-                    out.append((("recv", i, f), self._recv(s, i, f)))
-                    if (
-                        s.ctrl.failures_used < self.failures
-                        and q[0][0] == "U"
-                        and q[0][1] in FAILABLE_CALLS
-                        and (
-                            self.worker_args
-                            or rank.vars.state in (RankState.VERIFIED, RankState.FAILED, RankState.UPDATING)
-                        )
-                    ):
-                        out.append((("recv", i, f, "fail"), self._recv(s, i, f, fail=True)))
-            t = self._step(s, i)
-            if t is not None:
-                out.append((("step", i), t))
-        # collectives
         k0 = ranks[0].blocked
         if (
             k0
@@ -71,40 +91,47 @@ class Model(Properties, Symmetry):
             if k0 in TRANSFER_KINDS and s.ctrl.failures_used < self.failures:
                 out.append((("done", k0, "fail"), self._complete(s, k0, fail=True)))
         self._timeouts(s, out)
-        # coordinator
+
+    def coord_moves(self, s: GlobalState, out: list[tuple[Label, GlobalState]]) -> None:
+        """The coordinator receives the head of one of its FIFOs (the front-end's, then each rank's)."""
         for f, q in enumerate(s.coord_q):
             if q:
                 out.append((("coord", -1, f), self._coord_recv(s, -1, f)))
         if not self.ordered:
-            for i in range(n):
+            ranks = s.ranks
+            for i in range(self.n):
                 if ranks[i].outq:
                     out.append((("coord", i, 0), self._coord_recv(s, i, 0)))
-        # front-end
-        front, coord = s.front, s.coord
-        next_request = front.next_request
-        if next_request < self.requests and not self._init_holds_front(s):
-            for i in range(n):
+
+    def send_moves(self, s: GlobalState, out: list[tuple[Label, GlobalState]]) -> None:
+        """The client sends its next request to some rank (none once ``requests`` were sent)."""
+        front = s.front
+        if front.next_request < self.requests and not self._init_holds_front(s):
+            for i in range(self.n):
                 if "hold_request" not in self._front(front, FrontEvent.SEND_REQUEST, target=i)[0]:
                     out.append((("send", i), self._send_request(s, i)))
-        # the stats refresh (a refresh that changes nothing is a self-loop)
+
+    def refresh_moves(self, s: GlobalState, out: list[tuple[Label, GlobalState]]) -> None:
+        """The front-end's stats refresh (a refresh that changes nothing is a self-loop, omitted). It reads
+        and changes only the front-end and the coordinator."""
+        front, coord = s.front, s.coord
         if front.believed_wave != coord.current_wave or front.believed_running != coord.engines_running:
             _, refreshed = self._front(
                 front, FrontEvent.STATS, wave=coord.current_wave, running=coord.engines_running
             )
             coord = coord._replace(publishing=False) if coord.publishing else coord
             out.append((("refresh",), s._replace(front=refreshed, coord=coord)))
+
+    def abort_moves(self, s: GlobalState, out: list[tuple[Label, GlobalState]]) -> None:
+        """The client aborts a request it sent that is still held by a rank (``client_aborts`` bound)."""
+        front = s.front
         client_aborted = front.client_aborted
         if len(client_aborted) < self.client_aborts:
-            for r in range(next_request):
+            for r in range(front.next_request):
                 if r not in client_aborted and r not in s.done and r not in s.aborted:
                     i = self._holder(s, r)
                     if i >= 0:
                         out.append((("abort", i, r), self._send_abort(s, i, r)))
-        # controller and trainer
-        self._controller(s, out)
-        if self.stray_resume or self.repeat_resume:
-            return [(label, self._settle(t)) for label, t in out]
-        return out
 
     def _settle(self, s: GlobalState) -> GlobalState:
         """Reduction (with stray or repeated resumes only): a resume at the head of a rank's controller FIFO
