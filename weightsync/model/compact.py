@@ -43,42 +43,87 @@ from typing import Any, overload
 from weightsync.model.explorer import Exploration, Violation
 from weightsync.model.explorer_checked import explore_checked
 from weightsync.model.system import TRANSFER_KINDS, GlobalState, Label, Model, Rank
+from weightsync.model.system.effects import collective_args
 from weightsync.model.system.state import _new_tuple, _ScratchState
 
-#: An encoded state: rank slice ids, then the rest's id.
-Compact = tuple[int, ...]
+#: An encoded state: ``sum(r_i << FIELD_BITS * i) + (rest << FIELD_BITS * N)`` (see the module docstring).
+Compact = int
+#: Bits of one rank slice id in an encoded state.
+FIELD_BITS = 32
+FIELD_MASK = (1 << FIELD_BITS) - 1
 #: A successor with its edge check: ``(label, next state, names of violated transition properties)``.
 Checked = tuple[Label, Compact, Sequence[str]]
 _Moves = list[tuple[Label, GlobalState]]
+#: A coordinator memo entry: label, rank ``src``'s id after the take (-1: from its own FIFO), the new rest
+#: id, the START_DP_WAVE broadcasts to deliver to every rank, the edge check's violations.
+_CoordEntry = tuple[Label, int, int, tuple[tuple[int, int], ...], Sequence[str]]
 
 
-def invariant_projection(r: Rank) -> tuple[Any, ...]:
-    """The fields of a rank slice that :meth:`~weightsync.model.system.Model.invariant` reads: blocked and
-    the table's collective (collectives_match), state, status and worker state (phase_bracketing), the
-    request ids it holds (request_conservation), weight version (version_agreement), current wave, whether
-    anything is queued or running and the engines-running and pending-pause flags (coordinator_belief,
-    front_end_belief), and the pause ghost (mode_semantics)."""
-    v = r.vars
-    inq = r.inq
-    held = [q[0] for q in r.waiting] + [q[0] for q in r.running]
-    held += [m[1] for f in inq for m in f if m[0] == "ADD"]
+def slices_projection(r: Rank) -> tuple[Any, ...]:
+    """The fields of a rank slice that :meth:`~weightsync.model.system.Model.invariant_slices` and
+    :meth:`~weightsync.model.system.Model.invariant_modes` read: blocked, the table's collective, state,
+    status, worker state, pause ghost, whether it runs requests."""
     return (
         r.blocked,
-        v.collective,
-        v.state,
+        r.vars.collective,
+        r.vars.state,
         r.status,
         r.worker.state,
-        tuple(sorted(held)),
-        v.weight_version,
-        v.current_wave,
-        any(inq),
-        bool(r.outq),
-        bool(r.waiting),
-        bool(r.running),
-        v.engines_running,
-        v.pending_pause,
-        any(m[0] in ("W", "ADD") for f in inq for m in f),
         r.pause_ghost,
+        bool(r.running),
+    )
+
+
+def requests_projection(r: Rank) -> tuple[int, ...]:
+    """What request_conservation (:meth:`~weightsync.model.system.Model._conserved`) reads of a rank slice:
+    the ids of the requests it holds (waiting, running, ADDs queued), sorted."""
+    held = [q[0] for q in r.waiting] + [q[0] for q in r.running]
+    held += [m[1] for f in r.inq for m in f if m[0] == "ADD"]
+    return tuple(sorted(held))
+
+
+def version_projection(r: Rank) -> tuple[Any, ...]:
+    """What version_agreement (:meth:`~weightsync.model.system.Model.invariant_version`) reads of a rank
+    slice: its status and weight version."""
+    return (r.status, r.vars.weight_version)
+
+
+def coordinator_projection(r: Rank) -> tuple[Any, ...]:
+    """What coordinator_belief (:meth:`~weightsync.model.system.Model._coordinator_belief_right`) reads of a
+    rank slice: its wave and :meth:`~weightsync.model.system.Model.coordinator_unsettled`."""
+    return (r.vars.current_wave, Model.coordinator_unsettled(r))
+
+
+def front_end_projection(r: Rank) -> tuple[Any, ...]:
+    """What front_end_belief (:meth:`~weightsync.model.system.Model._front_end_belief_right`) reads of a
+    rank slice: :meth:`~weightsync.model.system.Model.front_end_unsettled`."""
+    return (Model.front_end_unsettled(r),)
+
+
+#: The rank slice projections of the invariant's groups (:meth:`CompactEngine._invariant_groups`).
+RANK_PROJECTIONS: tuple[Callable[[Rank], tuple[Any, ...]], ...] = (
+    slices_projection,
+    requests_projection,
+    version_projection,
+    coordinator_projection,
+    front_end_projection,
+)
+
+
+def rest_projections(rest: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
+    """What the invariant's groups read of the state outside the ranks (``GlobalState[1:]``), in the order
+    of :data:`RANK_PROJECTIONS`: the trainer's status; sent, finished, aborted and client-aborted requests;
+    the controller's phase and rounds and the trainer's status; the coordinator, whether its FIFOs hold
+    anything and whether the trainer is blocked; the front-end's belief that engines run, the coordinator
+    and whether its FIFOs hold anything."""
+    coord_q, coord, front, ctrl, trainer, done, aborted = rest
+    queued = any(coord_q)
+    return (
+        (trainer.status,),
+        (front.next_request, done, aborted, front.client_aborted),
+        (ctrl.phase, ctrl.update_rounds, trainer.status),
+        (coord, queued, trainer.blocked),
+        (front.believed_running, coord, queued),
     )
 
 
@@ -94,9 +139,12 @@ class CompactEngine:
 
     def __init__(self, model: Model, verify: bool = False) -> None:
         self.model = model
-        self.n = model.n
+        n = self.n = model.n
         self.verify = verify
         self.settle = model.stray_resume or model.repeat_resume
+        #: bit offset of each rank's id in an encoded state, then of the rest's id
+        self.shifts = tuple(FIELD_BITS * i for i in range(n))
+        self.rest_shift = FIELD_BITS * n
         self.ranks: list[Rank] = []
         self.rank_ids: dict[Rank, int] = {}
         self.rests: list[tuple[Any, ...]] = []
@@ -106,34 +154,50 @@ class CompactEngine:
         self._transfer: list[bool] = []
         self._outq: list[bool] = []
         self._status: list[int] = []
+        # per rank id: the ids of its projections for the invariant groups, and of their triple
         self._proj: list[int] = []
-        self._proj_ids: dict[tuple[Any, ...], int] = {}
+        self._projs: list[tuple[int, ...]] = []
+        self._proj_ids: dict[Any, int] = {}
+        self._rest_proj: list[tuple[int, ...]] = []
+        self._rest_proj_id: list[int] = []
         # per rest id: trainer blocked, the client may send, the client may abort
         self._rest_flags: list[tuple[bool, bool, bool]] = []
-        self._local: dict[tuple[int, int, int, bool], tuple[tuple[Label, int, int, Sequence[str]], ...]] = {}
-        self._coord: dict[Any, tuple[tuple[Label, int, int, tuple[tuple[int, int], ...], Sequence[str]], ...]]
-        self._coord = {}
+        # the memos (see the module docstring); an entry's ``delta`` is added to the encoded state
+        self._local: dict[tuple[int, int, int, bool], list[tuple[Label, int, Sequence[str]]]] = {}
+        self._coord: dict[Any, list[_CoordEntry]] = {}
         self._waves: dict[tuple[int, tuple[tuple[int, int], ...]], int] = {}
-        self._refresh: dict[int, tuple[tuple[Label, int, Sequence[str]], ...]] = {}
-        self._ctrl: dict[tuple[Any, ...], bool] = {}
+        self._refresh: dict[int, list[tuple[Label, int, Sequence[str]]]] = {}
+        self._ctrl: dict[tuple[int, ...], bool] = {}
+        self._common: dict[tuple[Any, ...], tuple[tuple[str, Any], ...]] = {}
+        self._member: dict[tuple[Any, ...], tuple[int, int]] = {}
+        self._done_edge: dict[tuple[Any, ...], Sequence[str]] = {}
         self._inv: dict[tuple[int, ...], Sequence[str]] = {}
+        self._group: dict[tuple[int, ...], Any] = {}
         self.lookups = 0
-        self.misses = 0
+        self.slow = 0
 
     # ------------------------------------------------------------------ encoding
 
     def rank_id(self, r: Rank) -> int:
-        """The id of slice ``r`` (a new one if unseen)."""
+        """The id of slice ``r`` (a new one if unseen).
+
+        Raises:
+            OverflowError: more distinct slices than :data:`FIELD_BITS` can number."""
         k = self.rank_ids.get(r)
         if k is None:
-            k = self.rank_ids[r] = len(self.ranks)
+            k = len(self.ranks)
+            if k > FIELD_MASK:
+                raise OverflowError(f"more than {FIELD_MASK + 1} distinct rank slices")
+            self.rank_ids[r] = k
             self.ranks.append(r)
             self._blocked.append(r.blocked)
             self._transfer.append(r.blocked in TRANSFER_KINDS)
             self._outq.append(bool(r.outq))
             self._status.append(r.status)
-            p = invariant_projection(r)
-            self._proj.append(self._proj_ids.setdefault(p, len(self._proj_ids)))
+            pid = self._proj_ids
+            ps = tuple(pid.setdefault((g, *f(r)), len(pid)) for g, f in enumerate(RANK_PROJECTIONS))
+            self._projs.append(ps)
+            self._proj.append(pid.setdefault(("all", *ps), len(pid)))
         return k
 
     def rest_id(self, rest: tuple[Any, ...]) -> int:
@@ -142,6 +206,12 @@ class CompactEngine:
         if k is None:
             k = self.rest_ids[rest] = len(self.rests)
             self.rests.append(rest)
+            pid = self._proj_ids
+            rp = tuple(
+                pid.setdefault(("rest", g, *p), len(pid)) for g, p in enumerate(rest_projections(rest))
+            )
+            self._rest_proj.append(rp)
+            self._rest_proj_id.append(pid.setdefault(("all rest", *rp), len(pid)))
             m = self.model
             front = rest[2]
             self._rest_flags.append(
@@ -153,22 +223,37 @@ class CompactEngine:
             )
         return k
 
+    def pack(self, ids: Sequence[int], rest: int) -> Compact:
+        """The encoded state of rank slice ids ``ids`` and rest id ``rest``."""
+        c = rest << self.rest_shift
+        for sh, k in zip(self.shifts, ids, strict=True):
+            c |= k << sh
+        return c
+
+    def unpack(self, c: Compact) -> tuple[list[int], int]:
+        """The rank slice ids and the rest id of encoded state ``c``."""
+        return [(c >> sh) & FIELD_MASK for sh in self.shifts], c >> self.rest_shift
+
     def encode(self, s: GlobalState) -> Compact:
-        """``s`` as ``(r_0, ..., r_{N-1}, rest)``."""
-        return (*[self.rank_id(r) for r in s.ranks], self.rest_id(tuple(s[1:])))
+        """``s``, encoded."""
+        return self.pack([self.rank_id(r) for r in s.ranks], self.rest_id(tuple(s[1:])))
 
     def decode(self, c: Compact) -> GlobalState:
         """The state ``c`` encodes."""
-        ranks = self.ranks
-        return _new_tuple(GlobalState, (tuple([ranks[k] for k in c[:-1]]), *self.rests[c[-1]]))
+        ids, rest = self.unpack(c)
+        return self._state(ids, rest)
 
-    def _encode_from(self, c: Compact, s: GlobalState, t: GlobalState) -> Compact:
-        """``t``, a successor of ``s`` (encoded ``c``): slices that are the same objects as ``s``'s keep
+    def _state(self, ids: Sequence[int], rest: int) -> GlobalState:
+        ranks = self.ranks
+        return _new_tuple(GlobalState, (tuple([ranks[k] for k in ids]), *self.rests[rest]))
+
+    def _encode_from(self, ids: Sequence[int], rest: int, s: GlobalState, t: GlobalState) -> Compact:
+        """``t``, a successor of ``s`` (``ids``, ``rest``): slices that are the same objects as ``s``'s keep
         their ids unhashed."""
         sr, tr = s.ranks, t.ranks
-        ids = [c[j] if tr[j] is sr[j] else self.rank_id(tr[j]) for j in range(self.n)]
+        new = [ids[j] if tr[j] is sr[j] else self.rank_id(tr[j]) for j in range(self.n)]
         same = all(a is b for a, b in zip(s[1:], t[1:], strict=True))
-        return (*ids, c[-1] if same else self.rest_id(tuple(t[1:])))
+        return self.pack(new, rest if same else self.rest_id(tuple(t[1:])))
 
     # ------------------------------------------------------------------ the explorer's functions
 
@@ -180,57 +265,91 @@ class CompactEngine:
         """The model's successors of ``c`` with their edge checks, in the model's order (see the module
         docstring for which part is memoised how)."""
         n = self.n
-        rest = c[n]
+        rest = c >> self.rest_shift
+        ids = [(c >> sh) & FIELD_MASK for sh in self.shifts]
         blocked = self._blocked
-        transfer = self._transfer
-        busy = any(transfer[k] for k in c[:n])
-        out: list[Checked] = []
+        busy = any(map(self._transfer.__getitem__, ids))
         local = self._local
         self.lookups += n
-        s: GlobalState | None = None
+        out: list[Checked] = []
         for i in range(n):
-            e = local.get((i, c[i], rest, busy))
+            e = local.get((i, ids[i], rest, busy))
             if e is None:
-                e = self._local_miss(c, i, busy)
-            for label, nr, nrest, ev in e:
-                out.append((label, (*c[:i], nr, *c[i + 1 : n], nrest), ev))
+                e = self._local_miss(ids, rest, i, busy)
+            if e:
+                out += [(label, c + d, ev) for label, d, ev in e]
         trainer_blocked, may_send, may_abort = self._rest_flags[rest]
-        # collective completions need every rank blocked in one collective; timeouts, a transfer one
-        b0 = blocked[c[0]]
-        if trainer_blocked or busy or (b0 and all(blocked[k] == b0 for k in c[1:n])):
-            s = self._slow(c, s, self.model.collective_moves, out)
-        self._coord_moves(c, out)
+        s: GlobalState | None = None
+        b0 = blocked[ids[0]]
+        if trainer_blocked or busy or (self.settle and b0):
+            s = self._slow(ids, rest, s, self.model.collective_moves, out)
+        elif b0 and all(blocked[k] == b0 for k in ids):
+            # every rank in one DP collective (none in a transfer one, the trainer idle): its completion
+            # is the only collective move (Model.collective_moves)
+            self._done(c, ids, rest, b0, out)
+        self._coord_moves(ids, rest, out)
         if may_send:
-            s = self._slow(c, s, self.model.send_moves, out)
+            s = self._slow(ids, rest, s, self.model.send_moves, out)
         r = self._refresh.get(rest)
         if r is None:
-            r = self._refresh_miss(c)
-        for label, nrest, ev in r:
-            out.append((label, (*c[:n], nrest), ev))
+            r = self._refresh_miss(ids, rest)
+        if r:
+            out += [(label, c + d, ev) for label, d, ev in r]
         if may_abort:
-            s = self._slow(c, s, self.model.abort_moves, out)
+            s = self._slow(ids, rest, s, self.model.abort_moves, out)
         status = self._status
-        key = (rest, *[status[k] for k in c[:n]])
+        key = (rest, *map(status.__getitem__, ids))
         has = self._ctrl.get(key)
         if has is None:
-            has = self._ctrl[key] = bool(self.model.controller_moves(self.decode(c)))
-            self.misses += 1
+            has = self._ctrl[key] = bool(self.model.controller_moves(self._state(ids, rest)))
         if has:
-            self._slow(c, s, self.model._controller, out)
+            self._slow(ids, rest, s, self.model._controller, out)
         if self.verify:
             self._verify(c, out)
         return out
 
     def invariant(self, c: Compact) -> Sequence[str]:
-        """The model's invariant of ``c``, memoised by the ranks' projections and the rest."""
+        """The model's invariant of ``c``, memoised by the projections of its ranks and its rest (every
+        field some group reads); on a miss, each group memoised by its own projections."""
         proj = self._proj
-        key = (*[proj[k] for k in c[:-1]], c[-1])
+        ids = [(c >> sh) & FIELD_MASK for sh in self.shifts]
+        rest = c >> self.rest_shift
+        key = (*map(proj.__getitem__, ids), self._rest_proj_id[rest])
         v = self._inv.get(key)
         if v is None:
-            v = self._inv[key] = self.model.invariant(self.decode(c))
-        elif self.verify and list(v) != self.model.invariant(self.decode(c)):
+            v = self._inv[key] = self._invariant_groups(ids, rest)
+        if self.verify and list(v) != self.model.invariant(self.decode(c)):
             raise AssertionError(f"invariant memo differs at {self.decode(c)}")
         return v
+
+    def _invariant_groups(self, ids: list[int], rest: int) -> list[str]:
+        """:meth:`Model.invariant` as its groups, in its order, each memoised by the projections of
+        :data:`RANK_PROJECTIONS` and :func:`rest_projections`."""
+        ps = [self._projs[k] for k in ids]
+        rp = self._rest_proj[rest]
+        s: GlobalState | None = None
+        out: list[Any] = []
+        for g in range(len(RANK_PROJECTIONS)):
+            key = (rp[g], *[p[g] for p in ps])
+            v = self._group.get(key)
+            if v is None:
+                if s is None:
+                    s = self._state(ids, rest)
+                v = self._group[key] = self._group_check(g, s)
+            out.append(v)
+        return [*out[0][0], *out[1], *out[2], *out[3], *out[4], *out[0][1]]
+
+    def _group_check(self, g: int, s: GlobalState) -> Any:
+        m = self.model
+        if g == 0:
+            return (m.invariant_slices(s), m.invariant_modes(s))
+        if g == 1:
+            return m.invariant_requests(s)
+        if g == 2:
+            return m.invariant_version(s)
+        if g == 3:
+            return [] if m._coordinator_belief_right(s) else ["coordinator_belief"]
+        return [] if m._front_end_belief_right(s) else ["front_end_belief"]
 
     def terminal_check(self, c: Compact) -> Sequence[str]:
         """The model's terminal check of ``c``."""
@@ -238,9 +357,10 @@ class CompactEngine:
 
     def canon(self, c: Compact) -> Compact:
         """The model's canonical representative of ``c`` (symmetry), encoded."""
-        s = self.decode(c)
+        ids, rest = self.unpack(c)
+        s = self._state(ids, rest)
         t = self.model.canon(s)
-        return c if t is s else self._encode_from(c, s, t)
+        return c if t is s else self._encode_from(ids, rest, s, t)
 
     # ------------------------------------------------------------------ misses and slow paths
 
@@ -251,89 +371,118 @@ class CompactEngine:
         return [(label, settle(t)) for label, t in moves]
 
     def _local_miss(
-        self, c: Compact, i: int, busy: bool
-    ) -> tuple[tuple[Label, int, int, Sequence[str]], ...]:
-        self.misses += 1
-        s = self.decode(c)
+        self, ids: list[int], rest: int, i: int, busy: bool
+    ) -> list[tuple[Label, int, Sequence[str]]]:
+        s = self._state(ids, rest)
         moves: _Moves = []
         self.model.rank_moves(s, i, moves)
-        entry = []
+        sh = self.shifts[i]
+        entry: list[tuple[Label, int, Sequence[str]]] = []
         for label, t in self._settled(moves):
             for j in range(self.n):
                 if j != i and t.ranks[j] != s.ranks[j]:
                     raise AssertionError(f"{label!r} changed rank {j}: rank_moves must be rank-local")
             ev = self.model.edge_check(s, label, t)
-            entry.append((label, self.rank_id(t.ranks[i]), self.rest_id(tuple(t[1:])), ev))
-        out = self._local[(i, c[i], c[self.n], busy)] = tuple(entry)
-        return out
+            nr, nrest = self.rank_id(t.ranks[i]), self.rest_id(tuple(t[1:]))
+            entry.append((label, ((nr - ids[i]) << sh) + ((nrest - rest) << self.rest_shift), ev))
+        self._local[(i, ids[i], rest, busy)] = entry
+        return entry
 
     def _slow(
         self,
-        c: Compact,
+        ids: list[int],
+        rest: int,
         s: GlobalState | None,
         part: Callable[[GlobalState, _Moves], None],
         out: list[Checked],
     ) -> GlobalState:
         """Run the model's ``part`` on the decoded state and encode its moves into ``out``."""
+        self.slow += 1
         if s is None:
-            s = self.decode(c)
+            s = self._state(ids, rest)
         moves: _Moves = []
         part(s, moves)
         edge_check = self.model.edge_check
         for label, t in self._settled(moves):
-            out.append((label, self._encode_from(c, s, t), edge_check(s, label, t)))
+            out.append((label, self._encode_from(ids, rest, s, t), edge_check(s, label, t)))
         return s
 
-    def _coord_moves(self, c: Compact, out: list[Checked]) -> None:
+    def _done(self, c: Compact, ids: list[int], rest: int, kind: str, out: list[Checked]) -> None:
+        """The completion of DP collective ``kind`` (:meth:`RankEffects._complete`): the outcome memoised by
+        the members' ids, each member's completion (:meth:`RankEffects.complete_member`) by ``(kind,
+        outcome, i, its id, the rest so far)``, members in rank order as the model does; the edge check by
+        the members' ids before and after (it reads no more for a DP collective)."""
+        m = self.model
+        ck = (kind, *ids)
+        common = self._common.get(ck)
+        if common is None:
+            common = self._common[ck] = collective_args(tuple([self.ranks[k] for k in ids]), kind)
+        cur = list(ids)
+        r = rest
+        member = self._member
+        for i in range(self.n):
+            key = (kind, common, i, cur[i], r)
+            e = member.get(key)
+            if e is None:
+                s = self._state(cur, r)
+                scratch = _ScratchState(s)
+                m.complete_member(scratch, i, kind, common, False)
+                t = scratch.freeze()
+                if any(t.ranks[j] != s.ranks[j] for j in range(self.n) if j != i):
+                    raise AssertionError(f"completing {kind} on rank {i} changed another rank")
+                e = member[key] = (self.rank_id(t.ranks[i]), self.rest_id(tuple(t[1:])))
+            cur[i], r = e
+        t_c = self.pack(cur, r)
+        label = ("done", kind)
+        ek = (kind, *ids, *cur)
+        ev = self._done_edge.get(ek)
+        if ev is None:
+            ev = self._done_edge[ek] = m.edge_check(self._state(ids, rest), label, self._state(cur, r))
+        out.append((label, t_c, ev))
+
+    def _coord_moves(self, ids: list[int], rest: int, out: list[Checked]) -> None:
         """The coordinator's moves (:meth:`Model.coord_moves`): its own FIFOs keyed by the rest, each rank's
         FIFO to it keyed by ``(i, r_i, rest)``."""
-        n = self.n
-        rest = c[n]
         entries = self._coord.get(rest)
         if entries is None:
-            entries = self._coord_miss(c, -1)
+            entries = self._coord_miss(ids, rest, -1)
         for e in entries:
-            out.append((e[0], self._apply_coord(c, e), e[4]))
+            out.append((e[0], self._apply_coord(ids, e), e[4]))
         if self.model.ordered:
             return
         has_outq = self._outq
-        for i in range(n):
-            if has_outq[c[i]]:
-                key = (i, c[i], rest)
-                entries = self._coord.get(key)
+        for i in range(self.n):
+            if has_outq[ids[i]]:
+                entries = self._coord.get((i, ids[i], rest))
                 if entries is None:
-                    entries = self._coord_miss(c, i)
+                    entries = self._coord_miss(ids, rest, i)
                 for e in entries:
-                    out.append((e[0], self._apply_coord(c, e), e[4]))
+                    out.append((e[0], self._apply_coord(ids, e), e[4]))
 
-    def _apply_coord(self, c: Compact, e: tuple[Label, int, int, tuple[tuple[int, int], ...], Any]) -> Compact:
-        """A coordinator entry ``(label, src, rank src's id after the take, new rest, broadcasts)`` applied
-        to ``c``."""
-        n = self.n
+    def _apply_coord(self, ids: list[int], e: _CoordEntry) -> Compact:
+        """A coordinator entry ``(label, rank src's id after the take, new rest, broadcasts, violated)``
+        applied to the rank ids ``ids``."""
         label, popped, nrest, bcasts = e[0], e[1], e[2], e[3]
         src = label[1]
-        ids = list(c[:n])
+        cur = list(ids)
         if src >= 0:
-            ids[src] = popped
+            cur[src] = popped
         if bcasts:
             waves = self._waves
-            for j in range(n):
-                k = (ids[j], bcasts)
+            for j in range(self.n):
+                k = (cur[j], bcasts)
                 w = waves.get(k)
                 if w is None:
-                    r = self.ranks[ids[j]]
+                    r = self.ranks[cur[j]]
                     for wave, exclude in bcasts:
                         r = self.model.wave_to(r, wave, exclude)
                     w = waves[k] = self.rank_id(r)
-                ids[j] = w
-        return (*ids, nrest)
+                cur[j] = w
+        return self.pack(cur, nrest)
 
-    def _coord_miss(
-        self, c: Compact, src: int
-    ) -> tuple[tuple[Label, int, int, tuple[tuple[int, int], ...], Sequence[str]], ...]:
-        self.misses += 1
+    def _coord_miss(self, ids: list[int], rest: int, src: int) -> list[_CoordEntry]:
         m = self.model
-        s = self.decode(c)
+        s = self._state(ids, rest)
         fifos = range(len(s.coord_q)) if src < 0 else (0,)
         entries = []
         for f in fifos:
@@ -346,25 +495,25 @@ class CompactEngine:
             popped = self.rank_id(taken.ranks[src]) if src >= 0 else -1
             t = self._settled([(label, m._coord_recv(s, src, f))])[0][1]
             ev = m.edge_check(s, label, t)
-            e = (label, popped, self.rest_id(tuple(taken[1:])), bcasts, ev)
-            if self.decode(self._apply_coord(c, e)) != t:
+            e: _CoordEntry = (label, popped, self.rest_id(tuple(taken[1:])), bcasts, ev)
+            if self.decode(self._apply_coord(ids, e)) != t:
                 raise AssertionError(f"coordinator memo entry {e!r} does not rebuild the model's successor")
             entries.append(e)
-        out = self._coord[rest_key(c, src)] = tuple(entries)
-        return out
+        self._coord[rest if src < 0 else (src, ids[src], rest)] = entries
+        return entries
 
-    def _refresh_miss(self, c: Compact) -> tuple[tuple[Label, int, Sequence[str]], ...]:
-        self.misses += 1
-        s = self.decode(c)
+    def _refresh_miss(self, ids: list[int], rest: int) -> list[tuple[Label, int, Sequence[str]]]:
+        s = self._state(ids, rest)
         moves: _Moves = []
         self.model.refresh_moves(s, moves)
-        entry = []
+        entry: list[tuple[Label, int, Sequence[str]]] = []
         for label, t in self._settled(moves):
             if t.ranks != s.ranks:
                 raise AssertionError("the front-end's refresh changed a rank")
-            entry.append((label, self.rest_id(tuple(t[1:])), self.model.edge_check(s, label, t)))
-        out = self._refresh[c[self.n]] = tuple(entry)
-        return out
+            d = (self.rest_id(tuple(t[1:])) - rest) << self.rest_shift
+            entry.append((label, d, self.model.edge_check(s, label, t)))
+        self._refresh[rest] = entry
+        return entry
 
     def _verify(self, c: Compact, out: list[Checked]) -> None:
         """Compare ``out`` with the model's successors and edge checks of the decoded state."""
@@ -381,26 +530,22 @@ class CompactEngine:
     # ------------------------------------------------------------------ figures
 
     def stats(self) -> dict[str, Any]:
-        """Memo figures: rank-local lookups and misses of every memo, hit rate of the rank-local memo,
-        distinct slices and rests."""
-        local_misses = len(self._local)
+        """Memo figures: the rank-local memo's lookups, entries (its misses) and hit rate; the entries of
+        the others; slow-path calls; distinct slices and rests."""
+        entries = len(self._local)
         return {
             "rank_slices": len(self.ranks),
             "rests": len(self.rests),
             "local_lookups": self.lookups,
-            "local_entries": local_misses,
-            "local_hit_rate": round(1 - local_misses / self.lookups, 4) if self.lookups else None,
+            "local_entries": entries,
+            "local_hit_rate": round(1 - entries / self.lookups, 4) if self.lookups else None,
             "invariant_entries": len(self._inv),
             "coord_entries": len(self._coord),
             "refresh_entries": len(self._refresh),
             "controller_entries": len(self._ctrl),
-            "misses": self.misses,
+            "member_entries": len(self._member),
+            "slow_calls": self.slow,
         }
-
-
-def rest_key(c: Compact, src: int) -> Any:
-    """The coordinator memo's key: the rest for its own FIFOs, ``(src, r_src, rest)`` for rank ``src``'s."""
-    return c[-1] if src < 0 else (src, c[src], c[-1])
 
 
 class DecodedStates(Sequence[GlobalState]):
@@ -438,11 +583,11 @@ class DecodedIndex(Mapping[GlobalState, int]):
 
     def __getitem__(self, s: GlobalState) -> int:
         e = self.engine
-        ids = [e.rank_ids.get(r) for r in s.ranks]
-        rest = e.rest_ids.get(tuple(s[1:]))
-        if rest is None or any(k is None for k in ids):
+        ids = [e.rank_ids.get(r, -1) for r in s.ranks]
+        rest = e.rest_ids.get(tuple(s[1:]), -1)
+        if rest < 0 or min(ids) < 0:
             raise KeyError(s)
-        return self.compact[(*ids, rest)]  # type: ignore[arg-type]
+        return self.compact[e.pack(ids, rest)]
 
     def __len__(self) -> int:
         return len(self.compact)

@@ -361,23 +361,31 @@ class RankEffects(ModelBase):
             rank = scratch.ranks[i]
             scratch.ranks[i] = rank.with_outq((*rank.outq, msg))
 
+    def complete_member(
+        self, scratch: _ScratchState, i: int, kind: str, common: tuple[tuple[str, Any], ...], fail: bool
+    ) -> None:
+        """Rank ``i`` leaves collective ``kind`` (outcome ``common``, :func:`collective_args`; with ``fail``
+        the phase that failed) and fires its completion event. It reads and changes rank ``i``'s slice and
+        the state outside the ranks only (the compact engine's memo relies on it)."""
+        rank = scratch.ranks[i]._replace(blocked="")
+        scratch.ranks[i] = rank
+        before = rank.vars
+        ev = RankEvent.TRANSFER_FAILED if fail else DONE_EVENT[kind]
+        extra = common if fail else done_args(kind, common, self._has_work(rank))
+        tr, after = self.fire(i, before, ev, extra)
+        scratch.ranks[i] = rank._replace(vars=after)
+        if tr is not None:
+            for eff in tr.effects:
+                self._effect(scratch, i, eff, before, -1)
+
     def _complete(self, s: GlobalState, kind: str, fail: bool = False) -> GlobalState:
         """The joint completion of collective ``kind``: the outcome event fires on every member; with
         ``fail`` (a transfer collective only) it fails on every member (TRANSFER_FAILED) and the trainer."""
         ranks = s.ranks
-        ev = RankEvent.TRANSFER_FAILED if fail else DONE_EVENT[kind]
         common = (("phase", FAIL_PHASE[kind]),) if fail else collective_args(ranks, kind)
         scratch = _ScratchState(s)
         for i in range(self.n):
-            rank = scratch.ranks[i]._replace(blocked="")
-            scratch.ranks[i] = rank
-            before = rank.vars
-            extra = common if fail else done_args(kind, common, self._has_work(rank))
-            tr, after = self.fire(i, before, ev, extra)
-            scratch.ranks[i] = rank._replace(vars=after)
-            if tr is not None:
-                for eff in tr.effects:
-                    self._effect(scratch, i, eff, before, -1)
+            self.complete_member(scratch, i, kind, common, fail)
         if kind in TRANSFER_KINDS:
             status = (FAILED_REPLY if fail else REPLIED) if scratch.trainer.status == SENT else SPURIOUS
             scratch.trainer = _new_tuple(Trainer, ("", status))

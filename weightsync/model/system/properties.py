@@ -17,6 +17,7 @@ from weightsync.model.system.state import (
     TRANSFER_KINDS,
     GlobalState,
     Label,
+    Rank,
     ghost_base,
 )
 from weightsync.spec.states import (
@@ -34,7 +35,19 @@ class Properties(Environment):
     """The property checks of :class:`Model` (see :data:`weightsync.model.check.PROPERTIES`)."""
 
     def invariant(self, s: GlobalState) -> list[str]:
-        """Names of the state properties ``s`` violates (see :data:`weightsync.model.check.PROPERTIES`)."""
+        """Names of the state properties ``s`` violates (see :data:`weightsync.model.check.PROPERTIES`), in
+        this order: :meth:`invariant_slices`, request_conservation (:meth:`_conserved`),
+        :meth:`invariant_beliefs`, :meth:`invariant_modes`. The compact engine memoises each group by the
+        fields it reads (:mod:`weightsync.model.compact`)."""
+        bad = self.invariant_slices(s)
+        bad += self.invariant_requests(s)
+        bad += self.invariant_beliefs(s)
+        bad += self.invariant_modes(s)
+        return bad
+
+    def invariant_slices(self, s: GlobalState) -> list[str]:
+        """collectives_match and phase_bracketing: they read each rank's blocked, collective, state, status
+        and worker state, and the trainer's status."""
         bad: list[str] = []
         ranks = s.ranks
         blocked = {r.blocked for r in ranks if r.blocked}
@@ -48,17 +61,38 @@ class Properties(Environment):
             or s.trainer.status == SPURIOUS
         ):
             bad.append("phase_bracketing")
-        if not self._conserved(s):
-            bad.append("request_conservation")
-        phase = s.ctrl.phase
-        if phase in (RESUME, FINISH) and self._all_replied(s, phase) and not self._phase_failed(s):
-            want = s.ctrl.update_rounds + (1 if phase == FINISH else 0)
-            if any(r.vars.weight_version != want for r in ranks):
-                bad.append("version_agreement")
+        return bad
+
+    def invariant_requests(self, s: GlobalState) -> list[str]:
+        """request_conservation (:meth:`_conserved`)."""
+        return [] if self._conserved(s) else ["request_conservation"]
+
+    def invariant_beliefs(self, s: GlobalState) -> list[str]:
+        """version_agreement, coordinator_belief and front_end_belief: they read the controller's phase and
+        rounds, the trainer, the coordinator and its FIFOs, the front-end's belief, and of each rank its
+        status, weight version, wave, blocked, whether anything is queued or running, state, flags."""
+        bad = self.invariant_version(s)
         if not self._coordinator_belief_right(s):
             bad.append("coordinator_belief")
         if not self._front_end_belief_right(s):
             bad.append("front_end_belief")
+        return bad
+
+    def invariant_version(self, s: GlobalState) -> list[str]:
+        """version_agreement: it reads the controller's phase and rounds, the trainer's status, and each
+        rank's status and weight version."""
+        phase = s.ctrl.phase
+        if phase in (RESUME, FINISH) and self._all_replied(s, phase) and not self._phase_failed(s):
+            want = s.ctrl.update_rounds + (1 if phase == FINISH else 0)
+            if any(r.vars.weight_version != want for r in s.ranks):
+                return ["version_agreement"]
+        return []
+
+    def invariant_modes(self, s: GlobalState) -> list[str]:
+        """mode_semantics (each rank's pause ghost and whether it runs requests), and the non-vacuity
+        witness 'every rank verified' (each rank's state)."""
+        ranks = s.ranks
+        bad: list[str] = []
         if (self.any_mode or self.mode is PauseMode.ABORT) and any(
             ghost_base(r.pause_ghost) in GHOSTS_REPLIED
             and r.running
@@ -98,13 +132,16 @@ class Properties(Environment):
         if any(s.coord_q) or s.trainer.blocked:
             return True
         wave0 = s.ranks[0].vars.current_wave
-        for r in s.ranks:
-            v = r.vars
-            if r.blocked or any(r.inq) or r.outq or r.waiting or r.running or r.status == SENT:
-                return True
-            if v.state is not RankState.RUNNING or v.engines_running or v.current_wave != wave0:
-                return True
-        return False
+        return any(self.coordinator_unsettled(r) or r.vars.current_wave != wave0 for r in s.ranks)
+
+    @staticmethod
+    def coordinator_unsettled(r: Rank) -> bool:
+        """Rank slice ``r`` has something in flight or outstanding for ``coordinator_belief`` (blocked, a
+        message queued either way, requests, a call not answered), or is not running idle."""
+        if r.blocked or any(r.inq) or r.outq or r.waiting or r.running or r.status == SENT:
+            return True
+        v = r.vars
+        return v.state is not RankState.RUNNING or bool(v.engines_running)
 
     def _front_end_belief_right(self, s: GlobalState) -> bool:
         """Once no rank steps or is about to (each is out of the wave loop and not in a collective, and
@@ -116,14 +153,18 @@ class Properties(Environment):
         coord = s.coord
         if not s.front.believed_running or coord.engines_running or coord.publishing or any(s.coord_q):
             return True
-        for r in s.ranks:
-            if r.blocked or r.outq or r.vars.engines_running or r.vars.pending_pause:
-                return True
-            if r.vars.state is RankState.RUNNING and (r.waiting or r.running):
-                return True
-            if any(m[0] in ("W", "ADD") for q in r.inq for m in q):
-                return True
-        return False
+        return any(self.front_end_unsettled(r) for r in s.ranks)
+
+    @staticmethod
+    def front_end_unsettled(r: Rank) -> bool:
+        """Rank slice ``r`` steps or is about to, for ``front_end_belief``: in a collective, a message to the
+        coordinator, in the wave loop or a pause pending, unpaused with a request to run, or a START_DP_WAVE
+        or ADD queued."""
+        if r.blocked or r.outq or r.vars.engines_running or r.vars.pending_pause:
+            return True
+        if r.vars.state is RankState.RUNNING and (r.waiting or r.running):
+            return True
+        return any(m[0] in ("W", "ADD") for q in r.inq for m in q)
 
     def _conserved(self, s: GlobalState) -> bool:
         sent = s.front.next_request
