@@ -38,6 +38,8 @@ edge check and invariant with a fresh computation of the model (the cache-consis
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import reduce
+from operator import or_
 from typing import Any, overload
 
 from weightsync.model.explorer import Exploration, Violation
@@ -55,8 +57,31 @@ FIELD_MASK = (1 << FIELD_BITS) - 1
 Checked = tuple[Label, Compact, Sequence[str]]
 _Moves = list[tuple[Label, GlobalState]]
 #: A coordinator memo entry: label, rank ``src``'s id after the take (-1: from its own FIFO), the new rest
-#: id, the START_DP_WAVE broadcasts to deliver to every rank, the edge check's violations.
-_CoordEntry = tuple[Label, int, int, tuple[tuple[int, int], ...], Sequence[str]]
+#: id, the START_DP_WAVE broadcasts to deliver to every rank, the edge check's violations, and the delta
+#: to add to the state when there are no broadcasts.
+_CoordEntry = tuple[Label, int, int, tuple[tuple[int, int], ...], Sequence[str], int]
+#: Bits of :attr:`CompactEngine._flags`: the slice is blocked, in a weight-transfer collective, has a
+#: message for the coordinator.
+_BLOCKED, _TRANSFER, _OUTQ = 1, 2, 4
+#: :meth:`CompactEngine._plan`'s collective moves: the DP completion, or the slow path.
+_COLL_DONE, _COLL_SLOW = 1, 2
+#: A plan (:meth:`CompactEngine._plan`): busy, collective moves, coordinator entries of its own FIFOs, ranks
+#: with a message for the coordinator, may send, may abort, refresh entries, controller memo key or None.
+_Plan = tuple[
+    bool,
+    int,
+    "list[_CoordEntry]",
+    tuple[int, ...],
+    bool,
+    bool,
+    "list[tuple[Label, int, Sequence[str]]]",
+    "tuple[int, ...] | None",
+]
+
+#: Controller moves that map each rank's slice on its own, and the rest on its own (the controller
+#: memo of :meth:`CompactEngine._controller`): a fan-out, an untracked call, the end of a round. Not ``fe``
+#: (the front-end applies the call to every rank in turn, their effects threading through the rest).
+_PER_RANK_CONTROLLER = frozenset({"fan", "retry", "extra", "end"})
 
 
 def slices_projection(r: Rank) -> tuple[Any, ...]:
@@ -142,6 +167,7 @@ class CompactEngine:
         n = self.n = model.n
         self.verify = verify
         self.settle = model.stray_resume or model.repeat_resume
+        self.ordered = model.ordered
         #: bit offset of each rank's id in an encoded state, then of the rest's id
         self.shifts = tuple(FIELD_BITS * i for i in range(n))
         self.rest_shift = FIELD_BITS * n
@@ -151,8 +177,11 @@ class CompactEngine:
         self.rest_ids: dict[tuple[Any, ...], int] = {}
         # per rank id: blocked, in a transfer collective, has a FIFO to the coordinator, status, projection
         self._blocked: list[str] = []
-        self._transfer: list[bool] = []
-        self._outq: list[bool] = []
+        self._flags: list[int] = []
+        self._coll_proj: list[int] = []
+        self._env_class: list[int] = []
+        self._plans: dict[tuple[int, ...], _Plan] = {}
+        self._coll: dict[tuple[int, ...], bool] = {}
         self._status: list[int] = []
         # per rank id: the ids of its projections for the invariant groups, and of their triple
         self._proj: list[int] = []
@@ -167,7 +196,10 @@ class CompactEngine:
         self._coord: dict[Any, list[_CoordEntry]] = {}
         self._waves: dict[tuple[int, tuple[tuple[int, int], ...]], int] = {}
         self._refresh: dict[int, list[tuple[Label, int, Sequence[str]]]] = {}
-        self._ctrl: dict[tuple[int, ...], bool] = {}
+        self._ctrl: dict[tuple[int, ...], tuple[tuple[Label, Any], ...] | bool | None] = {}
+        self._ctrl_ranks: dict[Any, int] = {}
+        self._ctrl_rests: dict[Any, int] = {}
+        self._ctrl_edges: dict[Any, Sequence[str]] = {}
         self._common: dict[tuple[Any, ...], tuple[tuple[str, Any], ...]] = {}
         self._member: dict[tuple[Any, ...], tuple[int, int]] = {}
         self._done_edge: dict[tuple[Any, ...], Sequence[str]] = {}
@@ -191,10 +223,16 @@ class CompactEngine:
             self.rank_ids[r] = k
             self.ranks.append(r)
             self._blocked.append(r.blocked)
-            self._transfer.append(r.blocked in TRANSFER_KINDS)
-            self._outq.append(bool(r.outq))
+            self._flags.append(
+                (_BLOCKED if r.blocked else 0)
+                | (_TRANSFER if r.blocked in TRANSFER_KINDS else 0)
+                | (_OUTQ if r.outq else 0)
+            )
             self._status.append(r.status)
             pid = self._proj_ids
+            coll = pid.setdefault(("c", r.blocked, r.vars.state), len(pid))
+            self._coll_proj.append(coll)
+            self._env_class.append(pid.setdefault(("e", self._flags[k], r.status, coll), len(pid)))
             ps = tuple(pid.setdefault((g, *f(r)), len(pid)) for g, f in enumerate(RANK_PROJECTIONS))
             self._projs.append(ps)
             self._proj.append(pid.setdefault(("all", *ps), len(pid)))
@@ -267,8 +305,10 @@ class CompactEngine:
         n = self.n
         rest = c >> self.rest_shift
         ids = [(c >> sh) & FIELD_MASK for sh in self.shifts]
-        blocked = self._blocked
-        busy = any(map(self._transfer.__getitem__, ids))
+        plan = self._plans.get((rest, *map(self._env_class.__getitem__, ids)))
+        if plan is None:
+            plan = self._plan(ids, rest)
+        busy, coll, coord_entries, outq, may_send, may_abort, refresh, ctrl_key = plan
         local = self._local
         self.lookups += n
         out: list[Checked] = []
@@ -278,35 +318,84 @@ class CompactEngine:
                 e = self._local_miss(ids, rest, i, busy)
             if e:
                 out += [(label, c + d, ev) for label, d, ev in e]
-        trainer_blocked, may_send, may_abort = self._rest_flags[rest]
         s: GlobalState | None = None
-        b0 = blocked[ids[0]]
-        if trainer_blocked or busy or (self.settle and b0):
-            s = self._slow(ids, rest, s, self.model.collective_moves, out)
-        elif b0 and all(blocked[k] == b0 for k in ids):
-            # every rank in one DP collective (none in a transfer one, the trainer idle): its completion
-            # is the only collective move (Model.collective_moves)
-            self._done(c, ids, rest, b0, out)
-        self._coord_moves(ids, rest, out)
+        if coll:
+            if coll == _COLL_DONE:
+                self._done(c, ids, rest, self._blocked[ids[0]], out)
+            else:
+                s = self._slow(ids, rest, s, self.model.collective_moves, out)
+        for e in coord_entries:
+            out.append((e[0], c + e[5] if not e[3] else self._apply_coord(ids, e), e[4]))
+        if outq:
+            coord = self._coord
+            for i in outq:
+                entries = coord.get((i, ids[i], rest))
+                if entries is None:
+                    entries = self._coord_miss(ids, rest, i)
+                for e in entries:
+                    out.append((e[0], c + e[5] if not e[3] else self._apply_coord(ids, e), e[4]))
         if may_send:
             s = self._slow(ids, rest, s, self.model.send_moves, out)
-        r = self._refresh.get(rest)
-        if r is None:
-            r = self._refresh_miss(ids, rest)
-        if r:
-            out += [(label, c + d, ev) for label, d, ev in r]
+        if refresh:
+            out += [(label, c + d, ev) for label, d, ev in refresh]
         if may_abort:
             s = self._slow(ids, rest, s, self.model.abort_moves, out)
-        status = self._status
-        key = (rest, *map(status.__getitem__, ids))
-        has = self._ctrl.get(key)
-        if has is None:
-            has = self._ctrl[key] = bool(self.model.controller_moves(self._state(ids, rest)))
-        if has:
-            self._slow(ids, rest, s, self.model._controller, out)
+        if ctrl_key is not None:
+            self._controller(c, ids, rest, s, ctrl_key, self._ctrl.get(ctrl_key, ()), out)
         if self.verify:
             self._verify(c, out)
         return out
+
+    def _plan(self, ids: list[int], rest: int) -> _Plan:
+        """What :meth:`successors` does in states with this rest and these ranks' :attr:`_env_class`: some
+        rank in a transfer collective (``busy``); the collective moves (none, the DP completion
+        :meth:`_done`, or the slow path: :meth:`Model.collective_moves` has any, which reads the rest and
+        each rank's blocked and state); the coordinator's entries for its own FIFOs (keyed by the rest) and
+        the ranks with a message for it; whether the client may send or abort; the refresh's entries (keyed
+        by the rest); the controller's memo key if it has a move (:meth:`Environment.controller_moves`
+        reads the rest and the statuses)."""
+        n = self.n
+        fs = [self._flags[k] for k in ids]
+        flags = reduce(or_, fs)
+        busy = bool(flags & _TRANSFER)
+        trainer_blocked, may_send, may_abort = self._rest_flags[rest]
+        coll = 0
+        if flags & _BLOCKED or trainer_blocked:
+            key = (rest, *map(self._coll_proj.__getitem__, ids))
+            has = self._coll.get(key)
+            if has is None:
+                moves: _Moves = []
+                self.model.collective_moves(self._state(ids, rest), moves)
+                has = self._coll[key] = bool(moves)
+            if has:
+                # every rank in one DP collective (none in a transfer one, the trainer idle): its completion
+                # is the only collective move
+                blocked = self._blocked
+                b0 = blocked[ids[0]]
+                same = all(blocked[k] == b0 for k in ids)
+                coll = _COLL_SLOW if trainer_blocked or busy or self.settle or not same else _COLL_DONE
+        coord_entries = self._coord.get(rest)
+        if coord_entries is None:
+            coord_entries = self._coord_miss(ids, rest, -1)
+        outq = () if self.ordered else tuple(i for i in range(n) if fs[i] & _OUTQ)
+        refresh = self._refresh.get(rest)
+        if refresh is None:
+            refresh = self._refresh_miss(ids, rest)
+        ctrl_key = (rest, *map(self._status.__getitem__, ids))
+        if ctrl_key not in self._ctrl and not self.model.controller_moves(self._state(ids, rest)):
+            self._ctrl[ctrl_key] = None
+        plan: _Plan = (
+            busy,
+            coll,
+            coord_entries,
+            outq,
+            may_send,
+            may_abort,
+            refresh,
+            None if self._ctrl.get(ctrl_key, ()) is None else ctrl_key,
+        )
+        self._plans[(rest, *map(self._env_class.__getitem__, ids))] = plan
+        return plan
 
     def invariant(self, c: Compact) -> Sequence[str]:
         """The model's invariant of ``c``, memoised by the projections of its ranks and its rest (every
@@ -407,6 +496,69 @@ class CompactEngine:
             out.append((label, self._encode_from(ids, rest, s, t), edge_check(s, label, t)))
         return s
 
+    def _controller(
+        self,
+        c: Compact,
+        ids: list[int],
+        rest: int,
+        s: GlobalState | None,
+        key: tuple[int, ...],
+        plan: tuple[tuple[Label, Any], ...] | bool,
+        out: list[Checked],
+    ) -> None:
+        """The controller's moves (:meth:`Environment._controller`), which read the rest and the ranks'
+        statuses (``key``). ``plan``: ``()`` unknown yet, True some move is not a fan-out, else the moves'
+        labels and the controller each leaves. A fan-out (``fan``, ``retry``, ``extra``, ``end``) maps each
+        rank's slice on its own, given the controller after it (:meth:`Environment._fan_out`,
+        :meth:`Environment._retry`): built from the memo ``(label, controller, j, r_j) -> r_j'`` and
+        ``(label, key) -> rest'`` when every entry is known, else by the slow path, which records them (and
+        fails if one disagrees); its edge check reads the ranks only and is memoised by their ids before
+        and after."""
+        if plan and plan is not True:
+            ranks, rests, edges = self._ctrl_ranks, self._ctrl_rests, self._ctrl_edges
+            built = []
+            for label, ctrl in plan:  # type: ignore[union-attr]
+                new = [ranks.get((label, ctrl, j, ids[j]), -1) for j in range(self.n)]
+                if min(new) < 0:
+                    break
+                nrest = rests[(label, key)]
+                ek = (label, *ids, *new)
+                ev = edges.get(ek)
+                if ev is None:
+                    ev = edges[ek] = self.model.edge_check(
+                        self._state(ids, rest), label, self._state(new, nrest)
+                    )
+                built.append((label, self.pack(new, nrest), ev))
+            else:
+                out += built
+                return
+        if s is None:
+            s = self._state(ids, rest)
+        moves: _Moves = []
+        self.model._controller(s, moves)
+        labels = []
+        per_rank = True
+        for label, t in self._settled(moves):
+            labels.append((label, t.ctrl))
+            if label[0] not in _PER_RANK_CONTROLLER:
+                per_rank = False
+            t_c = self._encode_from(ids, rest, s, t)
+            ev = self.model.edge_check(s, label, t)
+            out.append((label, t_c, ev))
+            if per_rank:
+                new, nrest = self.unpack(t_c)
+                self._record(self._ctrl_rests, (label, key), nrest)
+                for j in range(self.n):
+                    self._record(self._ctrl_ranks, (label, t.ctrl, j, ids[j]), new[j])
+                self._ctrl_edges[(label, *ids, *new)] = ev
+        self._ctrl[key] = (tuple(labels) if per_rank else True) if labels else None
+
+    @staticmethod
+    def _record(memo: dict[Any, int], key: Any, value: int) -> None:
+        old = memo.setdefault(key, value)
+        if old != value:
+            raise AssertionError(f"controller memo {key!r}: {old} != {value}; a fan-out is not rank by rank")
+
     def _done(self, c: Compact, ids: list[int], rest: int, kind: str, out: list[Checked]) -> None:
         """The completion of DP collective ``kind`` (:meth:`RankEffects._complete`): the outcome memoised by
         the members' ids, each member's completion (:meth:`RankEffects.complete_member`) by ``(kind,
@@ -439,25 +591,6 @@ class CompactEngine:
         if ev is None:
             ev = self._done_edge[ek] = m.edge_check(self._state(ids, rest), label, self._state(cur, r))
         out.append((label, t_c, ev))
-
-    def _coord_moves(self, ids: list[int], rest: int, out: list[Checked]) -> None:
-        """The coordinator's moves (:meth:`Model.coord_moves`): its own FIFOs keyed by the rest, each rank's
-        FIFO to it keyed by ``(i, r_i, rest)``."""
-        entries = self._coord.get(rest)
-        if entries is None:
-            entries = self._coord_miss(ids, rest, -1)
-        for e in entries:
-            out.append((e[0], self._apply_coord(ids, e), e[4]))
-        if self.model.ordered:
-            return
-        has_outq = self._outq
-        for i in range(self.n):
-            if has_outq[ids[i]]:
-                entries = self._coord.get((i, ids[i], rest))
-                if entries is None:
-                    entries = self._coord_miss(ids, rest, i)
-                for e in entries:
-                    out.append((e[0], self._apply_coord(ids, e), e[4]))
 
     def _apply_coord(self, ids: list[int], e: _CoordEntry) -> Compact:
         """A coordinator entry ``(label, rank src's id after the take, new rest, broadcasts, violated)``
@@ -495,7 +628,11 @@ class CompactEngine:
             popped = self.rank_id(taken.ranks[src]) if src >= 0 else -1
             t = self._settled([(label, m._coord_recv(s, src, f))])[0][1]
             ev = m.edge_check(s, label, t)
-            e: _CoordEntry = (label, popped, self.rest_id(tuple(taken[1:])), bcasts, ev)
+            nrest = self.rest_id(tuple(taken[1:]))
+            delta = (nrest - rest) << self.rest_shift
+            if src >= 0:
+                delta += (popped - ids[src]) << self.shifts[src]
+            e: _CoordEntry = (label, popped, nrest, bcasts, ev, delta)
             if self.decode(self._apply_coord(ids, e)) != t:
                 raise AssertionError(f"coordinator memo entry {e!r} does not rebuild the model's successor")
             entries.append(e)
