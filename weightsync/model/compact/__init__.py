@@ -1,0 +1,58 @@
+"""The compact engine: the model's states as ints, and its transitions memoised per part.
+
+A global state is encoded as one int, ``r_0 + (r_1 << 32) + ... + (r_{N-1} << 32 (N-1)) + (rest << 32 N)``
+(:mod:`~weightsync.model.compact.codec`): ``r_i`` is the id of rank ``i``'s :class:`~weightsync.model.system.Rank`
+slice and ``rest`` the id of the state outside the ranks (the :class:`~weightsync.model.system.GlobalState`
+less ``ranks``: coordinator FIFOs, coordinator, front-end, controller, trainer, finished and aborted
+requests). Ids are small ints handed out in order of first appearance by two intern tables (value -> id,
+and a list id -> value); a state is hashed and compared as one int. The same slice value has one id, so
+equal states have equal encodings, and :meth:`~weightsync.model.compact.codec.Codec.decode` rebuilds the very
+:class:`GlobalState` (sharing the interned slices). A memo entry for a part that changes rank ``i`` and the
+rest stores the delta ``((r_i' - r_i) << 32 i) + ((rest' - rest) << 32 N)``, so a hit is one int addition.
+
+The successor function calls the model's own parts (:meth:`Model.successors` is their concatenation, in the
+same order), so labels, order, states, edge checks, invariants and verdicts are the model's; what changes is
+that each part's result is memoised under a key holding only what the part reads, and a hit builds the
+successors from ints alone:
+
+- a rank's inputs and step (:meth:`Model.rank_moves`): key ``(i, r_i, rest, busy)``; they read rank ``i``'s
+  slice, ``i`` and the rest, and change only those (audited in ``effects.py``; the settle reduction of
+  stray/repeated resumes then touches rank ``i`` only, as every explored state is settled). ``busy``: some
+  rank is blocked in a weight-transfer collective, the only thing of other ranks an edge check of theirs
+  reads (``quiescence``, ``properties.py``). The entry: ``(label, new r_i, new rest, violated)``;
+- the coordinator taking from its own FIFOs: key ``rest``; from rank ``i``'s: key ``(i, r_i, rest)``
+  (:meth:`Environment.coord_take`); the entry holds the new rest, rank ``i``'s id after the take, and the
+  START_DP_WAVE broadcasts, delivered to every rank by a memo ``(r, broadcasts) -> r'``
+  (:meth:`Environment.wave_to`);
+- the front-end's stats refresh (:meth:`Model.refresh_moves`): key ``rest``;
+- whether the controller has a move (:meth:`Environment.controller_moves`): key ``(rest, statuses)``;
+- a DP collective's completion: the outcome by the members' ids, each member's completion
+  (:meth:`RankEffects.complete_member`) by ``(kind, outcome, i, r_i, rest so far)``;
+- a controller fan-out, rank by rank (:meth:`~weightsync.model.compact.engine.CompactEngine._controller`);
+- which parts apply at all: a plan per ``(rest, each rank's env class)``
+  (:meth:`~weightsync.model.compact.engine.CompactEngine._plan`);
+- the invariant: by ``(p_0, ..., p_{N-1}, rest projection)`` where ``p_i`` is the id of rank ``i``'s projection on
+  the fields :meth:`Properties.invariant` reads; on a miss, each of its groups by its own projections
+  (:mod:`~weightsync.model.compact.projections`).
+
+Transfer collectives and timeouts, the client's sends and aborts (while any are left), the front-end's
+``fe`` calls, and the first controller move of each memo key take the slow path: decode, run the model's
+part, encode (slices that did not change keep their id without being hashed). Each memo entry is computed
+on a miss by the model's part on the decoded state, and checked there against it (the other ranks must be
+unchanged, the rebuilt successor equal to the model's); ``verify=True`` also compares every successor list,
+edge check and invariant with a fresh computation of the model (the cache-consistency mode of the tests).
+"""
+
+from weightsync.model.compact.codec import FIELD_BITS, Codec, Compact
+from weightsync.model.compact.engine import CompactEngine
+from weightsync.model.compact.view import DecodedIndex, DecodedStates, explore_compact
+
+__all__ = [
+    "FIELD_BITS",
+    "Codec",
+    "Compact",
+    "CompactEngine",
+    "DecodedIndex",
+    "DecodedStates",
+    "explore_compact",
+]
