@@ -47,7 +47,7 @@ def test_the_quick_bench_prints_the_issue_fields() -> None:
     from weightsync.bench.explorer import run_explorer_bench
 
     out = run_explorer_bench(quick=True, budget_s=300)
-    assert out["ok"] and out["speedup_vs_baseline"] is None
+    assert out["ok"] and out["speedup_vs_baseline"] > 1  # compact vs baseline engine, N=2 keep (quick)
     assert [r["ranks"] for r in out["rows"]] == [2, 3]
     n3 = out["rows"][1]
     assert out["n3_seconds"] == n3["seconds"] and out["n3_states_per_second"] > 0

@@ -2,9 +2,12 @@
 
 Figures: the time to verdict of the default variant for N = 2, 3, 4, 6 and 8 ranks (every pause mode, each
 row in a process of its own with a time budget, :mod:`weightsync.bench.reach`); states/second and peak
-memory for two-phase-epoch N=3 (keep mode, safety exploration) and N=4 with symmetry reduction; plus two same-process ratios at N=2: the dict parent-pointer explorer against a
-networkx ``DiGraph`` BFS of the same model (an approach measured 3-5x slower and ~10x heavier), and plain
-vs symmetry-reduced exploration at N=3.
+memory for two-phase-epoch N=3 (keep mode, safety exploration) and N=4 with symmetry reduction; plus
+same-process ratios: the compact engine (:mod:`weightsync.model.compact`) against the baseline engine (the
+model's successor function on state tuples) on two-phase-epoch N=3 without reductions, every pause mode
+(``speedup_vs_baseline``: keep's ratio of states per second; the two explore the same states in the same
+order); at N=2, the dict parent-pointer explorer against a networkx ``DiGraph`` BFS of the same model (an
+approach measured 3-5x slower and ~10x heavier); and plain vs symmetry-reduced exploration at N=3.
 """
 
 from __future__ import annotations
@@ -15,15 +18,61 @@ import time
 import tracemalloc
 from typing import Any
 
-from weightsync.bench.reach import DEFAULT_VARIANT, ENGINE, reach_rows
+from weightsync.bench.reach import DEFAULT_VARIANT, reach_rows
 from weightsync.model.check import explore_model
+from weightsync.model.compact import explore_compact
 from weightsync.model.explorer import explore, networkx_bfs
 from weightsync.model.system import Bounds, Config, Model
 from weightsync.spec.states import PauseMode
 
 
-def _model(n: int, requests: int = 1) -> Model:
-    return Model(Config("two-phase-epoch", n, PauseMode.KEEP, "per-socket", Bounds(requests=requests)))
+def _model(n: int, requests: int = 1, mode: PauseMode = PauseMode.KEEP) -> Model:
+    return Model(Config("two-phase-epoch", n, mode, "per-socket", Bounds(requests=requests)))
+
+
+def engine_ratio(n: int, mode: PauseMode) -> dict[str, Any]:
+    """Both engines on two-phase-epoch with ``n`` ranks in ``mode`` (no symmetry, safety exploration) in this
+    process, the compact one first (so that the process's peak resident set after each run is that run's,
+    the baseline's being the larger): seconds, states per second, peak RSS after each, the ratio of states
+    per second, whether the counts and violations agree, and the compact engine's memo figures."""
+    figures: dict[str, dict[str, Any]] = {}
+    counts = []
+    stats: dict[str, Any] = {}
+    for engine in ("compact", "baseline"):
+        gc.collect()
+        m = _model(n, mode=mode)
+        t0 = time.perf_counter()
+        if engine == "compact":
+            ex, eng = explore_compact(m)
+            stats = eng.stats()
+        else:
+            ex = explore_model(m, engine="baseline")
+        dt = time.perf_counter() - t0
+        counts.append((len(ex.states), ex.transitions, ex.depth, sorted(ex.violations)))
+        figures[engine] = {
+            "seconds": round(dt, 3),
+            "states_per_second": round(len(ex.states) / dt),
+            "peak_rss_mb_after": round(_rss_mb(), 1),
+        }
+        del ex, m
+    states, transitions, depth, violations = counts[0]
+    return {
+        "variant": "two-phase-epoch",
+        "ranks": n,
+        "mode": mode.value,
+        "symmetry": False,
+        "states": states,
+        "transitions": transitions,
+        "depth": depth,
+        "violations": violations,
+        "same_exploration": counts[0] == counts[1],
+        "baseline": figures["baseline"],
+        "compact": figures["compact"],
+        "speedup": round(
+            figures["compact"]["states_per_second"] / figures["baseline"]["states_per_second"], 2
+        ),
+        "compact_memo": stats,
+    }
 
 
 def _rss_mb() -> float:
@@ -71,7 +120,8 @@ def run_explorer_bench(quick: bool = False, budget_s: float = 300.0) -> dict[str
     ``quick``: N=2 and N=3-with-symmetry only (for tests). ``budget_s``: seconds each time-to-verdict row
     (:mod:`weightsync.bench.reach`: N = 2, 3, 4, 6, 8, every mode; quick: 2 and 3) may take before it is
     stopped and reported as ``"timeout"``. ``n3_seconds`` and ``n3_states_per_second`` are the N=3 row's
-    (every mode, every property, symmetry). ``speedup_vs_baseline`` is None: there is one engine.
+    (every mode, every property, symmetry). ``speedup_vs_baseline``: :func:`engine_ratio` at N=3 keep (quick:
+    N=2), compact over baseline states per second; ``engine_ratios``: every mode's (quick: keep only).
     """
     runs: list[dict[str, Any]] = []
     # baseline ratios at N=2 (same model, same process)
@@ -87,6 +137,9 @@ def run_explorer_bench(quick: bool = False, budget_s: float = 300.0) -> dict[str
         g, _ = networkx_bfs([m2.initial()], m2.successors)
         assert g.number_of_nodes() == n_states
 
+    # the engines, same process: N=3 every mode (quick: N=2 keep)
+    ratio_rows = [engine_ratio(2, PauseMode.KEEP)] if quick else [engine_ratio(3, m) for m in PauseMode]
+    keep_row = next(r for r in ratio_rows if r["mode"] == PauseMode.KEEP.value)
     t_ours, mem_ours = _traced(ours)
     t_nx, mem_nx = _traced(nx_run)
     baseline = {
@@ -124,8 +177,10 @@ def run_explorer_bench(quick: bool = False, budget_s: float = 300.0) -> dict[str
         "variant": DEFAULT_VARIANT,
         "n3_seconds": n3["seconds"] if n3_done else None,
         "n3_states_per_second": round(n3["states"] / n3["seconds"]) if n3_done else None,
-        "speedup_vs_baseline": None,
-        "speedup_note": f"one engine ({ENGINE}): the faster successor function (issue 19 item 3) is not built",
+        "speedup_vs_baseline": keep_row["speedup"],
+        "speedup_note": f"compact vs baseline engine, states per second, same process: two-phase-epoch "
+        f"N={keep_row['ranks']} keep, no symmetry ({keep_row['states']} states); every row in engine_ratios",
+        "engine_ratios": ratio_rows,
         "rows": rows,
         "row_budget_s": budget_s,
         "quick": quick,
@@ -133,5 +188,7 @@ def run_explorer_bench(quick: bool = False, budget_s: float = 300.0) -> dict[str
         "baseline_networkx": baseline,
         "symmetry_ratio_n3": sym_ratio,
         "peak_rss_mb": round(_rss_mb(), 1),
-        "ok": all(not r["violations"] for r in runs) and all(r["verdict"] == "verified" for r in rows),
+        "ok": all(not r["violations"] for r in runs)
+        and all(r["verdict"] == "verified" for r in rows)
+        and all(r["same_exploration"] and not r["violations"] for r in ratio_rows),
     }

@@ -47,6 +47,7 @@ def check(args: argparse.Namespace) -> int:
         workers=args.workers,
         stalls=args.stalls,
         counterexample_of=args.counterexample_of,
+        engine=args.engine,
     )
     emit(out, args.json, lambda: print_human(out))
     return EXIT_OK if out["verdict"] == "verified" else EXIT_VIOLATION

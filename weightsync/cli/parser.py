@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
+from weightsync.model.check import DEFAULT_ENGINE, ENGINES
 from weightsync.model.properties import PROPERTIES
 from weightsync.spec.states import PauseMode
 
@@ -126,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         "specific violation: mismatched collectives, one-sided collective, deadlock, ...)",
     )
     c.add_argument(
+        "--engine",
+        choices=list(ENGINES),
+        default=DEFAULT_ENGINE,
+        help="exploration engine: compact (states as ints, transitions memoised per part; the default) or "
+        "baseline (the model's successor function on state tuples); both give the same states, counts and "
+        "verdicts",
+    )
+    c.add_argument(
         "--workers",
         type=POSITIVE,
         default=None,
@@ -182,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--missing",
         action="store_true",
         help="check only the rows whose file is missing or proved against another table; keep the others",
+    )
+    pr.add_argument(
+        "--engine",
+        choices=list(ENGINES),
+        default=DEFAULT_ENGINE,
+        help="exploration engine: compact (states as ints, transitions memoised per part; the default) or "
+        "baseline (the model's successor function on state tuples); both give the same states, counts and "
+        "verdicts",
     )
     pr.add_argument(
         "--allow-stale-mutation",

@@ -35,7 +35,9 @@ def prove(args: argparse.Namespace) -> int:
             ),
         )
         return EXIT_VIOLATION if problems else EXIT_OK
-    summary = prove(root, log=(lambda _m: None) if args.json else print, missing_only=args.missing)
+    summary = prove(
+        root, log=(lambda _m: None) if args.json else print, missing_only=args.missing, engine=args.engine
+    )
     bad = [p for p in summary["proofs"] if p["verdict"] != p["expected"]]
     emit(summary, args.json, lambda: print(f"wrote proofs/ and spec/ ({summary['seconds']} s)"))
     return EXIT_VIOLATION if bad else EXIT_OK

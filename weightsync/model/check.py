@@ -162,6 +162,7 @@ def check_mode(
     keep_labels: bool = False,
     stalls: bool = False,
     counterexample_of: str | None = None,
+    engine: str = DEFAULT_ENGINE,
 ) -> ModeResult:
     """Explore ``model`` exhaustively and check every property of :data:`PROPERTIES`; with ``stalls``, also
     classify the states in which a rank waits in a DP collective (:func:`stranded_counts`).
@@ -169,7 +170,8 @@ def check_mode(
     ``stop_at_first`` stops the exploration at the first safety violation; the progress properties are
     then checked only when it completed without one (one exploration serves both, as the mutation
     analysis needs for a mutant that survives). ``counterexample_of``: report the shortest counterexample
-    of this property where it is violated, instead of the most specific one (``PRIORITY``)."""
+    of this property where it is violated, instead of the most specific one (``PRIORITY``). ``engine``: see
+    :func:`explore_model`."""
     t0 = time.perf_counter()
     keep_labels = keep_labels or stalls
     do_progress = progress
@@ -180,6 +182,7 @@ def check_mode(
         keep_labels=keep_labels,
         max_states=max_states,
         stop_at_first=stop_at_first,
+        engine=engine,
     )
     props: dict[str, str] = {}
     complete = ex.complete
@@ -393,9 +396,9 @@ def default_symmetry(ranks: int) -> bool:
 
 
 def _check_one(
-    args: tuple[str, int, ModeSetting, str, Bounds, bool, int, bool, bool, str | None],
+    args: tuple[str, int, ModeSetting, str, Bounds, bool, int, bool, bool, str | None, str],
 ) -> ModeResult:
-    variant, ranks, mode, channels, bounds, symmetry, max_states, progress, stalls, of = args
+    variant, ranks, mode, channels, bounds, symmetry, max_states, progress, stalls, of, engine = args
     return check_mode(
         build_model(variant, ranks, mode, channels, bounds),
         symmetry=symmetry,
@@ -403,6 +406,7 @@ def _check_one(
         progress=progress,
         stalls=stalls,
         counterexample_of=of,
+        engine=engine,
     )
 
 
@@ -419,16 +423,18 @@ def check(
     workers: int | None = None,
     stalls: bool = False,
     counterexample_of: str | None = None,
+    engine: str = DEFAULT_ENGINE,
 ) -> dict[str, Any]:
     """Run ``weightsync check`` and return its JSON object (the keys below).
 
     ``symmetry`` None: :func:`default_symmetry`. ``workers``: processes exploring the pause modes in
     parallel (each mode is an independent exploration); None: one per mode, at most the CPU count.
     ``counterexample_of``: the property whose counterexample to report where it is violated (default: the
-    most specific violation, ``PRIORITY``).
+    most specific violation, ``PRIORITY``). ``engine``: the exploration engine (:func:`explore_model`; both
+    give the same figures and verdicts).
 
     Raises:
-        ValueError: ``workers`` < 1, or ``counterexample_of`` names no property.
+        ValueError: ``workers`` < 1, ``counterexample_of`` names no property, or ``engine`` no engine.
 
     Keys: variant, ranks, verdict ("verified" | "counterexample" | "incomplete"), states, transitions
     (summed over modes), depth (max), seconds, symmetry, properties, bounds, channels, mode, per_mode,
@@ -441,8 +447,11 @@ def check(
         raise ValueError(
             f"counterexample_of={counterexample_of!r}: no such property; known: {', '.join(PROPERTIES)}"
         )
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: known engines are {', '.join(ENGINES)}")
     jobs = [
-        (variant, ranks, m, channels, b, sym, max_states, progress, stalls, counterexample_of) for m in modes
+        (variant, ranks, m, channels, b, sym, max_states, progress, stalls, counterexample_of, engine)
+        for m in modes
     ]
     n_workers = min(len(jobs), os.cpu_count() or 1) if workers is None else workers
     if n_workers < 1:

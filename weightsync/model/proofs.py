@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from weightsync.model.check import check
+from weightsync.model.check import DEFAULT_ENGINE, check
 from weightsync.model.fsm_export import stale_spec_files, write_spec_dir
 from weightsync.model.mutation_report import mutation_problems
 from weightsync.model.system import Bounds
@@ -115,11 +115,14 @@ def _fresh_row(path: Path, digest: str) -> dict[str, Any] | None:
     return data if data.get("spec_digest") == digest else None
 
 
-def prove(root: Path, log: Callable[[str], None] = print, missing_only: bool = False) -> dict[str, Any]:
+def prove(
+    root: Path, log: Callable[[str], None] = print, missing_only: bool = False, engine: str = DEFAULT_ENGINE
+) -> dict[str, Any]:
     """Regenerate ``root/spec`` and ``root/proofs``; returns the summary (also written as JSON).
 
     ``missing_only``: check only the rows whose file is missing or was proved against another table, and
-    take the others from their files (a row added to :data:`EXTRA_PROOFS` costs its own check, not all)."""
+    take the others from their files (a row added to :data:`EXTRA_PROOFS` costs its own check, not all).
+    ``engine``: the exploration engine (:func:`weightsync.model.check.explore_model`)."""
     write_spec_dir(root / "spec")
     pdir = root / "proofs"
     pdir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +143,7 @@ def prove(root: Path, log: Callable[[str], None] = print, missing_only: bool = F
         if kept is not None:
             rows.append(kept)
             continue
-        result = check(variant, ranks, mode=mode, channels=channels, bounds=row_bounds)
+        result = check(variant, ranks, mode=mode, channels=channels, bounds=row_bounds, engine=engine)
         result.pop("peak_rss_mb", None)
         cx = result.get("counterexample")
         if cx is not None:
