@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.model.compact import explore_compact
+from weightsync.model.compact import DecodedStates, explore_compact
 from weightsync.model.explorer import (
     Exploration,
     Violation,
@@ -290,8 +290,15 @@ def _progress(model: Model, ex: Exploration[G], props: dict[str, str]) -> None:
         "progress_resume": model.goal_resume,
         "progress_requests": model.goal_requests,
     }
+    states = ex.states
     for name, goal in goals.items():
-        ok = reverse_reachable_csr(n, start, rev, (i for i, s in enumerate(ex.states) if goal(s)))
+        # the goals read the controller, trainer, front-end and requests, and each rank's status
+        found = (
+            states.where_by_statuses(goal)
+            if isinstance(states, DecodedStates)
+            else (i for i, s in enumerate(states) if goal(s))
+        )
+        ok = reverse_reachable_csr(n, start, rev, found)
         stuck = next((i for i in range(n) if not ok[i] and i not in bad_states), None)
         if stuck is None:
             props[name] = HOLDS

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import overload
 
-from weightsync.model.compact.codec import Compact
+from weightsync.model.compact.codec import FIELD_MASK, Compact
 from weightsync.model.compact.engine import CompactEngine
 from weightsync.model.explorer import Exploration, Violation
 from weightsync.model.explorer_checked import explore_checked
@@ -36,6 +36,23 @@ class DecodedStates(Sequence[GlobalState]):
     def __iter__(self) -> Iterator[GlobalState]:
         decode = self.engine.decode
         return (decode(c) for c in self.compact)
+
+    def where_by_statuses(self, pred: Callable[[GlobalState], bool]) -> list[int]:
+        """The indices of the states satisfying ``pred``, a predicate that reads the state outside the ranks
+        and each rank's ``status`` only (the progress goals, :meth:`Model.goal_pause` and the like):
+        evaluated once per distinct (rest, statuses), on a decoded state."""
+        e = self.engine
+        status, shifts, mask, rest_shift = e._status, e.shifts, FIELD_MASK, e.rest_shift
+        memo: dict[tuple[int, ...], bool] = {}
+        out = []
+        for i, c in enumerate(self.compact):
+            key = (c >> rest_shift, *[status[(c >> sh) & mask] for sh in shifts])
+            v = memo.get(key)
+            if v is None:
+                v = memo[key] = pred(e.decode(c))
+            if v:
+                out.append(i)
+        return out
 
 
 class DecodedIndex(Mapping[GlobalState, int]):
