@@ -111,13 +111,34 @@ def test_counterexample_and_replay_work_on_the_compact_engine() -> None:
     assert ex.states[: v.state + 1][-1] == s
 
 
-def test_symmetry_gives_the_same_representatives() -> None:
-    """With symmetry reduction at N=3, the compact engine keeps the baseline's representatives."""
-    m1 = build_model("two-phase-epoch", 3, "abort", bounds=Bounds(requests=1))
-    m2 = build_model("two-phase-epoch", 3, "abort", bounds=Bounds(requests=1))
-    a = explore_model(m1, symmetry=True, engine="baseline", keep_edges=True, max_states=20_000)
-    b, _ = explore_compact(m2, symmetry=True, keep_edges=True, max_states=20_000, verify=True)
+@pytest.mark.parametrize(
+    "variant,mode,channels,bounds",
+    [
+        ("two-phase-epoch", "keep", "per-socket", Bounds()),
+        ("two-phase", "abort", "ordered", Bounds(tokens=1, sync_interval=1, stray_resume=True)),
+    ],
+)
+def test_symmetry_gives_the_same_representatives(
+    variant: str, mode: str, channels: str, bounds: Bounds
+) -> None:
+    """With symmetry reduction at N=3, the compact engine keeps the baseline's representatives (its own
+    canonical form, swap and renaming included, checked against the model's at every call)."""
+    a = explore_model(
+        build_model(variant, 3, mode, channels, bounds),
+        symmetry=True,
+        engine="baseline",
+        keep_edges=True,
+        max_states=20_000,
+    )
+    b, engine = explore_compact(
+        build_model(variant, 3, mode, channels, bounds),
+        symmetry=True,
+        keep_edges=True,
+        max_states=20_000,
+        verify=True,
+    )
     _same(a, b)
+    assert engine._ren  # the renaming swap was used
 
 
 def test_a_broken_memo_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

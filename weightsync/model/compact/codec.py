@@ -8,6 +8,7 @@ from typing import Any
 from weightsync.model.compact.projections import RANK_PROJECTIONS, rest_projections
 from weightsync.model.system import TRANSFER_KINDS, GlobalState, Label, Model, Rank
 from weightsync.model.system.state import _new_tuple
+from weightsync.model.system.symmetry import fifos_name_a_rank, rank_names_a_rank
 
 #: An encoded state: ``sum(r_i << FIELD_BITS * i) + (rest << FIELD_BITS * N)`` (see the module docstring).
 Compact = int
@@ -69,6 +70,7 @@ class Codec:
         self._blocked: list[str] = []
         self._flags: list[int] = []
         self._status: list[int] = []
+        self._names: list[bool] = []  # a message in its FIFOs names a rank other than 0 (symmetry)
         self._coll_proj: list[int] = []
         self._env_class: list[int] = []
         self._projs: list[tuple[int, ...]] = []
@@ -76,6 +78,7 @@ class Codec:
         self._proj_ids: dict[Any, int] = {}
         # per rest id: trainer blocked, the client may send, the client may abort; its invariant projections
         self._rest_flags: list[tuple[bool, bool, bool]] = []
+        self._rest_names: list[bool] = []
         self._rest_proj: list[tuple[int, ...]] = []
         self._rest_proj_id: list[int] = []
 
@@ -100,6 +103,7 @@ class Codec:
                 | (_OUTQ if r.outq else 0)
             )
             self._status.append(r.status)
+            self._names.append(rank_names_a_rank(r))
             pid = self._proj_ids
             coll = pid.setdefault(("c", r.blocked, r.vars.state), len(pid))
             self._coll_proj.append(coll)
@@ -115,6 +119,7 @@ class Codec:
         if k is None:
             k = self.rest_ids[rest] = len(self.rests)
             self.rests.append(rest)
+            self._rest_names.append(fifos_name_a_rank(rest[0]))
             pid = self._proj_ids
             rp = tuple(
                 pid.setdefault(("rest", g, *p), len(pid)) for g, p in enumerate(rest_projections(rest))

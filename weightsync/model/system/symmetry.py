@@ -22,7 +22,7 @@ class Symmetry(ModelBase):
         """Canonical representative under permutations of ranks 1..N-1 (rank 0 emits wave_complete and
         reports the wave's start, so it stays fixed).
 
-        Ranks 1..N-1 are sorted by their slice's fields that name no rank (:func:`_slice_key`), ties broken
+        Ranks 1..N-1 are sorted by their slice's fields that name no rank (:func:`slice_key`), ties broken
         by :meth:`_sym_key`, which sees the rank's FIFOs and every reference to it elsewhere (the
         coordinator's FIFOs) with rank ids renamed relative to the rank itself, so the order does not
         depend on the ranks' indices; the order is then applied by :meth:`permute`. The
@@ -36,7 +36,7 @@ class Symmetry(ModelBase):
         # with the same fields, so the order is the full key's either way).
         if n == 3:  # the common case, without sorting
             r1, r2 = ranks[1], ranks[2]
-            a, b = _slice_key(r1), _slice_key(r2)
+            a, b = slice_key(r1), slice_key(r2)
             if a != b and a < b:
                 return s
             plain = not _names_a_rank(s)  # then renaming changes no message: compare and swap as they are
@@ -50,7 +50,7 @@ class Symmetry(ModelBase):
             if plain:
                 return s.with_ranks((ranks[0], r2, r1))
             return self._permute(s, (0, 2, 1))
-        cheap = {j: _slice_key(ranks[j]) for j in range(1, n)}
+        cheap = {j: slice_key(ranks[j]) for j in range(1, n)}
         order = sorted(range(1, n), key=cheap.__getitem__)
         if any(cheap[a] == cheap[b] for a, b in itertools.pairwise(order)):
             order = sorted(range(1, n), key=lambda j: (cheap[j], self._sym_key(s, j)))
@@ -66,7 +66,7 @@ class Symmetry(ModelBase):
         """Every FIFO of the state as seen from rank ``j``, with rank ids relative to ``j`` (-2 is ``j``
         itself, 0 and negative values stay, any other rank is -3): ``j``'s own, rank 0's, the other ranks'
         (as a sorted tuple, so their indices do not matter) and the coordinator's. Used after
-        :func:`_slice_key` to break its ties; at N <= 3 equal keys mean the two ranks are interchangeable."""
+        :func:`slice_key` to break its ties; at N <= 3 equal keys mean the two ranks are interchangeable."""
 
         def rel(x: int) -> int:
             return -2 if x == j else (x if x <= 0 else -3)
@@ -97,23 +97,29 @@ class Symmetry(ModelBase):
 
     def _permute(self, s: GlobalState, perm: Sequence[int]) -> GlobalState:
         """:meth:`permute` without checking ``perm``."""
-        n = self.n
-
-        def ren(x: int) -> int:
-            return perm[x] if x >= 0 else x
-
-        def fix_msg(m: tuple[Any, ...]) -> tuple[Any, ...]:
-            return _rename(m, ren)
-
-        def fix_q(q: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
-            return tuple(fix_msg(m) for m in q) if any(m[0] in _RANK_NAMING for m in q) else q
-
-        new_ranks: list[Rank | None] = [None] * n
+        new_ranks: list[Rank | None] = [None] * self.n
         for old, r in enumerate(s.ranks):
-            inq = tuple(fix_q(q) for q in r.inq)
-            new_ranks[perm[old]] = r.with_fifos(inq, fix_q(r.outq))
-        coord_q = tuple(fix_q(q) for q in s.coord_q)
+            new_ranks[perm[old]] = rename_slice(r, perm)
+        coord_q = rename_fifos(s.coord_q, perm)
         return s.with_ranks_and_coord_q(tuple(r for r in new_ranks if r is not None), coord_q)
+
+
+def rename_fifos(qs: tuple[tuple[tuple[Any, ...], ...], ...], perm: Sequence[int]) -> tuple[Any, ...]:
+    """FIFOs ``qs`` with every message naming a rank renamed by ``perm`` (rank ``i`` becomes ``perm[i]``)."""
+
+    def ren(x: int) -> int:
+        return perm[x] if x >= 0 else x
+
+    def fix_q(q: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
+        return tuple(_rename(m, ren) for m in q) if any(m[0] in _RANK_NAMING for m in q) else q
+
+    return tuple(fix_q(q) for q in qs)
+
+
+def rename_slice(r: Rank, perm: Sequence[int]) -> Rank:
+    """Rank slice ``r`` with the messages in its FIFOs renamed by ``perm`` (:func:`rename_fifos`); the
+    slice itself moves to ``perm`` of its index (:meth:`Symmetry._permute`)."""
+    return r.with_fifos(rename_fifos(r.inq, perm), rename_fifos((r.outq,), perm)[0])
 
 
 def _rename(m: tuple[Any, ...], f: Callable[[int], int]) -> tuple[Any, ...]:
@@ -129,15 +135,24 @@ def _rename(m: tuple[Any, ...], f: Callable[[int], int]) -> tuple[Any, ...]:
 def _names_a_rank(s: GlobalState) -> bool:
     """Some message in flight names a rank other than 0 (START_DP_WAVE's ``exclude``, FIRST_REQ's sender,
     the sender of ``start_wave`` / ``wave_complete``): only then does renaming ranks change a message."""
+    return fifos_name_a_rank(s.coord_q) or any(rank_names_a_rank(r) for r in s.ranks)
+
+
+def rank_names_a_rank(r: Rank) -> bool:
+    """Some message in rank slice ``r``'s FIFOs names a rank other than 0 (see :func:`_names_a_rank`)."""
+    return fifos_name_a_rank(r.inq) or fifos_name_a_rank((r.outq,))
+
+
+def fifos_name_a_rank(qs: tuple[tuple[tuple[Any, ...], ...], ...]) -> bool:
+    """Some message in the FIFOs ``qs`` names a rank other than 0 (see :func:`_names_a_rank`)."""
     naming = _RANK_NAMING
-    for qs in (s.coord_q, *(r.inq for r in s.ranks), *((r.outq,) for r in s.ranks)):
-        for q in qs:
-            for m in q:
-                if m[0] in naming and (m[1] if m[0] == "FIRST_REQ" else m[2]) > 0:
-                    return True
+    for q in qs:
+        for m in q:
+            if m[0] in naming and (m[1] if m[0] == "FIRST_REQ" else m[2]) > 0:
+                return True
     return False
 
 
-def _slice_key(r: Rank) -> tuple[Any, ...]:
+def slice_key(r: Rank) -> tuple[Any, ...]:
     """The fields of a rank's slice that name no rank (the first part of the symmetry order)."""
     return (r.vars, r.blocked, r.waiting, r.running, r.status, r.pause_ghost, r.worker, r.owed)
