@@ -25,12 +25,14 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.model.compact import DecodedStates, explore_compact
+from weightsync.model.compact import DecodedStates
+from weightsync.model.engines import DEFAULT_ENGINE as DEFAULT_ENGINE
+from weightsync.model.engines import ENGINES as ENGINES
+from weightsync.model.engines import explore_model as explore_model
 from weightsync.model.explorer import (
     Exploration,
     Violation,
     build_reverse_csr,
-    explore,
     reverse_reachable_csr,
 )
 from weightsync.model.properties import (
@@ -46,10 +48,6 @@ from weightsync.model.properties import (
 from weightsync.model.system import Bounds, Config, G, Label, Model, describe
 from weightsync.model.system.state import ANY_MODE, ModeSetting
 from weightsync.spec.states import PauseMode
-
-#: The exploration engines (:func:`explore_model`): the compact one is the default.
-ENGINES = ("compact", "baseline")
-DEFAULT_ENGINE = "compact"
 
 #: Submission order of the pause modes' explorations (keep's state space is the largest).
 _MODE_WEIGHT: dict[ModeSetting, int] = {
@@ -105,50 +103,6 @@ def build_model(
 ) -> Model:
     """The model of ``variant`` with ``ranks`` DP ranks, one pause mode, channel semantics and bounds."""
     return Model(Config(variant, ranks, mode_setting(mode), channels, bounds or Bounds()), **model_kwargs)
-
-
-def explore_model(
-    model: Model,
-    *,
-    symmetry: bool = False,
-    keep_edges: bool = False,
-    keep_labels: bool = False,
-    max_states: int = 50_000_000,
-    stop_at_first: bool = False,
-    engine: str = DEFAULT_ENGINE,
-) -> Exploration[G]:
-    """:func:`~weightsync.model.explorer.explore` of ``model`` from its initial state with its safety checks
-    (invariant, edge and terminal checks), up to rank permutations when ``symmetry``.
-
-    ``engine``: ``"compact"`` (:mod:`weightsync.model.compact`: encoded states, memoised transitions) or
-    ``"baseline"`` (the model's successor function on :class:`GlobalState` values); both give the same
-    exploration (states in the same order, counts, violations, paths).
-
-    Raises:
-        ValueError: an unknown ``engine``."""
-    if engine == "compact":
-        return explore_compact(
-            model,
-            symmetry=symmetry,
-            keep_edges=keep_edges,
-            keep_labels=keep_labels,
-            max_states=max_states,
-            stop_at_first=stop_at_first,
-        )[0]
-    if engine != "baseline":
-        raise ValueError(f"engine={engine!r}: known engines are {', '.join(ENGINES)}")
-    return explore(
-        [model.initial()],
-        model.successors,
-        invariant=model.invariant,
-        edge_check=model.edge_check,
-        terminal_check=model.terminal_check,
-        canon=model.canon if symmetry else None,
-        keep_edges=keep_edges,
-        keep_labels=keep_labels,
-        max_states=max_states,
-        stop_at_first=stop_at_first,
-    )
 
 
 def check_mode(
