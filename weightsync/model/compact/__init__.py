@@ -19,24 +19,31 @@ successors from ints alone:
   slice, ``i`` and the rest, and change only those (audited in ``effects.py``; the settle reduction of
   stray/repeated resumes then touches rank ``i`` only, as every explored state is settled). ``busy``: some
   rank is blocked in a weight-transfer collective, the only thing of other ranks an edge check of theirs
-  reads (``quiescence``, ``properties.py``). The entry: ``(label, new r_i, new rest, violated)``;
+  reads (``quiescence``, ``properties.py``). The entry: ``(label, delta, violated)``;
 - the coordinator taking from its own FIFOs: key ``rest``; from rank ``i``'s: key ``(i, r_i, rest)``
   (:meth:`Environment.coord_take`); the entry holds the new rest, rank ``i``'s id after the take, and the
   START_DP_WAVE broadcasts, delivered to every rank by a memo ``(r, broadcasts) -> r'``
   (:meth:`Environment.wave_to`);
 - the front-end's stats refresh (:meth:`Model.refresh_moves`): key ``rest``;
-- whether the controller has a move (:meth:`Environment.controller_moves`): key ``(rest, statuses)``;
+- whether the controller has a move (:meth:`Environment.controller_moves`), and whether any collective move
+  exists (:meth:`Model.collective_moves`), inside a plan per ``(rest, each rank's env class)`` that also
+  says which other parts apply (:meth:`~weightsync.model.compact.engine.CompactEngine._plan`);
 - a DP collective's completion: the outcome by the members' ids, each member's completion
   (:meth:`RankEffects.complete_member`) by ``(kind, outcome, i, r_i, rest so far)``;
-- a controller fan-out, rank by rank (:meth:`~weightsync.model.compact.engine.CompactEngine._controller`);
-- which parts apply at all: a plan per ``(rest, each rank's env class)``
-  (:meth:`~weightsync.model.compact.engine.CompactEngine._plan`);
+- a controller fan-out, rank by rank given the controller it leaves
+  (:meth:`~weightsync.model.compact.engine.CompactEngine._controller`);
 - the invariant: by ``(p_0, ..., p_{N-1}, rest projection)`` where ``p_i`` is the id of rank ``i``'s projection on
   the fields :meth:`Properties.invariant` reads; on a miss, each of its groups by its own projections
-  (:mod:`~weightsync.model.compact.projections`).
+  (:mod:`~weightsync.model.compact.projections`);
+- the canonical form (symmetry) at N = 3 (:mod:`~weightsync.model.compact.canon`).
+
+The explorer is :func:`~weightsync.model.explorer_checked.explore_checked` (the successor function hands it
+each edge's check); :class:`~weightsync.model.compact.view.DecodedStates` reads the result as
+:class:`GlobalState` values for counterexamples, progress checks, export and replay.
 
 Transfer collectives and timeouts, the client's sends and aborts (while any are left), the front-end's
-``fe`` calls, and the first controller move of each memo key take the slow path: decode, run the model's
+``fe`` calls, the controller's moves until their rank-by-rank entries are known, and canonical forms of
+N = 3 ties whose messages name ranks (and every canonical form at N > 3) take the slow path: decode, run the model's
 part, encode (slices that did not change keep their id without being hashed). Each memo entry is computed
 on a miss by the model's part on the decoded state, and checked there against it (the other ranks must be
 unchanged, the rebuilt successor equal to the model's); ``verify=True`` also compares every successor list,
