@@ -20,7 +20,7 @@ def test_a_row_reports_the_checks_verdict_and_the_proofs_state_count() -> None:
     row = time_to_verdict(2, progress=True, budget_s=300)
     assert row["verdict"] == proof["verdict"] == "verified"
     assert (row["states"], row["transitions"]) == (proof["states"], proof["transitions"])
-    assert row["ranks"] == 2 and row["engine"] == "python-bfs" and row["reductions"] == []
+    assert row["ranks"] == 2 and row["engine"] == "compact" and row["reductions"] == []
     assert row["properties"] == ["safety", "deadlock", "progress"]
     assert row["peak_rss_bytes"] > 10 * 2**20
     assert 0 < row["seconds"] < 300

@@ -141,6 +141,31 @@ def test_symmetry_gives_the_same_representatives(
     assert engine._ren  # the renaming swap was used
 
 
+@pytest.mark.parametrize("ranks", [4, 5])
+def test_symmetry_beyond_three_ranks_gives_the_same_representatives(ranks: int) -> None:
+    """At N = 4 and 5 the compact engine's canonical form (ranks sorted without decoding, renamed by the
+    permutation where a message names a rank) keeps the baseline's representatives, checked against the
+    model's canon at every call; the sorted path, not the model's, decides most states."""
+    bounds = Bounds()
+    a = explore_model(
+        build_model("two-phase-epoch", ranks, "keep", "per-socket", bounds),
+        symmetry=True,
+        engine="baseline",
+        keep_edges=True,
+        max_states=15_000,
+    )
+    b, engine = explore_compact(
+        build_model("two-phase-epoch", ranks, "keep", "per-socket", bounds),
+        symmetry=True,
+        keep_edges=True,
+        max_states=15_000,
+        verify=True,
+    )
+    _same(a, b)
+    assert any(len(set(perm)) == ranks for _, perm in engine._ren)  # a renaming permutation was used
+    assert engine._fulls  # the plain sorted order was used
+
+
 def test_a_broken_memo_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The verify mode fails when a memo entry is wrong: here the rank-local memo forgets the rest (its key
     drops the rest's id), which the model's transitions do read."""

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from weightsync.model.check import check, worker_context
+from weightsync.model.engines import DEFAULT_ENGINE
 from weightsync.model.system import Bounds
 
 #: the default variant of ``weightsync check``
@@ -34,12 +35,12 @@ FULL_ROWS: tuple[tuple[int, bool], ...] = ((2, True), (3, True), (4, True), (6, 
 QUICK_ROWS: tuple[tuple[int, bool], ...] = ((2, True), (3, True))
 
 
-#: the engine of every row: this package's explicit-state breadth-first explorer
-#: (:func:`weightsync.model.explorer.explore`); the only one so far
-ENGINE = "python-bfs"
+#: the engine of every row: this package's explicit-state breadth-first explorer with the compact successor
+#: function (:mod:`weightsync.model.compact`, ``weightsync check --engine compact``)
+ENGINE = DEFAULT_ENGINE
 
 
-def _row_child(conn: Any, ranks: int, progress: bool, workers: int, max_states: int) -> None:
+def _row_child(conn: Any, ranks: int, progress: bool, workers: int | None, max_states: int) -> None:
     """In the row's own process (a process group of its own, so that a timeout stops any worker it
     started): run the check and send its figures as JSON bytes."""
     os.setpgrp()
@@ -52,9 +53,12 @@ def _row_child(conn: Any, ranks: int, progress: bool, workers: int, max_states: 
         progress=progress,
         workers=workers,
         max_states=max_states,
+        engine=ENGINE,
     )
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # the largest process's peak: this one's, or a worker's as it reported it (``check``'s peak_rss_mb)
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, out["peak_rss_mb"] * 2**20)
     row = {
+        "workers": out["workers"],
         "verdict": out["verdict"],
         "states": out["states"],
         "transitions": out["transitions"],
@@ -66,18 +70,23 @@ def _row_child(conn: Any, ranks: int, progress: bool, workers: int, max_states: 
 
 
 def time_to_verdict(
-    ranks: int, *, progress: bool, budget_s: float, workers: int = 1, max_states: int = 40_000_000
+    ranks: int,
+    *,
+    progress: bool,
+    budget_s: float,
+    workers: int | None = None,
+    max_states: int = 40_000_000,
 ) -> dict[str, Any]:
     """One row: ``weightsync check`` of the default variant with ``ranks`` ranks, every pause mode (the
-    modes explored one after another by default, so that the peak memory is one process's; ``workers`` > 1
-    explores them in that many processes, as ``weightsync prove`` does, and the peak is then this
-    process's only), in a process of its own, stopped after ``budget_s`` seconds.
+    modes explored in ``workers`` processes, None: as ``weightsync check`` does by default, one per mode up
+    to the CPU count; 1: one after another in the row's process), in a process of its own, stopped after
+    ``budget_s`` seconds.
 
     Returns ``ranks``, ``engine``, ``reductions`` (list of names), ``bounds`` (dict), ``properties`` (the
     property classes asked for), ``verdict`` ("verified", "counterexample", "incomplete" when
     ``max_states`` was reached, "timeout" when the budget ran out), ``states`` (None on a timeout),
-    ``seconds`` (wall, seconds), ``peak_rss_bytes`` (the row's process, bytes; None on a timeout),
-    ``workers``.
+    ``seconds`` (wall, seconds), ``peak_rss_bytes`` (the largest process's peak, the row's or a worker's,
+    bytes; None on a timeout), ``workers`` (as asked; the number used once the row finished).
 
     Raises:
         ValueError: ``ranks`` < 2 or ``budget_s`` not > 0.
@@ -114,6 +123,7 @@ def time_to_verdict(
                 ) from None
             proc.join(30)
             return base | {
+                "workers": row["workers"],
                 "verdict": row["verdict"],
                 "states": row["states"],
                 "transitions": row["transitions"],

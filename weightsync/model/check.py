@@ -77,6 +77,8 @@ class ModeResult:
         counterexample: the shortest violation's record (see :func:`counterexample_record`), or None.
         complete: False if ``max_states`` stopped the exploration.
         model, exploration: kept when asked (``keep=True``) for export / replay.
+        peak_rss_mb: peak resident set (MB) of the process that checked the mode, when it finished (a
+            worker's own: :func:`_peak_rss_mb` in the caller cannot see a forkserver's children).
     """
 
     mode: ModeSetting
@@ -91,6 +93,7 @@ class ModeResult:
     exploration: Exploration[G] | None = field(default=None, repr=False)
     violation_depths: dict[str, int] = field(default_factory=dict)
     stranded: dict[str, int] | None = None
+    peak_rss_mb: float = 0.0
 
 
 def build_model(
@@ -195,6 +198,7 @@ def check_mode(
         ex if keep else None,
         {name: _vdepth(ex, v) for name, v in ex.violations.items()},
         stranded,
+        _peak_rss_mb(),
     )
 
 
@@ -245,13 +249,13 @@ def _progress(model: Model, ex: Exploration[G], props: dict[str, str]) -> None:
         "progress_requests": model.goal_requests,
     }
     states = ex.states
-    for name, goal in goals.items():
-        # the goals read the controller, trainer, front-end and requests, and each rank's status
-        found = (
-            states.where_by_statuses(goal)
-            if isinstance(states, DecodedStates)
-            else (i for i, s in enumerate(states) if goal(s))
-        )
+    # the goals read the controller, trainer, front-end and requests, and each rank's status
+    founds: list[list[int]] = (
+        states.where_by_statuses(list(goals.values()))
+        if isinstance(states, DecodedStates)
+        else [[i for i, s in enumerate(states) if goal(s)] for goal in goals.values()]
+    )
+    for name, found in zip(goals, founds, strict=True):
         ok = reverse_reachable_csr(n, start, rev, found)
         stuck = next((i for i in range(n) if not ok[i] and i not in bad_states), None)
         if stuck is None:
@@ -336,7 +340,7 @@ def violation_text(model: Model, prop: str, s: G) -> str:
 
 
 def _peak_rss_mb() -> float:
-    """Peak resident set of this process or of its largest worker process (MB)."""
+    """Peak resident set of this process or of its largest child process that has been waited for (MB)."""
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return max(own, kids) / 1024.0
@@ -399,7 +403,7 @@ def check(
 
     Keys: variant, ranks, verdict ("verified" | "counterexample" | "incomplete"), states, transitions
     (summed over modes), depth (max), seconds, symmetry, properties, bounds, channels, mode, per_mode,
-    peak_rss_mb, and for a violation ``counterexample {property, mode, steps, records, labels}``.
+    peak_rss_mb (the largest process's peak: this one's or a worker's), and for a violation ``counterexample {property, mode, steps, records, labels}``.
     """
     b = bounds or Bounds()
     modes: list[ModeSetting] = list(PauseMode) if mode == "all" else [mode_setting(mode)]
@@ -456,13 +460,14 @@ def check(
         "channels": channels,
         "mode": mode,
         "complete": complete,
-        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "peak_rss_mb": round(max(_peak_rss_mb(), *(r.peak_rss_mb for r in results)), 1),
         "per_mode": {
             r.mode.value: {
                 "states": r.states,
                 "transitions": r.transitions,
                 "depth": r.depth,
                 "seconds": round(r.seconds, 3),
+                "peak_rss_mb": round(r.peak_rss_mb, 1),
                 "verdict": "counterexample"
                 if r.counterexample
                 else ("verified" if r.complete else "incomplete"),

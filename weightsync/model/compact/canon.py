@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from weightsync.model.compact.codec import Codec, Compact
+import itertools
+from typing import Any
+
+from weightsync.model.compact.codec import FIELD_BITS, FIELD_MASK, Codec, Compact
 from weightsync.model.system import Model
-from weightsync.model.system.symmetry import rename_fifos, rename_slice, slice_key
+from weightsync.model.system.symmetry import (
+    relative_fifos,
+    relative_refs,
+    rename_fifos,
+    rename_slice,
+    slice_key,
+)
 
 #: :meth:`CompactEngine.canon` at N = 3: ranks 1 and 2 in order of their slice keys, reversed, or tied with
 #: their FIFOs in order, or reversed (:meth:`Symmetry.canon`'s cases); the swap of ranks 1 and 2.
@@ -24,43 +33,126 @@ class CanonicalForm(Codec):
         super().__init__(model)
         self.verify = verify
         self._order: dict[tuple[int, int], int] = {}
-        self._ren: dict[int, int] = {}
-        self._ren_rest: dict[int, int] = {}
+        self._ren: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._ren_rest: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._keys: dict[int, tuple[Any, ...]] = {}
+        self._rel: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._rel_rest: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._fulls: dict[int, tuple[Any, ...]] = {}
 
     def canon(self, c: Compact) -> Compact:
-        """The model's canonical representative of ``c`` (:meth:`Symmetry.canon`), encoded. At N = 3 without
-        decoding but where ranks 1 and 2 tie on :func:`slice_key` while a message names a rank other than 0
-        (then the model's canon on the decoded state): the order of ranks 1 and 2 by :func:`slice_key`, ties
-        broken by their FIFOs, memoised per pair of ids; whether a message names a rank other than 0, by
-        flags per slice id and rest id; the swap renaming messages (:func:`rename_slice`,
-        :func:`rename_fifos`), memoised per slice id and rest id. At other N, the model's canon."""
+        """The model's canonical representative of ``c`` (:meth:`Symmetry.canon`), encoded, computed without
+        decoding: the order of ranks 1..N-1 by :func:`slice_key` (memoised per slice id; at N = 3 per pair of
+        ids), ties broken as the model breaks them (:meth:`_sym_key`), then the permutation applied to the
+        ids, renaming the messages that name a rank (:func:`rename_slice`, :func:`rename_fifos`, memoised per
+        slice id or rest id and permutation). Whether a message names a rank other than 0 is a flag per slice
+        id and rest id; where none does, renaming changes nothing and a tie is broken by the ranks' FIFOs.
+        ``verify``: every result is compared with the model's canon of the decoded state.
+
+        Raises:
+            AssertionError: (``verify`` only) the result differs from the model's."""
         n = self.n
         if n <= 2:
             return c  # nothing to permute: the model's canon returns the state itself
-        ids, rest = self.unpack(c)
-        if n == 3:
-            key = (ids[1], ids[2])
+        if n == 3:  # the common case first: ranks 1 and 2 in order, from their ids alone
+            key = ((c >> FIELD_BITS) & FIELD_MASK, (c >> 2 * FIELD_BITS) & FIELD_MASK)
             order = self._order.get(key)
             if order is None:
-                order = self._order[key] = self._pair_order(ids[1], ids[2])
-            out = c
-            if order != _IN_ORDER:
-                names = self._names
-                plain = not (names[ids[0]] or names[ids[1]] or names[ids[2]] or self._rest_names[rest])
-                if plain:
-                    out = c if order == _TIE_IN_ORDER else self.pack((ids[0], ids[2], ids[1]), rest)
-                elif order == _REVERSED:
-                    ren = [self._renamed(k) for k in ids]
-                    out = self.pack((ren[0], ren[2], ren[1]), self._renamed_rest(rest))
-                else:
-                    out = -1
-            if out >= 0:
-                if self.verify and self.decode(out) != self.model.canon(self.decode(c)):
-                    raise AssertionError(f"canonical form of {self.decode(c)} differs")
-                return out
-        s = self._state(ids, rest)
-        t = self.model.canon(s)
-        return c if t is s else self._encode_from(ids, rest, s, t)
+                order = self._order[key] = self._pair_order(*key)
+            if order == _IN_ORDER and not self.verify:
+                return c
+        ids, rest = self.unpack(c)
+        names = self._names
+        plain = not (self._rest_names[rest] or any(names[k] for k in ids))
+        if n == 3:
+            if order == _IN_ORDER:
+                out = c
+            elif plain:
+                out = c if order == _TIE_IN_ORDER else self.pack((ids[0], ids[2], ids[1]), rest)
+            elif order == _REVERSED or self._tie_reversed(ids, rest):
+                out = self._permuted(ids, rest, _SWAP12)
+            else:
+                out = c
+        else:
+            out = self._canon_sorted(c, ids, rest, plain)
+        if self.verify and self.decode(out) != self.model.canon(self.decode(c)):
+            raise AssertionError(f"canonical form of {self.decode(c)} differs")
+        return out
+
+    def _canon_sorted(self, c: Compact, ids: list[int], rest: int, plain: bool) -> Compact:
+        """The canonical form at N > 3. Where no message names a rank other than 0 (``plain``), ranks
+        1..N-1 sorted by :func:`slice_key` then their FIFOs: the model's order, as its tie-break
+        :meth:`Symmetry._sym_key` starts with the rank's own FIFOs, and ranks equal on both are equal slices,
+        whose order changes nothing. Otherwise by :func:`slice_key`, and where two ranks tie on it, by
+        ``(slice_key, _sym_key)`` as the model does, from memoised parts (:meth:`_relative`,
+        :meth:`_relative_rest`); then the permutation with its renaming."""
+        tail = ids[1:]
+        if plain:
+            order = sorted(tail, key=self._full_key)
+            return c if order == tail else self.pack((ids[0], *order), rest)
+        keyof = self._key_of
+        cheap = [keyof(k) for k in ids]
+        pos = sorted(range(1, self.n), key=cheap.__getitem__)
+        if any(cheap[a] == cheap[b] for a, b in itertools.pairwise(pos)):
+            rel = self._relative
+            refs = self._relative_rest
+
+            def sym_key(j: int) -> tuple[Any, ...]:
+                others = tuple(sorted(rel(ids[k], j) for k in range(1, self.n) if k != j))
+                return (cheap[j], (rel(ids[j], j), rel(ids[0], j), others, refs(rest, j)))
+
+            pos = sorted(range(1, self.n), key=sym_key)
+        if pos == list(range(1, self.n)):
+            return c
+        perm = [0] * self.n  # old -> new
+        for new_j, old in enumerate(pos, start=1):
+            perm[old] = new_j
+        return self._permuted(ids, rest, tuple(perm))
+
+    def _permuted(self, ids: list[int], rest: int, perm: tuple[int, ...]) -> Compact:
+        """The encoded state ``ids``, ``rest`` with rank ``i`` renamed ``perm[i]`` (:meth:`Symmetry._permute`)."""
+        new = [0] * self.n
+        for old, k in enumerate(ids):
+            new[perm[old]] = self._renamed(k, perm)
+        return self.pack(new, self._renamed_rest(rest, perm))
+
+    def _tie_reversed(self, ids: list[int], rest: int) -> bool:
+        """At N = 3, ranks 1 and 2 tie on :func:`slice_key` and a message names a rank other than 0: whether
+        :meth:`Symmetry._sym_key` puts rank 2 first (the rank's own FIFOs, rank 0's, the other rank's and the
+        coordinator's, each as seen from the rank; memoised per slice id or rest id and rank)."""
+        rel, refs = self._relative, self._relative_rest
+        a = (rel(ids[1], 1), rel(ids[0], 1), (rel(ids[2], 1),), refs(rest, 1))
+        b = (rel(ids[2], 2), rel(ids[0], 2), (rel(ids[1], 2),), refs(rest, 2))
+        return a > b
+
+    def _relative(self, k: int, j: int) -> tuple[Any, ...]:
+        """:func:`relative_fifos` of slice ``k`` as seen from rank ``j``, memoised."""
+        v = self._rel.get((k, j))
+        if v is None:
+            v = self._rel[(k, j)] = relative_fifos(self.ranks[k], j)
+        return v
+
+    def _relative_rest(self, rest: int, j: int) -> tuple[Any, ...]:
+        """:func:`relative_refs` of rest ``rest``'s coordinator FIFOs as seen from rank ``j``, memoised."""
+        v = self._rel_rest.get((rest, j))
+        if v is None:
+            v = self._rel_rest[(rest, j)] = relative_refs(self.rests[rest][0], j)
+        return v
+
+    def _key_of(self, k: int) -> tuple[Any, ...]:
+        """:func:`slice_key` of slice ``k``, memoised."""
+        v = self._keys.get(k)
+        if v is None:
+            v = self._keys[k] = slice_key(self.ranks[k])
+        return v
+
+    def _full_key(self, k: int) -> tuple[Any, ...]:
+        """:func:`slice_key` of slice ``k`` then its FIFOs, memoised."""
+        v = self._fulls.get(k)
+        if v is None:
+            r = self.ranks[k]
+            v = self._fulls[k] = (self._key_of(k), r.inq, r.outq)
+        return v
 
     def _pair_order(self, k1: int, k2: int) -> int:
         r1, r2 = self.ranks[k1], self.ranks[k2]
@@ -69,17 +161,17 @@ class CanonicalForm(Codec):
             return _IN_ORDER if a < b else _REVERSED
         return _TIE_IN_ORDER if (r1[4], r1[5]) <= (r2[4], r2[5]) else _TIE_REVERSED
 
-    def _renamed(self, k: int) -> int:
-        """The id of slice ``k`` with its messages renamed by the swap of ranks 1 and 2."""
-        v = self._ren.get(k)
+    def _renamed(self, k: int, perm: tuple[int, ...]) -> int:
+        """The id of slice ``k`` with its messages renamed by ``perm``."""
+        v = self._ren.get((k, perm))
         if v is None:
-            v = self._ren[k] = self.rank_id(rename_slice(self.ranks[k], _SWAP12))
+            v = self._ren[(k, perm)] = self.rank_id(rename_slice(self.ranks[k], perm))
         return v
 
-    def _renamed_rest(self, rest: int) -> int:
-        """The id of rest ``rest`` with its coordinator FIFOs' messages renamed by the swap of ranks 1, 2."""
-        v = self._ren_rest.get(rest)
+    def _renamed_rest(self, rest: int, perm: tuple[int, ...]) -> int:
+        """The id of rest ``rest`` with its coordinator FIFOs' messages renamed by ``perm``."""
+        v = self._ren_rest.get((rest, perm))
         if v is None:
             old = self.rests[rest]
-            v = self._ren_rest[rest] = self.rest_id((rename_fifos(old[0], _SWAP12), *old[1:]))
+            v = self._ren_rest[(rest, perm)] = self.rest_id((rename_fifos(old[0], perm), *old[1:]))
         return v

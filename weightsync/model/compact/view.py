@@ -37,21 +37,29 @@ class DecodedStates(Sequence[GlobalState]):
         decode = self.engine.decode
         return (decode(c) for c in self.compact)
 
-    def where_by_statuses(self, pred: Callable[[GlobalState], bool]) -> list[int]:
-        """The indices of the states satisfying ``pred``, a predicate that reads the state outside the ranks
-        and each rank's ``status`` only (the progress goals, :meth:`Model.goal_pause` and the like):
-        evaluated once per distinct (rest, statuses), on a decoded state."""
+    def where_by_statuses(self, preds: Sequence[Callable[[GlobalState], bool]]) -> list[list[int]]:
+        """For each predicate of ``preds``, the indices of the states satisfying it (ascending). Each
+        predicate reads the state outside the ranks and each rank's ``status`` only (the progress goals,
+        :meth:`Model.goal_pause` and the like), so the states are grouped once by (rest, statuses) and each
+        predicate is evaluated once per group, on a decoded state."""
         e = self.engine
         status, shifts, mask, rest_shift = e._status, e.shifts, FIELD_MASK, e.rest_shift
-        memo: dict[tuple[int, ...], bool] = {}
-        out = []
+        groups: dict[tuple[int, ...], list[int]] = {}
         for i, c in enumerate(self.compact):
             key = (c >> rest_shift, *[status[(c >> sh) & mask] for sh in shifts])
-            v = memo.get(key)
-            if v is None:
-                v = memo[key] = pred(e.decode(c))
-            if v:
-                out.append(i)
+            g = groups.get(key)
+            if g is None:
+                groups[key] = [i]
+            else:
+                g.append(i)
+        out: list[list[int]] = []
+        for pred in preds:
+            found: list[int] = []
+            for members in groups.values():
+                if pred(e.decode(self.compact[members[0]])):
+                    found += members
+            found.sort()
+            out.append(found)
         return out
 
 

@@ -67,20 +67,9 @@ class Symmetry(ModelBase):
         itself, 0 and negative values stay, any other rank is -3): ``j``'s own, rank 0's, the other ranks'
         (as a sorted tuple, so their indices do not matter) and the coordinator's. Used after
         :func:`slice_key` to break its ties; at N <= 3 equal keys mean the two ranks are interchangeable."""
-
-        def rel(x: int) -> int:
-            return -2 if x == j else (x if x <= 0 else -3)
-
-        def rmsg(m: tuple[Any, ...]) -> tuple[Any, ...]:
-            return _rename(m, rel)
-
-        def fifos(r: Rank) -> tuple[Any, ...]:
-            return (tuple(tuple(rmsg(m) for m in q) for q in r.inq), tuple(rmsg(m) for m in r.outq))
-
         ranks = s.ranks
-        others = tuple(sorted(fifos(ranks[k]) for k in range(1, len(ranks)) if k != j))
-        refs = tuple(tuple(rmsg(m) for m in q) for q in s.coord_q)
-        return (fifos(ranks[j]), fifos(ranks[0]), others, refs)
+        others = tuple(sorted(relative_fifos(ranks[k], j) for k in range(1, len(ranks)) if k != j))
+        return (relative_fifos(ranks[j], j), relative_fifos(ranks[0], j), others, relative_refs(s.coord_q, j))
 
     def permute(self, s: GlobalState, perm: Sequence[int]) -> GlobalState:
         """``s`` with rank ``i`` renamed ``perm[i]`` (``perm[0] == 0``): the rank slices move, and every
@@ -120,6 +109,31 @@ def rename_slice(r: Rank, perm: Sequence[int]) -> Rank:
     """Rank slice ``r`` with the messages in its FIFOs renamed by ``perm`` (:func:`rename_fifos`); the
     slice itself moves to ``perm`` of its index (:meth:`Symmetry._permute`)."""
     return r.with_fifos(rename_fifos(r.inq, perm), rename_fifos((r.outq,), perm)[0])
+
+
+def _relative_to(j: int) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """A message renamed relative to rank ``j`` (see :meth:`Symmetry._sym_key`)."""
+
+    def rel(x: int) -> int:
+        return -2 if x == j else (x if x <= 0 else -3)
+
+    def rmsg(m: tuple[Any, ...]) -> tuple[Any, ...]:
+        return _rename(m, rel)
+
+    return rmsg
+
+
+def relative_fifos(r: Rank, j: int) -> tuple[Any, ...]:
+    """Rank slice ``r``'s FIFOs (input FIFOs, then the FIFO to the coordinator) as seen from rank ``j``: rank
+    ids renamed relative to ``j`` (:meth:`Symmetry._sym_key`)."""
+    rmsg = _relative_to(j)
+    return (tuple(tuple(rmsg(m) for m in q) for q in r.inq), tuple(rmsg(m) for m in r.outq))
+
+
+def relative_refs(coord_q: tuple[tuple[tuple[Any, ...], ...], ...], j: int) -> tuple[Any, ...]:
+    """The coordinator's FIFOs ``coord_q`` as seen from rank ``j`` (:meth:`Symmetry._sym_key`)."""
+    rmsg = _relative_to(j)
+    return tuple(tuple(rmsg(m) for m in q) for q in coord_q)
 
 
 def _rename(m: tuple[Any, ...], f: Callable[[int], int]) -> tuple[Any, ...]:
