@@ -37,7 +37,7 @@ successors from ints alone:
   (:mod:`~weightsync.model.compact.projections`);
 - the canonical form (symmetry) at N = 3 (:mod:`~weightsync.model.compact.canon`).
 
-The explorer is :func:`~weightsync.model.explorer_checked.explore_checked` (the successor function hands it
+The explorer is :func:`~weightsync.model.explorer.explore_checked` (the successor function hands it
 each edge's check); :class:`~weightsync.model.compact.view.DecodedStates` reads the result as
 :class:`GlobalState` values for counterexamples, progress checks, export and replay.
 

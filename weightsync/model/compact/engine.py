@@ -31,7 +31,7 @@ from weightsync.model.system.state import _ScratchState
 class CompactEngine(CanonicalForm):
     """Initial state, successors (with edge checks), invariant, terminal check and canonical form of
     ``model`` over encoded states (see the module docstring), for
-    :func:`~weightsync.model.explorer_checked.explore_checked`.
+    :func:`~weightsync.model.explorer.explore_checked`.
 
     Args:
         model: the model; its parts compute every memo entry.

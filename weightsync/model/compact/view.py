@@ -7,8 +7,7 @@ from typing import overload
 
 from weightsync.model.compact.codec import FIELD_MASK, Compact
 from weightsync.model.compact.engine import CompactEngine
-from weightsync.model.explorer import Exploration, Violation
-from weightsync.model.explorer_checked import explore_checked
+from weightsync.model.explorer import Exploration, Violation, explore_checked
 from weightsync.model.system import GlobalState, Model
 
 
