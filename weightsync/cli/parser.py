@@ -126,14 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="report this property's shortest counterexample where it is violated (default: the most "
         "specific violation: mismatched collectives, one-sided collective, deadlock, ...)",
     )
-    c.add_argument(
-        "--engine",
-        choices=list(ENGINES),
-        default=DEFAULT_ENGINE,
-        help="exploration engine: compact (states as ints, transitions memoised per part; the default) or "
-        "baseline (the model's successor function on state tuples); both give the same states, counts and "
-        "verdicts",
-    )
+    _engine_argument(c)
     c.add_argument(
         "--workers",
         type=POSITIVE,
@@ -192,14 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="check only the rows whose file is missing or proved against another table; keep the others",
     )
-    pr.add_argument(
-        "--engine",
-        choices=list(ENGINES),
-        default=DEFAULT_ENGINE,
-        help="exploration engine: compact (states as ints, transitions memoised per part; the default) or "
-        "baseline (the model's successor function on state tuples); both give the same states, counts and "
-        "verdicts",
-    )
+    _engine_argument(pr)
     pr.add_argument(
         "--allow-stale-mutation",
         action="store_true",
@@ -336,6 +322,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("action", choices=["new"], help="new: write a new secret (mode 0600, never overwriting)")
     t.add_argument("path", help="where to write it")
     return p
+
+
+def _engine_argument(p: argparse.ArgumentParser) -> None:
+    """``--engine`` of ``check`` and ``prove`` (:data:`~weightsync.model.engines.ENGINES`)."""
+    p.add_argument(
+        "--engine",
+        choices=list(ENGINES),
+        default=DEFAULT_ENGINE,
+        help="exploration engine: compact (states as ints, transitions memoised per part; the default) or "
+        "baseline (the model's successor function on state tuples); both give the same states, counts and "
+        "verdicts",
+    )
 
 
 __all__ = ["MODES", "UsageError", "build_parser"]
