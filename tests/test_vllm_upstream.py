@@ -114,17 +114,23 @@ def run_vllm_tests(
     return r.returncode, outcomes
 
 
+def shown(got: dict[str, str]) -> str:
+    """``got`` (test name -> outcome) as the text an assertion prints in full: pytest shortens the repr of
+    a dict to a line, which cut the child's traceback out of a CI failure."""
+    return "\n".join(f"{name}: {outcome}" for name, outcome in got.items())
+
+
 def fails_as_shipped_and_passes_patched_and_with_the_plugin(
     module: str, names: tuple[str, ...], failure: str, *, overlay: Path, tmp: Path
 ) -> None:
     """The series' ``module`` three ways: as shipped every test in ``names`` fails with ``failure`` in its
     report; on the patched overlay, and with the plugin's default fix, every one passes."""
     rc, got = run_vllm_tests(module, overlay=None, fix_env=fix.OFF, tmp=tmp)
-    assert rc == 1 and all(failure in got[n] for n in names), got
+    assert rc == 1 and all(failure in got[n] for n in names), shown(got)
     rc, got = run_vllm_tests(module, overlay=overlay, fix_env=fix.OFF, tmp=tmp)
-    assert rc == 0 and got == dict.fromkeys(names, "passed"), got
+    assert rc == 0 and got == dict.fromkeys(names, "passed"), shown(got)
     rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp)  # the default
-    assert rc == 0 and got == dict.fromkeys(names, "passed"), got
+    assert rc == 0 and got == dict.fromkeys(names, "passed"), shown(got)
 
 
 def test_stray_resume_hangs_as_shipped_and_not_patched_or_with_the_plugin(
@@ -142,10 +148,12 @@ def test_stray_resume_hangs_as_shipped_and_not_patched_or_with_the_plugin(
 def test_weight_update_gate_fails_as_shipped_and_passes_patched(overlay: Path, tmp_path: Path) -> None:
     rc, got = run_vllm_tests("test_dp_weight_update_gate.py", overlay=None, fix_env=fix.OFF, tmp=tmp_path)
     # as shipped the calls reach the workers (their error instead of the gate's) and resume is accepted
-    assert rc == 1 and len(got) == 2 and all(v.startswith("failure") for v in got.values()), got
-    assert "Regex pattern did not match" in got["test_start_weight_update_while_serving_is_refused"], got
+    assert rc == 1 and len(got) == 2 and all(v.startswith("failure") for v in got.values()), shown(got)
+    assert "Regex pattern did not match" in got["test_start_weight_update_while_serving_is_refused"], shown(
+        got
+    )
     rc, got = run_vllm_tests("test_dp_weight_update_gate.py", overlay=overlay, fix_env=fix.OFF, tmp=tmp_path)
-    assert rc == 0 and set(got.values()) == {"passed"} and len(got) == 2, got
+    assert rc == 0 and set(got.values()) == {"passed"} and len(got) == 2, shown(got)
 
 
 def test_front_end_belief_stays_true_as_shipped_and_not_patched_or_with_the_plugin(
@@ -197,17 +205,19 @@ def test_a_repeated_pause_hangs_with_0001_alone_and_not_with_0006_or_the_plugin(
     init = "test_init_weight_transfer_engine_during_a_pause_in_flight_is_refused"
     short = {"VLLM_TEST_DP_TIMEOUT_S": "20"}
     rc, got = run_vllm_tests(module, overlay=None, fix_env=fix.OFF, tmp=tmp_path, extra_env=short)
-    assert rc == 1 and "the kept request ran while paused" in got[frozen], got
-    assert "Regex pattern did not match" in got[init], got  # the call reached the workers
+    assert rc == 1 and "the kept request ran while paused" in got[frozen], shown(got)
+    assert "Regex pattern did not match" in got[init], shown(got)  # the call reached the workers
     before_0006 = _overlay(
         tmp_path / "vllm-0001-0005", tuple(p for p in fix.SERIES if p.name[:4] not in ("0006", "0007"))
     )
     rc, got = run_vllm_tests(module, overlay=before_0006, fix_env=fix.OFF, tmp=tmp_path, extra_env=short)
-    assert rc == 1 and any(w in got[frozen] for w in ("EngineDeadError", "Timed out", "timed out")), got
+    assert rc == 1 and any(w in got[frozen] for w in ("EngineDeadError", "Timed out", "timed out")), shown(
+        got
+    )
     rc, got = run_vllm_tests(module, overlay=overlay, fix_env=fix.OFF, tmp=tmp_path, extra_env=short)
-    assert rc == 0 and got == {frozen: "passed", init: "passed"}, got
+    assert rc == 0 and got == {frozen: "passed", init: "passed"}, shown(got)
     rc, got = run_vllm_tests(module, overlay=None, fix_env=None, tmp=tmp_path, extra_env=short)  # the default
-    assert rc == 0 and got == {frozen: "passed", init: "passed"}, got
+    assert rc == 0 and got == {frozen: "passed", init: "passed"}, shown(got)
 
 
 def test_a_retried_pause_livelocks_as_shipped_and_not_patched_or_with_the_plugin(
