@@ -35,15 +35,15 @@ successors from ints alone:
 - the invariant: by ``(p_0, ..., p_{N-1}, rest projection)`` where ``p_i`` is the id of rank ``i``'s projection on
   the fields :meth:`Properties.invariant` reads; on a miss, each of its groups by its own projections
   (:mod:`~weightsync.model.compact.projections`);
-- the canonical form (symmetry) at N = 3 (:mod:`~weightsync.model.compact.canon`).
+- the canonical form (symmetry), at every N: the ranks' order by memoised keys, the renaming per id and
+  permutation (:mod:`~weightsync.model.compact.canon`).
 
 The explorer is :func:`~weightsync.model.explorer.explore_checked` (the successor function hands it
 each edge's check); :class:`~weightsync.model.compact.view.DecodedStates` reads the result as
 :class:`GlobalState` values for counterexamples, progress checks, export and replay.
 
 Transfer collectives and timeouts, the client's sends and aborts (while any are left), the front-end's
-``fe`` calls, the controller's moves until their rank-by-rank entries are known, and canonical forms of
-N = 3 ties whose messages name ranks (and every canonical form at N > 3) take the slow path: decode, run the model's
+``fe`` calls, and the controller's moves until their rank-by-rank entries are known take the slow path: decode, run the model's
 part, encode (slices that did not change keep their id without being hashed). Each memo entry is computed
 on a miss by the model's part on the decoded state, and checked there against it (the other ranks must be
 unchanged, the rebuilt successor equal to the model's); ``verify=True`` also compares every successor list,
