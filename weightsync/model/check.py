@@ -403,7 +403,8 @@ def check(
 
     Keys: variant, ranks, verdict ("verified" | "counterexample" | "incomplete"), states, transitions
     (summed over modes), depth (max), seconds, symmetry, properties, bounds, channels, mode, per_mode,
-    peak_rss_mb (the largest process's peak: this one's or a worker's), and for a violation ``counterexample {property, mode, steps, records, labels}``.
+    peak_rss_mb (the largest process's peak: this one's or a worker's), and for a violation
+    ``counterexample {property, mode, steps, records, labels}``.
     """
     b = bounds or Bounds()
     modes: list[ModeSetting] = list(PauseMode) if mode == "all" else [mode_setting(mode)]

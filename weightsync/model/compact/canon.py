@@ -94,14 +94,7 @@ class CanonicalForm(Codec):
         cheap = [keyof(k) for k in ids]
         pos = sorted(range(1, self.n), key=cheap.__getitem__)
         if any(cheap[a] == cheap[b] for a, b in itertools.pairwise(pos)):
-            rel = self._relative
-            refs = self._relative_rest
-
-            def sym_key(j: int) -> tuple[Any, ...]:
-                others = tuple(sorted(rel(ids[k], j) for k in range(1, self.n) if k != j))
-                return (cheap[j], (rel(ids[j], j), rel(ids[0], j), others, refs(rest, j)))
-
-            pos = sorted(range(1, self.n), key=sym_key)
+            pos = sorted(range(1, self.n), key=lambda j: (cheap[j], self._sym_key(ids, rest, j)))
         if pos == list(range(1, self.n)):
             return c
         perm = [0] * self.n  # old -> new
@@ -118,12 +111,16 @@ class CanonicalForm(Codec):
 
     def _tie_reversed(self, ids: list[int], rest: int) -> bool:
         """At N = 3, ranks 1 and 2 tie on :func:`slice_key` and a message names a rank other than 0: whether
-        :meth:`Symmetry._sym_key` puts rank 2 first (the rank's own FIFOs, rank 0's, the other rank's and the
-        coordinator's, each as seen from the rank; memoised per slice id or rest id and rank)."""
-        rel, refs = self._relative, self._relative_rest
-        a = (rel(ids[1], 1), rel(ids[0], 1), (rel(ids[2], 1),), refs(rest, 1))
-        b = (rel(ids[2], 2), rel(ids[0], 2), (rel(ids[1], 2),), refs(rest, 2))
-        return a > b
+        :meth:`Symmetry._sym_key` puts rank 2 first."""
+        return self._sym_key(ids, rest, 1) > self._sym_key(ids, rest, 2)
+
+    def _sym_key(self, ids: list[int], rest: int, j: int) -> tuple[Any, ...]:
+        """:meth:`Symmetry._sym_key` of rank ``j`` in the encoded state ``ids``, ``rest``, from memoised
+        parts: the rank's own FIFOs, rank 0's, the other ranks' (sorted) and the coordinator's, each as seen
+        from rank ``j`` (:meth:`_relative`, :meth:`_relative_rest`)."""
+        rel = self._relative
+        others = tuple(sorted(rel(ids[k], j) for k in range(1, self.n) if k != j))
+        return (rel(ids[j], j), rel(ids[0], j), others, self._relative_rest(rest, j))
 
     def _relative(self, k: int, j: int) -> tuple[Any, ...]:
         """:func:`relative_fifos` of slice ``k`` as seen from rank ``j``, memoised."""
