@@ -19,6 +19,7 @@ to 0.32.x and only where absent.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
@@ -30,9 +31,12 @@ from vllm_util import require_vllm
 require_vllm()
 
 from collective_roles import collectives_role  # noqa: E402
-from vllm_served import Served, assert_serves_on  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm_served import PROBES, Served, assert_serves_on  # noqa: E402
 
+from weightsync.spec.errors import TransferTimeoutError  # noqa: E402
 from weightsync.vllm import cpu_collectives  # noqa: E402
+from weightsync.vllm.clients import AsyncLLMWeightSyncClient  # noqa: E402
 from weightsync.vllm_tools.models import build_tiny_mixtral, checkpoint_state, perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -86,11 +90,14 @@ def test_moe_dp2_serves_like_transformers_on_both_ranks_before_and_after_a_round
     worst = assert_serves_on(s, s.hf, [0, 1])
     serve_s = time.monotonic() - t0
     s.hf.load_state_dict(perturbed_state(s.hf, seed=31, scale=0.5))
-    tr = s.connect()
     t0 = time.monotonic()
-    # the controller's cycle: a MoE DP engine steps dummy batches while its wave runs, so weights are
-    # only swapped while paused (an unpaused round runs a forward on layers inside the reload)
+    # the controller's cycle (spec/controller.py, "lazy init, while paused"): a MoE DP engine steps dummy
+    # batches until its wave ends, so both the transfer init and the weights wait for the pause. An
+    # unpaused round runs a forward on layers inside the reload; an init while the wave runs can reach
+    # one rank between two steps and the other inside the next one, and the rendezvous then waits for a
+    # rank that waits in the step's collective (test_init_while_a_wave_runs_..., below)
     s.run(s.llm.pause_generation(mode="keep"))
+    tr = s.connect()
     tr.send_weights(checkpoint_state(s.hf), weight_version="step-1")
     s.run(s.llm.resume_generation())
     round_s = time.monotonic() - t0
@@ -100,3 +107,76 @@ def test_moe_dp2_serves_like_transformers_on_both_ranks_before_and_after_a_round
         f"\nMoE DP=2: probes on both ranks {serve_s:.1f} s, max prompt-logprob diff {worst:.2e}; "
         f"pause + round into both engines + resume {round_s:.2f} s, then {after:.2e}"
     )
+
+
+class _StaggeredInit(AsyncLLMWeightSyncClient):
+    """``init_weight_transfer_engine`` delivered to DP engine 0 at once and to engine 1 ``delay_s`` seconds
+    later: the interleaving in which a wave's two ranks take the utility call at different step boundaries.
+    vLLM's front end sends one utility message per engine (``DPLBAsyncMPClient.call_utility_async``,
+    ``v1/engine/core_client.py:1699-1701``); each engine takes it from its input queue between two steps,
+    so under load the two deliveries can fall on either side of a step. Reaches one engine through
+    ``_call_utility_async(..., engine=)`` (``core_client.py:1279-1291``)."""
+
+    def __init__(self, *a: object, delay_s: float, **kw: object) -> None:
+        super().__init__(*a, **kw)  # type: ignore[arg-type]
+        self.delay_s = delay_s
+        self.outcomes: list[object] = []
+
+    def init_weight_transfer_engine(self, init_info: dict[str, object]) -> None:
+        core = self.llm.engine_core
+
+        def one(engine: object) -> object:
+            return core._call_utility_async(
+                "collective_rpc",
+                "init_weight_transfer_engine",
+                None,
+                (),
+                {"init_info": init_info},
+                engine=engine,
+            )
+
+        async def staggered() -> list[object]:
+            first = asyncio.ensure_future(one(core.core_engines[0]))
+            await asyncio.sleep(self.delay_s)
+            second = asyncio.ensure_future(one(core.core_engines[1]))
+            return list(await asyncio.gather(first, second, return_exceptions=True))
+
+        self.outcomes = self._run("init_weight_transfer_engine", staggered())
+
+
+@pytest.mark.slow
+def test_init_while_a_wave_runs_deadlocks_until_the_rendezvous_timeout(served: Served) -> None:
+    """The deadlock the CI met (2026-12-05, the test above as it stood: ``rendezvous: timed out after 60.0 s
+    waiting for rank(s) 1``), reproduced on purpose: an init that reaches DP rank 0 between two steps of a
+    running wave and rank 1 inside the next one. Rank 0's worker waits in the transfer group's rendezvous;
+    rank 1 waits in the step's MoE collective (``all_gatherv``) for rank 0, so it never takes its own init
+    call. Nothing moves until the rendezvous deadline (``timeout_s``); the engines' DP group would wait its
+    own 1800 s (gloo's default, ``config/parallel.py:366-368``). The timeout names the missing rank; the
+    engines then go on (a bounded error, not a hang), and the wave's request completes."""
+    s = served
+    rank_of_dp1 = 2  # the trainer is rank 0, DP engine r's worker rank 1 + r
+    sp = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    outs: list[object] = []
+
+    async def generate() -> None:
+        async for out in s.llm.generate({"prompt_token_ids": PROBES[0]}, sp, "wave", data_parallel_rank=0):
+            outs.append(out)
+
+    request = asyncio.run_coroutine_threadsafe(generate(), s.loop)
+    deadline = time.monotonic() + 60
+    while not outs and time.monotonic() < deadline:  # the wave runs once rank 0 produced a token
+        time.sleep(0.05)
+    assert outs, "the request produced nothing in 60 s"
+    client = _StaggeredInit(s.llm, s.loop, timeout_s=120, delay_s=3.0)
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError) as err:
+        s.connect(client=client, timeout_s=15)
+    stalled_s = time.monotonic() - t0
+    s.trainer = None
+    assert err.value.phase == "rendezvous" and rank_of_dp1 in err.value.missing_ranks, err.value
+    assert stalled_s >= 15, stalled_s
+    request.result(240)  # the wave goes on after the deadline
+    final = outs[-1]
+    assert len(final.outputs[0].token_ids) == 96  # type: ignore[attr-defined]
+    assert all(isinstance(o, Exception) for o in client.outcomes), client.outcomes
+    print(f"\ninit while a wave runs: stalled {stalled_s:.1f} s, then {err.value}")
