@@ -157,10 +157,12 @@ def test_init_while_a_wave_runs_deadlocks_until_the_rendezvous_timeout(served: S
     rank_of_dp1 = 2  # the trainer is rank 0, DP engine r's worker rank 1 + r
     sp = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
     outs: list[object] = []
+    stamps: list[float] = []  # when each output arrived
 
     async def generate() -> None:
         async for out in s.llm.generate({"prompt_token_ids": PROBES[0]}, sp, "wave", data_parallel_rank=0):
             outs.append(out)
+            stamps.append(time.monotonic())
 
     request = asyncio.run_coroutine_threadsafe(generate(), s.loop)
     deadline = time.monotonic() + 60
@@ -175,6 +177,9 @@ def test_init_while_a_wave_runs_deadlocks_until_the_rendezvous_timeout(served: S
     s.trainer = None
     assert err.value.phase == "rendezvous" and rank_of_dp1 in err.value.missing_ranks, err.value
     assert stalled_s >= 15, stalled_s
+    # nothing moved: after the init reached rank 0 (within 2 s), rank 0 produced no token until the deadline
+    moved = [round(t - t0, 1) for t in stamps if t0 + 2 < t < t0 + 14]
+    assert not moved, f"rank 0 produced outputs during the rendezvous at {moved} s"
     request.result(240)  # the wave goes on after the deadline
     final = outs[-1]
     assert len(final.outputs[0].token_ids) == 96  # type: ignore[attr-defined]
