@@ -233,3 +233,39 @@ def test_call_args_are_vllms_pause_arguments_with_its_defaults_and_the_ranks_run
     with pytest.raises(ValueError, match=r"^pause takes no argument\(s\) \['running'\]"):
         call_args(RankEvent.PAUSE, {"running": 5}, 0, 0)  # read off the rank, never the caller's
     assert set(CALL_ARGS) <= set(RankEvent) and all(eff in EFFECTS for eff in DEFERRED_REPLY.values())
+
+
+def test_an_init_while_serving_is_offered_once_after_a_resume_and_leads_to_a_pause_or_to_serving() -> None:
+    """Model bound ``init_while_serving``: after a completed resume the controller may init once more; when
+    that init returns it pauses for the next cycle or serves on, never a round without a pause (the lazy
+    init's rows, ``start`` and ``resume``, do not apply to it)."""
+    from weightsync.spec.controller import ONE_ROUND_ARGS
+
+    table = controller_table()
+    args = {**ONE_ROUND_ARGS, "policy": Policy.RECOVER, "cycles": 2, "init_while_serving": True}
+    resumed = CtrlVars(Phase.RESUME, cycles_started=1, update_rounds=1)
+
+    def targets(v: CtrlVars, ev: CtrlEvent, a: dict[str, Any]) -> list[tuple[Phase, CtrlVars]]:
+        return [
+            (tr.target if tr.target is not None else v.phase, after)
+            for tr, after in controller_choices(table, v, ev, a)
+        ]
+
+    offered = targets(resumed, CtrlEvent.DONE, args)
+    inits = [after for p, after in offered if p is Phase.INIT]
+    assert len(inits) == 1, offered
+    assert not [
+        p
+        for p, _ in targets(resumed, CtrlEvent.DONE, {**args, "init_while_serving": False})
+        if p is Phase.INIT
+    ]
+    (serving,) = inits
+    assert [p for p, _ in targets(serving, CtrlEvent.DONE, args)] == [Phase.PAUSE]
+    assert [p for p, _ in targets(serving, CtrlEvent.DONE, {**args, "cycles": 1})] == [Phase.IDLE]
+    (paused,) = [after for _, after in targets(serving, CtrlEvent.DONE, args)]
+    # used once: after the next cycle's resume no second init while serving is offered
+    again = paused._replace(state=Phase.RESUME, cycles_started=2)
+    assert not [p for p, _ in targets(again, CtrlEvent.DONE, {**args, "cycles": 3}) if p is Phase.INIT]
+    # a lazy init (while paused) still goes on to start, or resumes (pause -> init -> resume)
+    lazy = CtrlVars(Phase.INIT, cycles_started=1, transfer_initialised=True)
+    assert [p for p, _ in targets(lazy, CtrlEvent.DONE, args)] == [Phase.START, Phase.RESUME]

@@ -34,6 +34,7 @@ def check(args: argparse.Namespace) -> int:
         failures=args.failures,
         pause_during_update=args.pause_during_update,
         repeat_pause=args.repeat_pause,
+        init_while_serving=args.init_while_serving,
         resume_during_update=args.resume_during_update,
     )
     out = check(

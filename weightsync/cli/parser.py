@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(with --mode any, in another mode)",
     )
     c.add_argument(
+        "--init-while-serving",
+        action="store_true",
+        help="the controller may call init_weight_transfer_engine once more after a resume, while the "
+        "engines serve (a restarted trainer reconnecting without a pause)",
+    )
+    c.add_argument(
         "--pause-during-update",
         action="store_true",
         help="the controller may send a second pause once while a weight round is in flight",

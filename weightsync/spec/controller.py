@@ -85,6 +85,7 @@ ONE_ROUND_ARGS: dict[str, Any] = {
     "pause_during_update": False,
     "resume_during_update": False,
     "repeat_pause": False,
+    "init_while_serving": False,
 }
 
 
@@ -101,7 +102,9 @@ class CtrlVars(NamedTuple):
         recovering: a round failed and no round has succeeded since.
         extra_used: bits :data:`X_PAUSE` / :data:`X_RESUME` / :data:`X_REPEAT_PAUSE`: the second pause /
             the resume during an update / the repeated pause before the round were sent (model bounds
-            ``pause_during_update`` / ``resume_during_update`` / ``repeat_pause``).
+            ``pause_during_update`` / ``resume_during_update`` / ``repeat_pause``); :data:`X_INIT_SERVING_USED`:
+            the init while serving was sent, :data:`X_INIT_SERVING`: it is the phase ``init`` now (model
+            bound ``init_while_serving``).
     """
 
     state: Phase = Phase.IDLE
@@ -121,6 +124,12 @@ class CtrlVars(NamedTuple):
 
 #: ``extra_used`` bits.
 X_PAUSE, X_RESUME, X_REPEAT_PAUSE = 1, 2, 4
+X_INIT_SERVING, X_INIT_SERVING_USED = 8, 16
+
+
+def _serving_init(v: CtrlVars) -> bool:
+    """The phase ``init`` is the init sent while serving (bound ``init_while_serving``), not a lazy one."""
+    return bool(v.extra_used & X_INIT_SERVING)
 
 
 def front_end_answers(pause_in_front_end: bool, call: str) -> bool:
@@ -178,9 +187,18 @@ CTRL_GUARDS = {
     "stray_resume_left": lambda v, a: bool(a["stray_resume"]) and not v.stray_resume_used,
     "initialised": lambda v, a: v.transfer_initialised,
     "not_initialised": lambda v, a: not v.transfer_initialised,
-    "recovering_or_in_cycle": lambda v, a: v.recovering or v.cycles_started > 0,
-    "in_cycle_not_recovering": lambda v, a: not v.recovering and v.cycles_started > 0,
-    "serving_not_started": lambda v, a: not v.recovering and v.cycles_started == 0 and _cycles_left(v, a),
+    "recovering_or_in_cycle": lambda v, a: not _serving_init(v) and (v.recovering or v.cycles_started > 0),
+    "in_cycle_not_recovering": lambda v, a: (
+        not _serving_init(v) and not v.recovering and v.cycles_started > 0
+    ),
+    "serving_not_started": lambda v, a: (
+        not _serving_init(v) and not v.recovering and v.cycles_started == 0 and _cycles_left(v, a)
+    ),
+    "init_while_serving_left": lambda v, a: (
+        bool(a["init_while_serving"]) and not v.extra_used & X_INIT_SERVING_USED
+    ),
+    "serving_init_cycles_left": lambda v, a: _serving_init(v) and _cycles_left(v, a),
+    "serving_init_over": lambda v, a: _serving_init(v) and not _cycles_left(v, a),
     "retry_resume_left": lambda v, a: bool(a["repeat_resume"]) and not v.repeat_resume_used,
     "extra_pause_left": lambda v, a: bool(a["pause_during_update"]) and not v.extra_used & X_PAUSE,
     "extra_resume_left": lambda v, a: bool(a["resume_during_update"]) and not v.extra_used & X_RESUME,
@@ -205,6 +223,10 @@ CTRL_UPDATES = {
     "use_extra_pause": lambda v, a: v._replace(extra_used=v.extra_used | X_PAUSE),
     "use_extra_resume": lambda v, a: v._replace(extra_used=v.extra_used | X_RESUME),
     "use_repeat_pause": lambda v, a: v._replace(extra_used=v.extra_used | X_REPEAT_PAUSE),
+    "use_init_while_serving": lambda v, a: v._replace(
+        extra_used=v.extra_used | X_INIT_SERVING | X_INIT_SERVING_USED
+    ),
+    "end_serving_init": lambda v, a: v._replace(extra_used=v.extra_used & ~X_INIT_SERVING),
     "note_failure": lambda v, a: v._replace(recovering=True),
     "count_round": lambda v, a: v._replace(update_rounds=v.update_rounds + 1, recovering=False),
 }
@@ -220,6 +242,8 @@ CTRL_EFFECTS: dict[str, str] = {
     "repeat_pause) while the first pause is outstanding or after it returned (untracked)",
     "extra_resume": "send resume to every rank while a round is in flight (untracked)",
     "end_round": "the round is over: return",
+    "serve_on": "the init sent while serving returned and no cycle is left: the controller is idle while "
+    "the engines serve",
     "raise_failure": "the round is over: raise the failed call's error (no weight moved, or a failed pause)",
     "raise_update_failed": "the round is over: raise UpdateFailedError (weights moved; the engines are not "
     "resumed, they would serve a partial update)",
@@ -234,6 +258,10 @@ R9 = (
 )
 R_RECOVER = "weightsync (model policy recover)"
 R_ONE = "weightsync update_round (policy one_round)"
+R_SERVING_INIT = (
+    "model bound init_while_serving (a rank inside the transfer group's rendezvous cannot take its part in "
+    "a wave's DP step: init before serving with requests held, or while paused)"
+)
 
 
 def controller_table(pause_in_front_end: bool = False) -> Table:
@@ -322,6 +350,14 @@ def controller_table(pause_in_front_end: bool = False) -> Table:
         ),
         row("serving_not_started", _P.PAUSE, ("begin_cycle",), R9 + ": the init before serving returned"),
         row("in_cycle_not_recovering", _P.RESUME, (), R9),
+        row("serving_init_cycles_left", _P.PAUSE, ("end_serving_init", "begin_cycle"), R9 + ": a new cycle"),
+        t("serving_init_over", _P.IDLE, ("end_serving_init",), ("serve_on",), R_SERVING_INIT),
+    )
+    serving_init = row(
+        "init_while_serving_left",
+        _P.INIT,
+        ("use_init_while_serving",),
+        R_SERVING_INIT + ": a restarted trainer reconnects while the engines serve, with no pause",
     )
     end = (
         t("round_over", _P.IDLE, (), ("end_round",), R_ONE + ": the round finished and resumed"),
@@ -340,7 +376,7 @@ def controller_table(pause_in_front_end: bool = False) -> Table:
             row("init_before_serving", _P.INIT, ("mark_initialised",), R9 + ": init before serving"),
             next_cycle[1],
         ),
-        (_P.RESUME, _E.DONE): (*next_cycle, *end),
+        (_P.RESUME, _E.DONE): (*next_cycle, serving_init, *end),
         (_P.RESUME, _E.FAILED): (
             *failed(next_cycle),
             give_up._replace(rule=R_ONE + ": the resume failed; its error"),
@@ -448,6 +484,8 @@ __all__ = [
     "CTRL_EFFECTS",
     "CTRL_GUARDS",
     "CTRL_UPDATES",
+    "X_INIT_SERVING",
+    "X_INIT_SERVING_USED",
     "X_PAUSE",
     "X_REPEAT_PAUSE",
     "X_RESUME",

@@ -86,6 +86,7 @@ class ModelBase:
         self.failures = b.failures
         self.pause_during_update = b.pause_during_update
         self.repeat_pause = b.repeat_pause
+        self.init_while_serving = b.init_while_serving
         self.resume_during_update = b.resume_during_update
         self.track_owed = self.variant.untracked_replies
         self.worker_args = self.variant.worker_flags_decide

@@ -262,6 +262,7 @@ class Environment(RankEffects):
             "repeat_resume": self.repeat_resume,
             "pause_during_update": self.pause_during_update,
             "repeat_pause": self.repeat_pause,
+            "init_while_serving": self.init_while_serving,
             "resume_during_update": self.resume_during_update,
         }
 

@@ -83,6 +83,9 @@ class Bounds(NamedTuple):
         repeat_pause: the controller may send ``pause`` to every rank once more while its pause is
             outstanding or after it returned, before the round (a client retry, a second controller, or,
             under ``--mode any``, a pause in another mode while paused); its replies are not counted.
+        init_while_serving: after a completed resume the controller may call ``init_weight_transfer_engine``
+            once more, joined by the trainer, while the engines serve and with no pause (a restarted
+            trainer reconnecting); client requests are not held for it.
     """
 
     requests: int = 1
@@ -98,6 +101,7 @@ class Bounds(NamedTuple):
     pause_during_update: bool = False
     resume_during_update: bool = False
     repeat_pause: bool = False
+    init_while_serving: bool = False
 
 
 class AnyMode(Enum):
@@ -221,7 +225,7 @@ class Ctrl(NamedTuple):
         repeat_resume_used: the one retried resume was sent (``Bounds.repeat_resume``).
         failures_used: weight-transfer failures injected so far (``Bounds.failures``).
         recovering: a round failed and no round has succeeded since.
-        extra_used: bits X_PAUSE / X_RESUME: the second pause / the resume during an update were sent.
+        extra_used: the controller's bits (:data:`weightsync.spec.controller.X_PAUSE` and the others).
     """
 
     phase: int
