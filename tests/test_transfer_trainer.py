@@ -317,3 +317,29 @@ def test_check_finite_from_the_init_info() -> None:
     assert all(p["check_finite"] is True for c, p in client.calls if c == "update")
     tr.shutdown()
     client.worker.shutdown()
+
+
+class _NeverJoins:
+    """A client whose engines accept ``init_weight_transfer_engine`` and never reach the rendezvous (a MoE DP
+    rank stepping its wave, tests/test_vllm_moe_dp.py)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        pass
+
+
+def test_a_rendezvous_timeout_names_the_missing_rank_and_the_likely_cause() -> None:
+    from weightsync.impl.transfer.trainer_calls import RENDEZVOUS_HINT, hint_rendezvous
+
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError) as err:
+        _trainer(_NeverJoins(), timeout_s=1.5)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 10
+    assert err.value.phase == "rendezvous" and err.value.missing_ranks == (1,), err.value
+    assert err.value.__notes__ == [RENDEZVOUS_HINT]
+
+    def other() -> None:
+        raise TransferTimeoutError("update_weights", [1], 1.0)
+
+    with pytest.raises(TransferTimeoutError) as err2:
+        hint_rendezvous(other)()
+    assert not getattr(err2.value, "__notes__", None)  # only the rendezvous gets the hint

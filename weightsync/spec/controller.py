@@ -100,11 +100,9 @@ class CtrlVars(NamedTuple):
         stray_resume_used: the one resume no pause preceded was sent (model bound ``stray_resume``).
         repeat_resume_used: the one retried resume was sent (model bound ``repeat_resume``).
         recovering: a round failed and no round has succeeded since.
-        extra_used: bits :data:`X_PAUSE` / :data:`X_RESUME` / :data:`X_REPEAT_PAUSE`: the second pause /
-            the resume during an update / the repeated pause before the round were sent (model bounds
-            ``pause_during_update`` / ``resume_during_update`` / ``repeat_pause``); :data:`X_INIT_SERVING_USED`:
-            the init while serving was sent, :data:`X_INIT_SERVING`: it is the phase ``init`` now (model
-            bound ``init_while_serving``).
+        extra_used: bits ``X_PAUSE`` / ``X_RESUME`` / ``X_REPEAT_PAUSE`` / ``X_INIT_SERVING_USED``: the
+            second pause / the resume during an update / the repeated pause before the round / the init while
+            serving were sent (model bounds of the same names); ``X_INIT_SERVING``: that init is the phase.
     """
 
     state: Phase = Phase.IDLE
@@ -127,8 +125,7 @@ X_PAUSE, X_RESUME, X_REPEAT_PAUSE = 1, 2, 4
 X_INIT_SERVING, X_INIT_SERVING_USED = 8, 16
 
 
-def _serving_init(v: CtrlVars) -> bool:
-    """The phase ``init`` is the init sent while serving (bound ``init_while_serving``), not a lazy one."""
+def _serving_init(v: CtrlVars) -> bool:  # the phase init is the one sent while serving, not a lazy one
     return bool(v.extra_used & X_INIT_SERVING)
 
 

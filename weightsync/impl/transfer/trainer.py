@@ -57,6 +57,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol, Self, runtime_checkable
 
 import torch
 
+from weightsync.impl.transfer import trainer_calls
 from weightsync.impl.transfer.auth import Session
 from weightsync.impl.transfer.base import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -267,7 +268,7 @@ class TrainerEngine(ABC):
 
         Raises:
             ValueError: ``init_info`` is not this backend's; or the workers rejected it.
-            TransferTimeoutError / PortInUseError: from the rendezvous; the engines' RPC error.
+            TransferTimeoutError / PortInUseError: from the rendezvous (noted: hint_rendezvous); the RPC's.
         """
         if not isinstance(init_info, cls.init_info_cls):
             raise ValueError(
@@ -278,9 +279,10 @@ class TrainerEngine(ABC):
             return engine
         payload = engine.worker_info.to_dict()
         rinfo = engine.worker_info
+        open_noted = trainer_calls.hint_rendezvous(engine._open)
         engine.endpoint = concurrently(
             lambda: client.init_weight_transfer_engine(payload),
-            engine._open,
+            open_noted,
             rinfo.rendezvous_timeout_s,
             "init_weight_transfer_engine",
             rinfo.rendezvous_timeout_basis,

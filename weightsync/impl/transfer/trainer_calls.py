@@ -76,6 +76,31 @@ def recorded(stream: Iterator[T], errors: list[BaseException]) -> Iterator[T]:
 SETTLE_GRACE_S = 5.0
 
 
+#: Added to a rendezvous timeout of ``TrainerEngine.trainer_init``: the cause the CI met
+#: (``tests/test_vllm_moe_dp.py::test_init_while_a_wave_runs_deadlocks_until_the_rendezvous_timeout``; the
+#: model's bound ``init_while_serving``).
+RENDEZVOUS_HINT = (
+    "A MoE data-parallel engine takes init_weight_transfer_engine between two steps of its wave: a rank "
+    "inside the rendezvous cannot take its part in its peers' step. Call trainer_init before the engines "
+    "serve (requests held) or while they are paused (weightsync's controller table, spec/controller.py)."
+)
+
+
+def hint_rendezvous(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` whose :class:`TransferTimeoutError` of phase ``rendezvous`` carries :data:`RENDEZVOUS_HINT` as a
+    note (the trainer's side of ``trainer_init``)."""
+
+    def noted() -> T:
+        try:
+            return fn()
+        except TransferTimeoutError as e:
+            if e.phase == "rendezvous":
+                e.add_note(RENDEZVOUS_HINT)
+            raise
+
+    return noted
+
+
 def concurrently(
     rpc: Callable[[], object],
     local: Callable[[], T],
@@ -141,4 +166,13 @@ def concurrently(
         exe.shutdown(wait=False)
 
 
-__all__ = ["SETTLE_GRACE_S", "Declared", "chunks", "concurrently", "recorded", "update_info_of"]
+__all__ = [
+    "RENDEZVOUS_HINT",
+    "SETTLE_GRACE_S",
+    "Declared",
+    "chunks",
+    "concurrently",
+    "hint_rendezvous",
+    "recorded",
+    "update_info_of",
+]
