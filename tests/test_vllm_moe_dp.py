@@ -149,6 +149,7 @@ class _StaggeredInit(AsyncLLMWeightSyncClient):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_init_while_a_wave_runs_deadlocks_until_the_rendezvous_timeout(served: Served) -> None:
     """The deadlock the CI met (2026-12-05, the test above as it stood: ``rendezvous: timed out after 60.0 s
     waiting for rank(s) 1``), reproduced on purpose: an init that reaches DP rank 0 between two steps of a
