@@ -117,8 +117,9 @@ class _StaggeredInit(AsyncLLMWeightSyncClient):
     """``init_weight_transfer_engine`` delivered to DP engine 0 at once and to engine 1 ``delay_s`` seconds
     later: the interleaving in which a wave's two ranks take the utility call at different step boundaries.
     vLLM's front end sends one utility message per engine (``DPLBAsyncMPClient.call_utility_async``,
-    ``v1/engine/core_client.py:1699-1701``); each engine takes it from its input queue between two steps,
-    so under load the two deliveries can fall on either side of a step. Reaches one engine through
+    ``v1/engine/core_client.py:1699-1701``); each engine takes it from its input queue between two steps
+    (``DPEngineCoreProc.run_busy_loop``, ``v1/engine/core.py:2328-2363``: ``_process_input_queue``, then a
+    step or a dummy batch), so under load the two deliveries can fall on either side of a step. Reaches one engine through
     ``_call_utility_async(..., engine=)`` (``core_client.py:1279-1291``)."""
 
     def __init__(self, *a: object, delay_s: float, **kw: object) -> None:
