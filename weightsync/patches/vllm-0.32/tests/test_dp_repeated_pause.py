@@ -64,8 +64,16 @@ def test_init_weight_transfer_engine_during_a_pause_in_flight_is_refused(dp_moe_
 
         request = asyncio.ensure_future(generate(llm, "draining", 0, 64))
         await asyncio.sleep(0.5)
-        pause = asyncio.ensure_future(llm.pause_generation(mode="wait"))
-        await asyncio.sleep(0.2)
+        # clear_cache=False: with the default, pause_generation first awaits the
+        # multi-modal cache clear and only then sends pause_scheduler, so an
+        # init sent meanwhile can reach the engines before the pause does.
+        pause = asyncio.ensure_future(
+            llm.pause_generation(mode="wait", clear_cache=False)
+        )
+        # is_paused is answered by every engine after the pause_scheduler call
+        # sent to it before (one input queue per engine, taken in order).
+        while not await asyncio.wait_for(llm.is_paused(), TIMEOUT_S):
+            await asyncio.sleep(0.01)
         assert not pause.done(), "the wait-mode pause returned before its request drained"
         with pytest.raises(Exception, match="while a pause is in flight"):
             await asyncio.wait_for(
