@@ -101,8 +101,8 @@ class CtrlVars(NamedTuple):
         repeat_resume_used: the one retried resume was sent (model bound ``repeat_resume``).
         recovering: a round failed and no round has succeeded since.
         extra_used: bits ``X_PAUSE`` / ``X_RESUME`` / ``X_REPEAT_PAUSE`` / ``X_INIT_SERVING_USED``: the
-            second pause / the resume during an update / the repeated pause before the round / the init while
-            serving were sent (model bounds of the same names); ``X_INIT_SERVING``: that init is the phase.
+            second pause / the resume during an update / the repeated pause / the init while serving were
+            sent (bounds ``pause_during_update`` ... ``init_while_serving``); ``X_INIT_SERVING``: it is now.
     """
 
     state: Phase = Phase.IDLE

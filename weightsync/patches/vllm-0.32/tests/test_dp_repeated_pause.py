@@ -67,9 +67,7 @@ def test_init_weight_transfer_engine_during_a_pause_in_flight_is_refused(dp_moe_
         # clear_cache=False: with the default, pause_generation first awaits the
         # multi-modal cache clear and only then sends pause_scheduler, so an
         # init sent meanwhile can reach the engines before the pause does.
-        pause = asyncio.ensure_future(
-            llm.pause_generation(mode="wait", clear_cache=False)
-        )
+        pause = asyncio.ensure_future(llm.pause_generation(mode="wait", clear_cache=False))
         # is_paused is answered by every engine after the pause_scheduler call
         # sent to it before (one input queue per engine, taken in order).
         while not await asyncio.wait_for(llm.is_paused(), TIMEOUT_S):
