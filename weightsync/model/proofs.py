@@ -62,7 +62,7 @@ EXTRA_PROOFS: tuple[tuple[str, str, str, int, Bounds, str], ...] = (
     ("cycles-2", "vllm-0.32-epoch", "per-socket", 2, Bounds(cycles=2), "verified"),
     ("requests-2", "vllm-0.32-epoch", "per-socket", 2, Bounds(requests=2), "verified"),
     # an init while the engines serve (a restarted trainer reconnecting without a pause): a rank inside the
-    # transfer group's rendezvous cannot take its part in the wave's DP step, under every variant; the CI
+    # transfer group's rendezvous cannot take its part in the wave's DP step (so in vllm-0.32 too); the CI
     # met it on real vLLM (tests/test_vllm_moe_dp.py::test_init_while_a_wave_runs_...). The rule lives in
     # the controller: init before serving with requests held, or while paused.
     *(
