@@ -119,8 +119,8 @@ class _StaggeredInit(AsyncLLMWeightSyncClient):
     vLLM's front end sends one utility message per engine (``DPLBAsyncMPClient.call_utility_async``,
     ``v1/engine/core_client.py:1699-1701``); each engine takes it from its input queue between two steps
     (``DPEngineCoreProc.run_busy_loop``, ``v1/engine/core.py:2328-2363``: ``_process_input_queue``, then a
-    step or a dummy batch), so under load the two deliveries can fall on either side of a step. Reaches one engine through
-    ``_call_utility_async(..., engine=)`` (``core_client.py:1279-1291``)."""
+    step or a dummy batch), so under load the two deliveries can fall on either side of a step. Reaches one
+    engine through ``_call_utility_async(..., engine=)`` (``core_client.py:1279-1291``)."""
 
     def __init__(self, *a: object, delay_s: float, **kw: object) -> None:
         super().__init__(*a, **kw)  # type: ignore[arg-type]

@@ -43,8 +43,8 @@ each edge's check); :class:`~weightsync.model.compact.view.DecodedStates` reads 
 :class:`GlobalState` values for counterexamples, progress checks, export and replay.
 
 Transfer collectives and timeouts, the client's sends and aborts (while any are left), the front-end's
-``fe`` calls, and the controller's moves until their rank-by-rank entries are known take the slow path: decode, run the model's
-part, encode (slices that did not change keep their id without being hashed). Each memo entry is computed
+``fe`` calls, and the controller's moves until their rank-by-rank entries are known take the slow path:
+decode, run the model's part, encode (slices that did not change keep their id without being hashed). Each memo entry is computed
 on a miss by the model's part on the decoded state, and checked there against it (the other ranks must be
 unchanged, the rebuilt successor equal to the model's); ``verify=True`` also compares every successor list,
 edge check and invariant with a fresh computation of the model (the cache-consistency mode of the tests).
