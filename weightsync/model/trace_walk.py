@@ -51,8 +51,7 @@ from weightsync.model.system import (
 from weightsync.model.system.effects import collective_args
 from weightsync.model.trace_read import SCHEMA, EngineStep, TraceFormatError, config_of, read_trace
 from weightsync.model.trace_result import WalkResult, _diff, _state_lines
-from weightsync.spec.calls import CALL_ARGS
-from weightsync.spec.controller import front_end_answers
+from weightsync.spec.calls import CALL_ARGS, front_end_answers
 from weightsync.spec.coordinator import CoordState
 from weightsync.spec.states import PauseMode, RankEvent
 

@@ -130,6 +130,18 @@ def worker_outcome(effect: str, kwargs: Mapping[str, Any]) -> tuple[RankEvent, d
     return event, {k: kwargs.get(k, d) for k, d in defaults.items()}
 
 
+def front_end_answers(pause_in_front_end: bool, call: str) -> bool:
+    """Whether the API front-end answers ``call`` itself (the rows' effect ``front_end_call``): pause and
+    resume in a variant whose pause is held in the front-end (PR #28037, before PR #34125)."""
+    return pause_in_front_end and call in (PHASE_CALL[Phase.PAUSE], PHASE_CALL[Phase.RESUME])
+
+
+def call_version(phase: int, update_rounds: int) -> int:
+    """The version argument the call of ``phase`` carries: a ``finish_weight_update`` the count of
+    successful rounds + 1 (so a round retried after a failure carries the same version), the others 0."""
+    return update_rounds + 1 if phase == Phase.FINISH else 0
+
+
 __all__ = [
     "CALL_ARGS",
     "CALL_EVENT",
@@ -140,5 +152,7 @@ __all__ = [
     "WORKER_OUTCOME",
     "Phase",
     "call_args",
+    "call_version",
+    "front_end_answers",
     "worker_outcome",
 ]

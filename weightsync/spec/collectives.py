@@ -100,6 +100,12 @@ FAIL_PHASE: dict[str, str] = {
     "weight_broadcast": "update",
     "transfer_init": "init",
 }
+#: The transfer collectives a refusal of their call ends: once a rank answered the call with an error
+#: without joining, the collective can never complete, and its members time out. The trainer's
+#: ``trainer_init`` runs the engines' ``init_weight_transfer_engine`` beside its rendezvous and raises the
+#: RPC's error once it fails (``weightsync/impl/transfer/trainer_calls.py`` ``concurrently``); a rank that
+#: joined leaves at its rendezvous deadline.
+ABANDONED_ON_REFUSAL: frozenset[str] = frozenset({str(C.TRANSFER_INIT.value)})
 CALL_FAIL_PHASE: dict[RankEvent, str] = {
     RankEvent.INIT_TRANSFER: "init",
     RankEvent.START_UPDATE: "start",
@@ -169,10 +175,12 @@ def collectives_digest() -> str:
     ]
     lines += [f"{k}={v}" for k, v in sorted(FAIL_PHASE.items())]
     lines += [f"{k.value}={v}" for k, v in CALL_FAIL_PHASE.items()]
+    lines += [f"abandoned_on_refusal={k}" for k in sorted(ABANDONED_ON_REFUSAL)]
     return table_digest((), *lines)
 
 
 __all__ = [
+    "ABANDONED_ON_REFUSAL",
     "CALL_FAIL_PHASE",
     "COLLECTIVES",
     "DONE_CARRIES_HAS_WORK",

@@ -47,6 +47,7 @@ from weightsync.spec.calls import (
     PHASE_CALL,
     TRAINER_COLLECTIVE,
     Phase,
+    front_end_answers,
 )
 from weightsync.spec.table import (
     ALWAYS,
@@ -129,18 +130,6 @@ def _serving_init(v: CtrlVars) -> bool:  # the phase init is the one sent while 
     return bool(v.extra_used & X_INIT_SERVING)
 
 
-def front_end_answers(pause_in_front_end: bool, call: str) -> bool:
-    """Whether the API front-end answers ``call`` itself (the rows' effect ``front_end_call``): pause and
-    resume in a variant whose pause is held in the front-end (PR #28037, before PR #34125)."""
-    return pause_in_front_end and call in (PHASE_CALL[Phase.PAUSE], PHASE_CALL[Phase.RESUME])
-
-
-def call_version(phase: int, update_rounds: int) -> int:
-    """The version argument the call of ``phase`` carries: a ``finish_weight_update`` the count of
-    successful rounds + 1 (so a round retried after a failure carries the same version), the others 0."""
-    return update_rounds + 1 if phase == Phase.FINISH else 0
-
-
 def controller_event(phase: int, answered: bool, failed: bool) -> CtrlEvent:
     """The controller's event: ``DONE`` in IDLE (no call outstanding), else ``WAITING`` until every one
     ``answered``, then ``FAILED`` if some answer was an error (``failed``), else ``DONE``."""
@@ -202,6 +191,8 @@ CTRL_GUARDS = {
     "repeat_pause_left": lambda v, a: bool(a["repeat_pause"]) and not v.extra_used & X_REPEAT_PAUSE,
     # the policies (module docstring)
     "recovers": lambda v, a: _recover(a),
+    "recovers_serving_init": lambda v, a: _recover(a) and _serving_init(v),
+    "recovers_not_serving_init": lambda v, a: _recover(a) and not _serving_init(v),
     "recovers_initialised": lambda v, a: _recover(a) and v.transfer_initialised,
     "recovers_not_initialised": lambda v, a: _recover(a) and not v.transfer_initialised,
     "recovers_cycles_left": lambda v, a: _recover(a) and _cycles_left(v, a),
@@ -224,6 +215,7 @@ CTRL_UPDATES = {
         extra_used=v.extra_used | X_INIT_SERVING | X_INIT_SERVING_USED
     ),
     "end_serving_init": lambda v, a: v._replace(extra_used=v.extra_used & ~X_INIT_SERVING),
+    "forget_initialised": lambda v, a: v._replace(transfer_initialised=False),
     "note_failure": lambda v, a: v._replace(recovering=True),
     "count_round": lambda v, a: v._replace(update_rounds=v.update_rounds + 1, recovering=False),
 }
@@ -390,7 +382,16 @@ def controller_table(pause_in_front_end: bool = False) -> Table:
         (_P.INIT, _E.DONE): after_init,
         (_P.INIT, _E.FAILED): (
             row(
-                "recovers", _P.INIT, ("note_failure",), R_RECOVER + ": the transfer group is gone: init again"
+                "recovers_serving_init",
+                _P.PAUSE,
+                ("end_serving_init", "forget_initialised"),
+                R_SERVING_INIT + ": refused while serving (patch 0008): pause, then the lazy init",
+            ),
+            row(
+                "recovers_not_serving_init",
+                _P.INIT,
+                ("note_failure",),
+                R_RECOVER + ": the transfer group is gone: init again",
             ),
             give_up._replace(rule=R_ONE + ": the init's error"),
         ),
@@ -489,12 +490,10 @@ __all__ = [
     "CtrlEvent",
     "CtrlVars",
     "Policy",
-    "call_version",
     "controller_choices",
     "controller_digest",
     "controller_event",
     "controller_next",
     "controller_table",
-    "front_end_answers",
     "init_holds_requests",
 ]

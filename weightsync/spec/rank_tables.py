@@ -68,12 +68,17 @@ def _serving_rows(state: RankState, honour_waves: bool, stale_add_rearms: bool, 
 
 
 R_FAIL = "weightsync: failure is a table event; a failed round reaches `failed`"
+R_INIT_GATE = (
+    "weightsync patch 0008: init only before the rank served or while paused (a rank in the rendezvous "
+    "cannot take its part in a wave's DP step: tests/test_vllm_moe_dp.py)"
+)
 
 
 def _transfer_rows() -> Table:
-    """verified -> updating -> verified, with failures as rows (weightsync); init legal in running, verified
-    and failed. ``finish_weight_update`` moves the version only on FINISH_DONE, after the workers' finish
-    returned; every failure (TRANSFER_FAILED) leaves the round in ``failed``, and a new round recovers it."""
+    """verified -> updating -> verified, with failures as rows (weightsync); init legal in verified and
+    failed, and in running only before the rank served (guard ``never_served``; a served rank refuses).
+    ``finish_weight_update`` moves the version only on FINISH_DONE, after the workers' finish returned;
+    every failure (TRANSFER_FAILED) leaves the round in ``failed``, and a new round recovers it."""
     start = _t(ALWAYS, _S.UPDATING, (), ("start_weight_update", "reply"), R_START)
     rows: Table = {
         (_S.VERIFIED, _E.START_UPDATE): (start,),
@@ -119,6 +124,11 @@ def _transfer_rows() -> Table:
         rows[(s, _E.INIT_TRANSFER)] = (
             _t(ALWAYS, s, ("enter_transfer_init",), ("enter_transfer_init",), R_INIT),
         )
+        if s is _S.RUNNING:
+            rows[(s, _E.INIT_TRANSFER)] = (
+                _t("never_served", s, ("enter_transfer_init",), ("enter_transfer_init",), R_INIT_GATE),
+                _t(ALWAYS, s, (), ("refuse",), R_INIT_GATE + ": refused once the rank served"),
+            )
         rows[(s, _E.TRANSFER_INIT_DONE)] = (_t(ALWAYS, s, ("leave_collective",), ("reply",), R_INIT),)
         rows[(s, _E.TRANSFER_FAILED)] = (
             _t(ALWAYS, _S.FAILED, ("leave_collective", "fail_stop"), ("fail_init", "reply_failure"), R_FAIL),

@@ -14,7 +14,7 @@ from weightsync.impl.engine.front_end import FrontEnd
 from weightsync.impl.engine.messages import (
     UtilityCall,
 )
-from weightsync.spec.controller import front_end_answers
+from weightsync.spec.calls import front_end_answers
 from weightsync.spec.errors import (
     TransferTimeoutError,
     WeightSyncError,

@@ -105,7 +105,7 @@ class Codec:
             self._status.append(r.status)
             self._names.append(rank_names_a_rank(r))
             pid = self._proj_ids
-            coll = pid.setdefault(("c", r.blocked, r.vars.state), len(pid))
+            coll = pid.setdefault(("c", r.blocked, r.vars.state, r.status), len(pid))
             self._coll_proj.append(coll)
             self._env_class.append(pid.setdefault(("e", self._flags[k], r.status, coll), len(pid)))
             ps = tuple(pid.setdefault((g, *f(r)), len(pid)) for g, f in enumerate(RANK_PROJECTIONS))

@@ -34,6 +34,7 @@ from weightsync.model.system.state import (
 )
 from weightsync.spec.calls import CALL_ARGS, WORKER_OUTCOME, call_args, worker_outcome
 from weightsync.spec.collectives import (
+    ABANDONED_ON_REFUSAL,
     CALL_FAIL_PHASE,
     OUTCOME_KINDS,
     contribution,
@@ -87,15 +88,21 @@ class RankEffects(ModelBase):
     def _timeouts(self, s: GlobalState, out: list[tuple[Label, GlobalState]]) -> None:
         """A member of a weight-transfer collective that can never complete times out (weightsync: every
         collective has a timeout that becomes an error): some rank is ``failed`` outside it (it refuses the
-        call), or the trainer timed out of it. Each member times out on its own."""
+        call), the trainer timed out of it, or (:data:`~weightsync.spec.collectives.ABANDONED_ON_REFUSAL`) a
+        rank answered its call with an error without joining. Each member times out on its own."""
         ranks = s.ranks
         for k in TRANSFER_KINDS:
             in_k = [i for i, r in enumerate(ranks) if r.blocked == k]
             trainer_in = s.trainer.blocked == k
             if not in_k and not trainer_in:
                 continue
-            stuck = any(r.vars.state is RankState.FAILED and r.blocked != k for r in ranks) or (
-                not trainer_in and s.trainer.status == FAILED_REPLY
+            stuck = (
+                any(r.vars.state is RankState.FAILED and r.blocked != k for r in ranks)
+                or (not trainer_in and s.trainer.status == FAILED_REPLY)
+                or (
+                    k in ABANDONED_ON_REFUSAL
+                    and any(r.status == FAILED_REPLY and r.blocked != k for r in ranks)
+                )
             )
             if not stuck:
                 continue

@@ -28,11 +28,10 @@ from weightsync.model.system.state import (
     _ScratchState,
     ghost_with_mode,
 )
-from weightsync.spec.calls import CALL_ARGS, TRAINER_COLLECTIVE, Phase
+from weightsync.spec.calls import CALL_ARGS, TRAINER_COLLECTIVE, Phase, call_version
 from weightsync.spec.controller import (
     CtrlEvent,
     CtrlVars,
-    call_version,
     controller_choices,
     controller_event,
     init_holds_requests,
