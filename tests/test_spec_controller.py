@@ -269,3 +269,30 @@ def test_an_init_while_serving_is_offered_once_after_a_resume_and_leads_to_a_pau
     # a lazy init (while paused) still goes on to start, or resumes (pause -> init -> resume)
     lazy = CtrlVars(Phase.INIT, cycles_started=1, transfer_initialised=True)
     assert [p for p, _ in targets(lazy, CtrlEvent.DONE, args)] == [Phase.START, Phase.RESUME]
+
+
+def test_a_refused_init_while_serving_pauses_then_inits_while_paused() -> None:
+    """The init gate (rank guard ``never_served``, patch 0008) refuses an init on ranks that served; the
+    controller (policy recover) then pauses, forgetting the init, so the pause's answer leads to the lazy
+    init while paused; it never re-sends the init while serving. Policy one_round raises the refusal."""
+    from weightsync.spec.controller import ONE_ROUND_ARGS
+
+    table = controller_table()
+    args = {**ONE_ROUND_ARGS, "policy": Policy.RECOVER, "cycles": 1, "init_while_serving": True}
+    resumed = CtrlVars(Phase.RESUME, cycles_started=1, update_rounds=1)
+    (serving,) = [
+        a for tr, a in controller_choices(table, resumed, CtrlEvent.DONE, args) if tr.target is Phase.INIT
+    ]
+    refused = controller_choices(table, serving, CtrlEvent.FAILED, args)
+    assert [tr.target for tr, _ in refused] == [Phase.PAUSE], refused
+    ((_, pausing),) = refused
+    assert not pausing.transfer_initialised and not pausing.recovering
+    after_pause = [tr.target for tr, _ in controller_choices(table, pausing, CtrlEvent.DONE, args)]
+    assert after_pause == [Phase.INIT, Phase.RESUME], after_pause
+    # a failed init that is not the serving one still inits again (the transfer group is gone)
+    lazy = CtrlVars(Phase.INIT, cycles_started=1)
+    assert [tr.target for tr, _ in controller_choices(table, lazy, CtrlEvent.FAILED, args)] == [Phase.INIT]
+    one = {**args, "policy": Policy.ONE_ROUND}
+    assert [tr.effects for tr, _ in controller_choices(table, serving, CtrlEvent.FAILED, one)] == [
+        ("raise_failure",)
+    ]

@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
+from itertools import pairwise
 
 import pytest
 import torch
@@ -41,6 +43,7 @@ from weightsync.impl.transfer.trainer_calls import RENDEZVOUS_HINT  # noqa: E402
 from weightsync.spec.errors import TransferTimeoutError  # noqa: E402
 from weightsync.vllm import cpu_collectives  # noqa: E402
 from weightsync.vllm.clients import AsyncLLMWeightSyncClient  # noqa: E402
+from weightsync.vllm_tools.fix import ENV_FIX, OFF  # noqa: E402
 from weightsync.vllm_tools.models import build_tiny_mixtral, checkpoint_state, perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -86,6 +89,39 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def served_as_shipped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The same engine with vLLM's DP engine core as shipped (``WEIGHTSYNC_VLLM_FIX=none`` in the engine
+    processes, which read it when the plugin loads): no transfer init gate (patch 0008)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV_FIX, OFF)
+        s = Served(str(tmp_path_factory.mktemp("tiny-mixtral-dp-shipped")), dp=2, builder=build_tiny_mixtral)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _start_a_wave(s: Served, max_tokens: int) -> tuple[Future[None], list[object], list[float]]:
+    """A request of ``max_tokens`` greedy tokens on DP rank 0, running once this returns (rank 0 produced a
+    token): its future, its outputs so far and when each arrived (``time.monotonic``)."""
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs: list[object] = []
+    stamps: list[float] = []
+
+    async def generate() -> None:
+        async for out in s.llm.generate({"prompt_token_ids": PROBES[0]}, sp, "wave", data_parallel_rank=0):
+            outs.append(out)
+            stamps.append(time.monotonic())
+
+    request = asyncio.run_coroutine_threadsafe(generate(), s.loop)
+    deadline = time.monotonic() + 60
+    while not outs and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert outs, "the request produced nothing in 60 s"
+    return request, outs, stamps
 
 
 def test_moe_dp2_serves_like_transformers_on_both_ranks_before_and_after_a_round(served: Served) -> None:
@@ -151,30 +187,20 @@ class _StaggeredInit(AsyncLLMWeightSyncClient):
 
 @pytest.mark.slow
 @pytest.mark.ci
-def test_init_while_a_wave_runs_deadlocks_until_the_rendezvous_timeout(served: Served) -> None:
+def test_init_while_a_wave_runs_deadlocks_as_shipped_until_the_rendezvous_timeout(
+    served_as_shipped: Served,
+) -> None:
     """The deadlock the CI met (2026-12-05, the test above as it stood: ``rendezvous: timed out after 60.0 s
     waiting for rank(s) 1``), reproduced on purpose: an init that reaches DP rank 0 between two steps of a
     running wave and rank 1 inside the next one. Rank 0's worker waits in the transfer group's rendezvous;
     rank 1 waits in the step's MoE collective (``all_gatherv``) for rank 0, so it never takes its own init
     call. Nothing moves until the rendezvous deadline (``timeout_s``); the engines' DP group would wait its
     own 1800 s (gloo's default, ``config/parallel.py:366-368``). The timeout names the missing rank; the
-    engines then go on (a bounded error, not a hang), and the wave's request completes."""
-    s = served
+    engines then go on (a bounded error, not a hang), and the wave's request completes. vLLM as shipped
+    (patch 0008 refuses the call: the test below)."""
+    s = served_as_shipped
     rank_of_dp1 = 2  # the trainer is rank 0, DP engine r's worker rank 1 + r
-    sp = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
-    outs: list[object] = []
-    stamps: list[float] = []  # when each output arrived
-
-    async def generate() -> None:
-        async for out in s.llm.generate({"prompt_token_ids": PROBES[0]}, sp, "wave", data_parallel_rank=0):
-            outs.append(out)
-            stamps.append(time.monotonic())
-
-    request = asyncio.run_coroutine_threadsafe(generate(), s.loop)
-    deadline = time.monotonic() + 60
-    while not outs and time.monotonic() < deadline:  # the wave runs once rank 0 produced a token
-        time.sleep(0.05)
-    assert outs, "the request produced nothing in 60 s"
+    request, outs, stamps = _start_a_wave(s, 96)
     client = _StaggeredInit(s.llm, s.loop, timeout_s=120, delay_s=3.0)
     t0 = time.monotonic()
     with pytest.raises(TransferTimeoutError) as err:
@@ -192,3 +218,25 @@ def test_init_while_a_wave_runs_deadlocks_until_the_rendezvous_timeout(served: S
     assert len(final.outputs[0].token_ids) == 96  # type: ignore[attr-defined]
     assert all(isinstance(o, Exception) for o in client.outcomes), client.outcomes
     print(f"\ninit while a wave runs: stalled {stalled_s:.1f} s, then {err.value}")
+
+
+def test_init_while_a_wave_runs_is_refused_at_once_with_the_fix(served: Served) -> None:
+    """With the plugin's default fix (patch 0008) an init while a wave runs is refused by the engine cores
+    before any worker joins a rendezvous, whichever step boundary it reaches each rank at (``weightsync
+    check --variant vllm-0.32-epoch --init-while-serving`` verifies with the gate): ``trainer_init`` raises
+    the refusal, naming the wave, and the wave never stalls."""
+    s = served
+    request, outs, stamps = _start_a_wave(s, 48)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"init_weight_transfer_engine called while the engines serve \(wave"):
+        s.connect(timeout_s=30)
+    refused_s = time.monotonic() - t0
+    s.trainer = None
+    assert refused_s < 15, refused_s  # the RPC's refusal, not the rendezvous deadline (30 s)
+    request.result(120)
+    assert len(outs[-1].outputs[0].token_ids) == 48  # type: ignore[attr-defined]
+    gaps = [b - a for a, b in pairwise(stamps) if a > t0]
+    print(
+        f"\ninit while a wave runs, fixed: refused in {refused_s:.1f} s, longest gap {max(gaps, default=0):.2f} s"
+    )
+    assert max(gaps, default=0.0) < 5, gaps  # no stall while the init was refused

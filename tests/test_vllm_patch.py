@@ -56,7 +56,16 @@ def patched() -> str:
 def test_the_series_applies_in_order_to_a_copy_of_the_installed_tree(patched: str, tmp_path: Path) -> None:
     """``patch -p1`` of each patch, in order, with no fuzz, to copies of the files it changes; the
     installed tree itself is untouched (a dry run there must apply too)."""
-    assert [p.name[:4] for p in fix.SERIES] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007"]
+    assert [p.name[:4] for p in fix.SERIES] == [
+        "0001",
+        "0002",
+        "0003",
+        "0004",
+        "0005",
+        "0006",
+        "0007",
+        "0008",
+    ]
     for rel in fix.SOURCES:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(SITE / rel, tmp_path / rel)
@@ -228,3 +237,24 @@ def test_a_pause_retried_past_the_consensus_joins_the_pause_in_progress(patched:
     eng._notify_idle_state_callbacks()
     assert [f.result(0) for f in futures if f is not None] == [None, None, None]
     assert eng.model_executor.calls == ["synchronize_device"] * 3
+
+
+def test_init_is_taken_only_before_serving_or_while_paused(patched: str) -> None:
+    """Patch 0008: ``init_weight_transfer_engine`` on a rank that served (a wave ended or a resume re-based
+    it: ``current_wave`` > 0) or that runs a wave is refused, naming the wave, before it reaches a worker;
+    a rank that never served takes it, and so does a paused one (consensus reached) whatever its wave."""
+    core = load_core(patched)
+    for fields in (
+        {"current_wave": 1},
+        {"engines_running": True},
+        {"current_wave": 3, "engines_running": True},
+    ):
+        eng = make_engine(core, None, 0, **fields)
+        wave = fields.get("current_wave", 0)
+        with pytest.raises(RuntimeError, match=rf"while the engines serve \(wave {wave}\)"):
+            eng.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+        assert eng.model_executor.calls == [], fields
+    for fields in ({}, {"paused": True, "current_wave": 3}):
+        eng = make_engine(core, None, 0, **fields)
+        eng.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+        assert eng.model_executor.calls == ["init_weight_transfer_engine"], fields

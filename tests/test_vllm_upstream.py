@@ -235,3 +235,21 @@ def test_a_retried_pause_livelocks_as_shipped_and_not_patched_or_with_the_plugin
         overlay=overlay,
         tmp=tmp_path,
     )
+
+
+def test_init_while_serving_reaches_the_workers_as_shipped_and_is_refused_patched_or_with_the_plugin(
+    overlay: Path, tmp_path: Path
+) -> None:
+    """Patch 0008 (``weightsync check --variant vllm-0.32-epoch --init-while-serving`` verifies with it, and
+    finds ``collectives_match`` without it): as shipped, ``init_weight_transfer_engine`` sent while a MoE DP
+    wave runs reaches the workers (their own rejection of the empty ``init_info`` instead of the gate's;
+    with a real ``init_info`` the rendezvous deadlock of ``tests/test_vllm_moe_dp.py``); patched, and with
+    the plugin's default fix, the engine core refuses it while the engines serve and between waves, and
+    lets it through once they are paused."""
+    fails_as_shipped_and_passes_patched_and_with_the_plugin(
+        "test_dp_init_gate.py",
+        ("test_init_after_the_engines_served_is_refused_until_they_pause",),
+        "Regex pattern did not match",
+        overlay=overlay,
+        tmp=tmp_path,
+    )

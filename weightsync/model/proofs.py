@@ -62,13 +62,15 @@ EXTRA_PROOFS: tuple[tuple[str, str, str, int, Bounds, str], ...] = (
     ("cycles-2", "vllm-0.32-epoch", "per-socket", 2, Bounds(cycles=2), "verified"),
     ("requests-2", "vllm-0.32-epoch", "per-socket", 2, Bounds(requests=2), "verified"),
     # an init while the engines serve (a restarted trainer reconnecting without a pause): a rank inside the
-    # transfer group's rendezvous cannot take its part in the wave's DP step (so in vllm-0.32 too); the CI
-    # met it on real vLLM (tests/test_vllm_moe_dp.py::test_init_while_a_wave_runs_...). The rule lives in
-    # the controller: init before serving with requests held, or while paused.
+    # transfer group's rendezvous cannot take its part in the wave's DP step; the CI met it on real vLLM
+    # (tests/test_vllm_moe_dp.py::test_init_while_a_wave_runs_deadlocks_as_shipped_...). The init gate
+    # (guard never_served, patch 0008) refuses it on a rank that served, and the controller pauses, then
+    # inits; vLLM 0.32 as shipped has no gate.
     *(
-        ("init-while-serving", v, "per-socket", 2, Bounds(init_while_serving=True), "counterexample")
+        ("init-while-serving", v, "per-socket", 2, Bounds(init_while_serving=True), "verified")
         for v in ("two-phase-epoch", "vllm-0.32-epoch")
     ),
+    ("init-while-serving", "vllm-0.32", "per-socket", 2, Bounds(init_while_serving=True), "counterexample"),
 )
 #: Rows explored with ``--mode any`` (the controller picks the pause mode at each pause), same fields. The
 #: ``counterexample`` row of two-phase-epoch is an open finding (issue 19): it has no row for a pause at a

@@ -25,7 +25,11 @@ each and run its test):
    flight or a weight update is active (``core.py``);
 7. ``0007``: a pause that reaches a rank after the DP pause consensus, while the ranks still drain, joins
    the pause in progress (applied, it set ``pending_pause`` on that rank alone, and ``sync_dp_state`` kept
-   every rank stepping dummy batches forever with no pause returning) (``core.py``).
+   every rank stepping dummy batches forever with no pause returning) (``core.py``);
+8. ``0008``: ``init_weight_transfer_engine`` is taken only before the engines served (``current_wave == 0``,
+   no wave running) or while they are paused; otherwise it is refused naming the wave (applied, a MoE DP
+   wave's rank could wait in the transfer rendezvous while its peer waited for it in the step's
+   collective) (``core.py``).
 
 :func:`install_from_env` (the plugin's hook, run in every vLLM process that loads plugins) decides from
 :data:`ENV_FIX`: unset means :data:`DEFAULT_FIX`. On a vLLM other than 0.32.x the default installs nothing
