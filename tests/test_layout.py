@@ -65,7 +65,7 @@ def test_patch_series_is_package_data() -> None:
 
     from weightsync.vllm_tools.fix import PATCH_DIR, SERIES
 
-    assert len(SERIES) == 7 and all(p.is_file() and PKG in p.parents for p in SERIES)
+    assert len(SERIES) == 8 and all(p.is_file() and PKG in p.parents for p in SERIES)
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert all(
         p.relative_to(PKG).match(g) for p in SERIES for g in globs["weightsync"] if g.endswith(".patch")

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.impl.trace_replay import _CALLS, dict_to_vars, vars_to_dict
+from weightsync.spec.calls import call_args
 from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
 from weightsync.spec.rank import RankMachine, RankVars, apply, get_variant, relabel_weight_version, select
 from weightsync.spec.states import PauseMode, RankEvent
@@ -226,13 +227,10 @@ class CheckedEngine:
     ) -> None:
         """Checked ``pause`` (fan-out to every rank)."""
         m = PauseMode(mode)
-        self._call(
-            RankEvent.PAUSE,
-            lambda: self.engine.pause(m.value, clear_cache, timeout),
-            mode=m,
-            clear_cache=clear_cache,
-            running=0,
-        )
+        # the table's arguments (spec/calls.py call_args); the client does not see the ranks' queues, and
+        # a pause's legality does not depend on them (its row does: the engine reports the one it took)
+        args = call_args(RankEvent.PAUSE, {"mode": m.value, "clear_cache": clear_cache}, 0, 0)
+        self._call(RankEvent.PAUSE, lambda: self.engine.pause(m.value, clear_cache, timeout), **args)
 
     def resume(self, timeout: float | None = None) -> None:
         """Checked ``resume`` (illegal while a pause is in flight, in two-phase variants)."""
