@@ -118,8 +118,8 @@ class CompactEngine(CanonicalForm):
         """What :meth:`successors` does in states with this rest and these ranks' :attr:`_env_class`: some
         rank in a transfer collective (``busy``); the collective moves (none, the DP completion
         :meth:`_done`, or the slow path: :meth:`Model.collective_moves` has any, which reads the rest and
-        each rank's blocked, state and status); the coordinator's entries for its own FIFOs (keyed by the rest) and
-        the ranks with a message for it; whether the client may send or abort; the refresh's entries (keyed
+        each rank's blocked, state and status); the coordinator's entries for its own FIFOs (keyed by the
+        rest) and the ranks with a message for it; whether the client may send or abort; the refresh's entries (keyed
         by the rest); the controller's memo key if it has a move (:meth:`Environment.controller_moves`
         reads the rest and the statuses)."""
         n = self.n

@@ -85,7 +85,8 @@ class Bounds(NamedTuple):
             under ``--mode any``, a pause in another mode while paused); its replies are not counted.
         init_while_serving: after a completed resume the controller may call ``init_weight_transfer_engine``
             once more, joined by the trainer, while the engines serve and with no pause (a restarted
-            trainer reconnecting); client requests are not held for it.
+            trainer reconnecting); client requests are not held for it. Ranks that served refuse it (the
+            init gate, guard ``never_served``); the controller then pauses and inits while paused.
     """
 
     requests: int = 1
