@@ -76,9 +76,9 @@ def recorded(stream: Iterator[T], errors: list[BaseException]) -> Iterator[T]:
 SETTLE_GRACE_S = 5.0
 
 
-#: Added to a rendezvous timeout of ``TrainerEngine.trainer_init``: the cause the CI met
-#: (``tests/test_vllm_moe_dp.py::test_init_while_a_wave_runs_deadlocks_until_the_rendezvous_timeout``; the
-#: model's bound ``init_while_serving``).
+#: Added to a rendezvous timeout of ``TrainerEngine.trainer_init``: the cause the CI met on vLLM as shipped
+#: (``tests/test_vllm_moe_dp.py``, ``test_init_while_a_wave_runs_deadlocks_as_shipped_...``; the model's
+#: bound ``init_while_serving``). weightsync's patch 0008 refuses such an init instead.
 RENDEZVOUS_HINT = (
     "A MoE data-parallel engine takes init_weight_transfer_engine between two steps of its wave: a rank "
     "inside the rendezvous cannot take its part in its peers' step. Call trainer_init before the engines "
