@@ -43,7 +43,7 @@ def _refusing_row(variant: str) -> tuple[RankState, RankEvent, str]:
 
 def _engine_reply(state: RankState, event: RankEvent, variant: str, round_error: BaseException | None) -> str:
     m = RankMachine(0, 2, variant, 2)
-    # a rank that served (wave 1): the transfer init gate (guard never_served) refuses it
+    # a rank that served (wave 1): the transfer init gate (guard alone_or_never_served) refuses it
     m.vars = m.vars._replace(state=state, current_wave=1)
     fired = m.fire(event, **_ARGS.get(event, {}))
     eng = CallReplies()

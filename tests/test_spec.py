@@ -267,3 +267,21 @@ def test_finish_without_a_version_keeps_it_and_relabel_is_no_transition() -> Non
         after._replace(weight_version="default"), {"weight_version": "step-0", "monotonic": True}
     )
     assert not older(after._replace(weight_version="step-5"), {"weight_version": None, "monotonic": True})
+
+
+@pytest.mark.parametrize("variant", ["two-phase-epoch", "vllm-0.32-epoch"])
+def test_the_init_gate_refuses_a_dp_rank_that_served_and_not_a_lone_engine(variant: str) -> None:
+    """Patch 0008's gate as rows of state ``running`` (guard ``alone_or_never_served``): a DP rank takes
+    ``init_weight_transfer_engine`` before it served and refuses it once a wave ended or runs; a lone
+    engine (dp_size 1, vLLM's EngineCoreProc, which the patch leaves alone) takes it whenever it runs."""
+    from weightsync.spec.rank import RankMachine
+    from weightsync.spec.states import RankEvent
+
+    cases = [(2, 0, False, True), (2, 1, False, False), (2, 0, True, False), (1, 3, True, True)]
+    for dp_size, wave, running, taken in cases:
+        m = RankMachine(0, dp_size, variant, 2)
+        m.vars = m.vars._replace(current_wave=wave, engines_running=running)
+        tr = m.select(RankEvent.INIT_TRANSFER, {})
+        assert tr is not None
+        assert ("enter_transfer_init" in tr.effects) is taken, (dp_size, wave, running, tr)
+        assert ("refuse" in tr.effects) is not taken, (dp_size, wave, running, tr)

@@ -272,9 +272,10 @@ def test_an_init_while_serving_is_offered_once_after_a_resume_and_leads_to_a_pau
 
 
 def test_a_refused_init_while_serving_pauses_then_inits_while_paused() -> None:
-    """The init gate (rank guard ``never_served``, patch 0008) refuses an init on ranks that served; the
-    controller (policy recover) then pauses, forgetting the init, so the pause's answer leads to the lazy
-    init while paused; it never re-sends the init while serving. Policy one_round raises the refusal."""
+    """The init gate (rank guard ``alone_or_never_served``, patch 0008) refuses an init on DP ranks that
+    served; the controller (policy recover) then pauses, forgetting the init, so the pause's answer leads to
+    the lazy init while paused; it never re-sends the init while serving. Policy one_round raises the
+    refusal."""
     from weightsync.spec.controller import ONE_ROUND_ARGS
 
     table = controller_table()

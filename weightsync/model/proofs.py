@@ -64,8 +64,8 @@ EXTRA_PROOFS: tuple[tuple[str, str, str, int, Bounds, str], ...] = (
     # an init while the engines serve (a restarted trainer reconnecting without a pause): a rank inside the
     # transfer group's rendezvous cannot take its part in the wave's DP step; the CI met it on real vLLM
     # (tests/test_vllm_moe_dp.py::test_init_while_a_wave_runs_deadlocks_as_shipped_...). The init gate
-    # (guard never_served, patch 0008) refuses it on a rank that served, and the controller pauses, then
-    # inits; vLLM 0.32 as shipped has no gate.
+    # (guard alone_or_never_served, patch 0008) refuses it on a DP rank that served, and the controller
+    # pauses, then inits; vLLM 0.32 as shipped has no gate.
     *(
         ("init-while-serving", v, "per-socket", 2, Bounds(init_while_serving=True), "verified")
         for v in ("two-phase-epoch", "vllm-0.32-epoch")

@@ -76,7 +76,8 @@ R_INIT_GATE = (
 
 def _transfer_rows() -> Table:
     """verified -> updating -> verified, with failures as rows (weightsync); init legal in verified and
-    failed, and in running only before the rank served (guard ``never_served``; a served rank refuses).
+    failed, and in running only without DP peers or before the rank served (guard ``alone_or_never_served``;
+    a served DP rank refuses).
     ``finish_weight_update`` moves the version only on FINISH_DONE, after the workers' finish returned;
     every failure (TRANSFER_FAILED) leaves the round in ``failed``, and a new round recovers it."""
     start = _t(ALWAYS, _S.UPDATING, (), ("start_weight_update", "reply"), R_START)
@@ -126,7 +127,13 @@ def _transfer_rows() -> Table:
         )
         if s is _S.RUNNING:
             rows[(s, _E.INIT_TRANSFER)] = (
-                _t("never_served", s, ("enter_transfer_init",), ("enter_transfer_init",), R_INIT_GATE),
+                _t(
+                    "alone_or_never_served",
+                    s,
+                    ("enter_transfer_init",),
+                    ("enter_transfer_init",),
+                    R_INIT_GATE,
+                ),
                 _t(ALWAYS, s, (), ("refuse",), R_INIT_GATE + ": refused once the rank served"),
             )
         rows[(s, _E.TRANSFER_INIT_DONE)] = (_t(ALWAYS, s, ("leave_collective",), ("reply",), R_INIT),)

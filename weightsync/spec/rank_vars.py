@@ -280,9 +280,12 @@ GUARDS: dict[str, Callable[[RankVars, Args], bool]] = {
     "worker_active": lambda v, a: _worker(a) == "active",
     "worker_not_active": lambda v, a: _worker(a) != "active",
     "failed_init": lambda v, a: a.get("phase") == "init",
-    # the transfer init gate (weightsync patch 0008): a running rank joins the rendezvous only if it never
+    # the transfer init gate (weightsync patch 0008, DPEngineCoreProc only): a running rank joins the
+    # rendezvous only if no DP peer steps with it (dp_size 1: vLLM's EngineCoreProc, no gate) or it never
     # served (no wave ended or was re-based by a resume, none running)
-    "never_served": lambda v, a: v.current_wave == 0 and not v.engines_running,
+    "alone_or_never_served": lambda v, a: (
+        int(a["dp_size"]) == 1 or (v.current_wave == 0 and not v.engines_running)
+    ),
 }
 
 # ---------------------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ class Bounds(NamedTuple):
         init_while_serving: after a completed resume the controller may call ``init_weight_transfer_engine``
             once more, joined by the trainer, while the engines serve and with no pause (a restarted
             trainer reconnecting); client requests are not held for it. Ranks that served refuse it (the
-            init gate, guard ``never_served``); the controller then pauses and inits while paused.
+            init gate, guard ``alone_or_never_served``); the controller then pauses and inits while paused.
     """
 
     requests: int = 1
