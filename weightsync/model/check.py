@@ -247,6 +247,7 @@ def _progress(model: Model, ex: Exploration[G], props: dict[str, str]) -> None:
         "progress_pause": model.goal_pause,
         "progress_resume": model.goal_resume,
         "progress_requests": model.goal_requests,
+        "progress_run": model.goal_run,
     }
     states = ex.states
     # the goals read the controller, trainer, front-end and requests, and each rank's status

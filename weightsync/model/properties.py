@@ -103,6 +103,12 @@ PROPERTIES: dict[str, tuple[str, str]] = {
         "every admitted request can finish or be aborted",
         "vLLM 0.32 v1/engine/core.py:951-953; AReaL #1160 (every pause followed by resume)",
     ),
+    "progress_run": (
+        "the controller's run can always end: its cycles started and the last call answered, every request "
+        "sent and finished or aborted (a call the table refuses forever, retried forever, is a livelock)",
+        "vLLM 0.32 v1/engine/async_llm.py:952-992 (pause and resume return); weightsync (a refused call "
+        "must not be retried forever)",
+    ),
     "sometimes_all_verified": (
         "non-vacuity: some reachable state has every rank verified",
         "weightsync (non-vacuity)",
@@ -134,7 +140,7 @@ SAFETY = (
 )
 
 
-PROGRESS = ("progress_pause", "progress_resume", "progress_requests")
+PROGRESS = ("progress_pause", "progress_resume", "progress_requests", "progress_run")
 
 
 SOMETIMES = ("sometimes_all_verified", "sometimes_update_with_wave_in_flight")

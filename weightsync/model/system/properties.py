@@ -308,3 +308,12 @@ class Properties(Environment):
     def goal_requests(self, s: GlobalState) -> bool:
         """Every admitted request finished or was aborted."""
         return len(s.done) + len(s.aborted) == s.front.next_request
+
+    def goal_run(self, s: GlobalState) -> bool:
+        """The controller's run is over: it started its ``cycles`` cycles and its last call was answered (or
+        it is idle), and every request was sent and finished or was aborted. It reads the state outside
+        the ranks and each rank's ``status`` only, as the other goals (the compact view groups by them)."""
+        phase = s.ctrl.phase
+        if s.ctrl.cycles_started != self.cycles or not (phase == IDLE or self._all_replied(s, phase)):
+            return False
+        return s.front.next_request == self.requests and len(s.done) + len(s.aborted) == self.requests
