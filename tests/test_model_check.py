@@ -12,8 +12,10 @@ from weightsync.model.check import check, check_mode
 from weightsync.model.explorer import explore
 from weightsync.model.export import counterexample_mermaid, state_graph
 from weightsync.model.labels import replay_labels
+from weightsync.model.mutation import mutants, mutation_guards
 from weightsync.model.properties import PROPERTIES
 from weightsync.model.system import Bounds, Config, Model
+from weightsync.spec.rank import get_variant
 from weightsync.spec.states import PauseMode
 
 
@@ -243,3 +245,21 @@ def test_stranded_states_tell_hangs_from_stalls() -> None:
     assert fix["verdict"] == "verified"
     assert fix["stranded"]["hang"] == 0 and fix["stranded"]["stall"] == 0
     assert fix["stranded"]["transient"] > 0  # ranks do wait in collectives, briefly
+
+
+def test_progress_run_catches_a_call_refused_and_retried_forever() -> None:
+    """A table whose init gate refuses every init (the negated guard ``alone_or_never_served``) leaves no
+    deadlock and no call outstanding: the controller retries the refused init forever. Only
+    ``progress_run`` (the controller's run can always end) sees it; the unmutated table satisfies it."""
+    table = get_variant("two-phase-epoch").table
+    (gate,) = [t2 for m, t2 in mutants(table) if m.kind == "guard" and m.what == "alone_or_never_served"]
+    bounds = Bounds(requests=0, init_transfer=True)
+    shipped = check_mode(Model(Config("two-phase-epoch", 2, PauseMode.KEEP, bounds=bounds)))
+    assert shipped.properties["progress_run"] == "holds", shipped.properties
+    refused = check_mode(
+        Model(
+            Config("two-phase-epoch", 2, PauseMode.KEEP, bounds=bounds), table=gate, guards=mutation_guards()
+        )
+    )
+    bad = {n for n, v in refused.properties.items() if v == "violated"}
+    assert bad == {"progress_run"}, refused.properties
