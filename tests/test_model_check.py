@@ -261,5 +261,5 @@ def test_progress_run_catches_a_call_refused_and_retried_forever() -> None:
             Config("two-phase-epoch", 2, PauseMode.KEEP, bounds=bounds), table=gate, guards=mutation_guards()
         )
     )
-    bad = {n for n, v in refused.properties.items() if v == "violated"}
+    bad = {n for n, v in refused.properties.items() if v == "violated" and not n.startswith("sometimes_")}
     assert bad == {"progress_run"}, refused.properties

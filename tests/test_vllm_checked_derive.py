@@ -22,8 +22,8 @@ class ScriptedFrontEnd(VLLMAdapter):
     """A front-end whose calls are recorded; ``unfinished`` per rank is what it reports; ``fail`` names the
     next call to raise."""
 
-    def __init__(self, dp: int, unfinished: list[int] | None = None) -> None:
-        super().__init__(dp, "default")
+    def __init__(self, dp: int, unfinished: list[int] | None = None, lockstep: bool = True) -> None:
+        super().__init__(dp, "default", lockstep=lockstep)
         self.sent: list[str] = []
         self.unfinished = unfinished or [0] * dp
         self.after_pause: list[int] | None = None
@@ -227,3 +227,39 @@ def test_a_version_vllm_does_not_report_is_a_divergence() -> None:
         eng.finish_weight_update(weight_version="step-1")
     with pytest.raises(ValueError, match="monotonic"):
         fe.finish_weight_update(weight_version="step-2", monotonic=True)
+
+
+def test_dense_engines_are_worlds_of_one_and_take_an_init_after_serving(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Dense DP=2 (``lockstep=False``: vLLM 0.32 runs each engine of a dense model as an independent
+    ``EngineCoreProc`` of DP size 1, ``v1/engine/core.py:1473-1482``): a keep round with two requests on
+    engine 1 only derives each engine's own DP sync (its own pending pause, sum 1) and resume barrier (its
+    own unfinished requests), and an ``init_weight_transfer_engine`` after the engines served reaches
+    vLLM, as vLLM takes it (a lone engine has no init gate). The same calls on lockstep (MoE) engines:
+    one sync of both pauses, and the init refused before vLLM sees it (guard ``alone_or_never_served``,
+    patch 0008). Both traces replay on the tables and the model's composition."""
+    dense = ScriptedFrontEnd(2, [0, 2], lockstep=False)
+    eng = CheckedEngine(dense, trace_path=tmp_path / "dense.jsonl")
+    assert [(m.rank, m.dp_size) for m in eng.machines] == [(0, 1), (0, 1)]
+    round_(eng, "keep", "v1")
+    syncs = [(r.rank, r.args["sum_pending_pause"]) for r in dense.transitions if r.event == "dp_sync_done"]
+    assert syncs == [(0, 1), (1, 1)], syncs
+    barriers = {
+        r.rank: r.args["max_unfinished"] for r in dense.transitions if r.event == "resume_barrier_done"
+    }
+    assert barriers == {0: 0, 1: 1}, barriers
+    eng.init_weight_transfer_engine({"master_port": 1})
+    assert dense.sent[-1] == "init_weight_transfer_engine" and eng.violations == []
+    out = replay_ok(tmp_path / "dense.jsonl", capsys)
+    assert out["ranks"] == 2 and out["outcomes_checked"] == 4, out
+
+    moe = ScriptedFrontEnd(2, [0, 2])
+    eng = CheckedEngine(moe, trace_path=tmp_path / "moe.jsonl")
+    round_(eng, "keep", "v1")
+    syncs = [(r.rank, r.args["sum_pending_pause"]) for r in moe.transitions if r.event == "dp_sync_done"]
+    assert syncs == [(0, 2), (1, 2)], syncs
+    with pytest.raises(LocalProtocolError, match="init_weight_transfer_engine"):
+        eng.init_weight_transfer_engine({"master_port": 1})
+    assert "init_weight_transfer_engine" not in moe.sent
+    replay_ok(tmp_path / "moe.jsonl", capsys)

@@ -128,3 +128,57 @@ def test_dp2_checked_round_counts_each_engine_and_replays(
     out = json.loads(capsys.readouterr().out)["traces"][0]
     assert out["ranks"] == 2 and out["outcomes_checked"] == 2 and out["notes"] == [], out
     assert_serves(s, s.hf)
+
+
+def test_dp2_dense_engines_take_a_reinit_while_serving_under_the_checker(
+    served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dense model's DP engines are independent (``v1/engine/core.py:1473-1482``): the checked adapter
+    makes each a DP world of one, so a trainer that reconnects (``init_weight_transfer_engine``) while both
+    engines serve, after they served a round, is taken, as vLLM takes it; the next round moves the weights
+    and the trace replays. (In one lockstep world the init gate would refuse that init: a MoE engine.)"""
+    s = served
+    trace = tmp_path / "dense-reinit.jsonl"
+    eng = CheckedEngine(AsyncLLMAdapter(s.llm, s.loop, timeout_s=120), trace_path=trace)
+    assert not eng.lockstep and [(m.rank, m.dp_size) for m in eng.machines] == [(0, 1), (0, 1)]
+    tr = s.connect(client=eng)
+    eng.pause(mode="abort")
+    s.hf.load_state_dict(perturbed_state(s.hf, seed=21, scale=0.5))
+    tr.send_weights(weight_version="dense-1")
+    eng.resume()
+    assert all(m.vars.current_wave > 0 for m in eng.machines)  # the engines have served a resume barrier
+
+    started: set[str] = set()
+
+    async def request(i: int, rank: int) -> Any:
+        sp = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+        last = None
+        async for out in s.llm.generate(
+            {"prompt_token_ids": [1, 60 + i]}, sp, request_id=f"reinit-{i}", data_parallel_rank=rank
+        ):
+            started.add(f"reinit-{i}")
+            last = out
+        return last
+
+    futs = [asyncio.run_coroutine_threadsafe(request(i, r), s.loop) for i, r in enumerate([0, 1])]
+    deadline = time.monotonic() + 60
+    while len(started) < len(futs) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(started) == len(futs)
+    t0 = time.monotonic()
+    tr = s.connect(client=eng)  # the re-init, both engines serving
+    reinit_s = time.monotonic() - t0
+    eng.pause(mode="keep")
+    s.hf.load_state_dict(perturbed_state(s.hf, seed=22, scale=0.5))
+    tr.send_weights(weight_version="dense-2")
+    eng.resume()
+    outs = [f.result(180) for f in futs]
+    assert all(len(o.outputs[0].token_ids) == 120 for o in outs)
+    assert eng.get_weight_version() == "dense-2" and eng.violations == []
+    inits = [r.rank for r in eng.engine.transitions if r.event == "init_weight_transfer_engine"]
+    assert inits == [0, 1, 0, 1], inits
+    assert main(["replay", str(trace), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["traces"][0]
+    assert out["ranks"] == 2 and out["notes"] == [], out
+    print(f"\nre-init while both dense engines serve: {reinit_s:.2f} s")
+    assert_serves(s, s.hf)

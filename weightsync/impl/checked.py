@@ -48,17 +48,26 @@ from typing import Any
 from weightsync.impl.trace_replay import _CALLS, dict_to_vars, vars_to_dict
 from weightsync.spec.calls import call_args
 from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
-from weightsync.spec.rank import RankMachine, RankVars, apply, get_variant, relabel_weight_version, select
+from weightsync.spec.rank import (
+    RankMachine,
+    RankVars,
+    apply,
+    get_variant,
+    rank_machines,
+    relabel_weight_version,
+    select,
+)
 from weightsync.spec.states import PauseMode, RankEvent
 
 
 def _header(
-    variant: str, dp_size: int, sync_interval: int, init: list[dict[str, Any]] | None
+    variant: str, dp_size: int, sync_interval: int, init: list[dict[str, Any]] | None, lockstep: bool
 ) -> dict[str, Any]:
     return {
         "kind": "header",
         "variant": variant,
         "dp_size": dp_size,
+        "lockstep": lockstep,
         "sync_interval": sync_interval,
         "init": init,
         "t": time.time(),
@@ -70,7 +79,9 @@ class CheckedEngine:
 
     Args:
         engine: the wrapped engine client. It must expose ``dp_size``; ``variant`` (a Variant or name) and
-            ``sync_interval`` are read from it unless given; ``add_transition_listener`` feeds the shadows.
+            ``sync_interval`` are read from it unless given, and ``lockstep`` (default True: its engines are
+            one DP world; False: each is a world of one, :func:`~weightsync.spec.rank.rank_machines`);
+            ``add_transition_listener`` feeds the shadows.
         trace_path: JSONL file to append the trace to (None: no trace).
         variant, dp_size, sync_interval: override what the engine reports.
 
@@ -93,9 +104,10 @@ class CheckedEngine:
         self.dp_size = int(dp_size if dp_size is not None else engine.dp_size)
         self.sync_interval = int(sync_interval if sync_interval is not None else engine.sync_interval)
         self._table = get_variant(self.variant_name).table
-        self.machines = [
-            RankMachine(r, self.dp_size, self.variant_name, self.sync_interval) for r in range(self.dp_size)
-        ]
+        self.lockstep = bool(getattr(engine, "lockstep", True))
+        self.machines = rank_machines(
+            self.dp_size, self.variant_name, self.sync_interval, lockstep=self.lockstep
+        )
         self._inflight: list[deque[tuple[RankEvent, dict[str, Any]]]] = [deque() for _ in self.machines]
         self._lock = threading.RLock()
         self.violations: list[str] = []
@@ -123,7 +135,7 @@ class CheckedEngine:
             if self.trace_path is not None:
                 self.trace_path.parent.mkdir(parents=True, exist_ok=True)  # e.g. traces/ in another cwd
                 with self.trace_path.open("a", encoding="utf-8") as f:
-                    hdr = _header(self.variant_name, self.dp_size, self.sync_interval, init)
+                    hdr = _header(self.variant_name, self.dp_size, self.sync_interval, init, self.lockstep)
                     f.write(json.dumps(hdr) + "\n")
         if self.trace_path is not None and hasattr(engine, "trace_to"):
             engine.trace_to(str(self.trace_path))
@@ -185,7 +197,7 @@ class CheckedEngine:
             for r in targets:
                 m = self.machines[r]
                 v: RankVars = m.vars
-                full = {"rank": r, "dp_size": self.dp_size, "sync_interval": self.sync_interval}
+                full = {"rank": m.rank, "dp_size": m.dp_size, "sync_interval": self.sync_interval}
                 pending = []
                 for e, a in self._inflight[r]:
                     tr = select(self._table, v, e, {**full, **a})

@@ -12,7 +12,15 @@ from typing import Any
 
 from weightsync.spec.calls import CALL_EVENT
 from weightsync.spec.collectives import DP_KINDS, KIND_OF_DONE
-from weightsync.spec.rank import RankMachine, RankVars, get_variant, relabel_weight_version, select
+from weightsync.spec.rank import (
+    RankMachine,
+    RankVars,
+    dp_peers,
+    get_variant,
+    rank_machines,
+    relabel_weight_version,
+    select,
+)
 from weightsync.spec.states import PauseState, RankEvent, RankState
 
 #: the DP collectives' completion events -> their kinds (spec/collectives.py)
@@ -139,6 +147,10 @@ def replay_trace(
     before / after the event (a real vLLM engine, :mod:`weightsync.vllm_tools.trace`); each must equal the
     table's value there, field by field.
 
+    The header's ``lockstep`` (default True) says whether the ``dp_size`` engines are one DP world or each
+    a world of one (:func:`~weightsync.spec.rank.rank_machines`); a DP collective is matched within its
+    world (:func:`~weightsync.spec.rank.dp_peers`).
+
     Raises:
         ValueError: the file has no header line or a line is not JSON (input error, not a divergence).
     """
@@ -164,7 +176,7 @@ def replay_trace(
     n = int(header["dp_size"])
     k = int(header["sync_interval"])
     table = get_variant(variant).table
-    machines = [RankMachine(r, n, variant, k) for r in range(n)]
+    machines = rank_machines(n, variant, k, lockstep=bool(header.get("lockstep", True)))
     for m, init in zip(machines, header.get("init") or [], strict=False):
         m.vars = dict_to_vars(init)
     entered: list[dict[int, str]] = [{} for _ in range(n)]  # rank -> {coll_seq: kind}
@@ -207,7 +219,7 @@ def replay_trace(
         kind = _DONE_OF.get(event.value)
         if kind is not None:
             seq = int(rec.get("coll_seq", 0)) - 1  # the DONE record carries the next sequence number
-            for q in range(n):
+            for q in dp_peers(machines, r):
                 if entered[q].get(seq) != kind:
                     what = entered[q].get(seq, "nothing")
                     return diverge(
@@ -219,7 +231,7 @@ def replay_trace(
                         "(collective not matched by every rank)",
                         before,
                     )
-        tr = select(table, before, event, {"rank": r, "dp_size": n, "sync_interval": k, **args})
+        tr = select(table, before, event, {"rank": m.rank, "dp_size": m.dp_size, "sync_interval": k, **args})
         if tr is None:
             return diverge(line, step, r, event.value, "no transition of the table (illegal here)", before)
         if validate is not None:

@@ -33,7 +33,7 @@ from weightsync.spec.collectives import DP_KINDS as DP_KINDS
 from weightsync.spec.collectives import KIND_OF_DONE as KIND_OF_DONE
 from weightsync.spec.collectives import OUTCOME_KINDS as OUTCOME_KINDS
 from weightsync.spec.collectives import TRANSFER_KINDS, contribution, outcome_args, reduce_values
-from weightsync.spec.rank import RankMachine, RankVars
+from weightsync.spec.rank import RankMachine, RankVars, dp_peers
 from weightsync.spec.states import PauseState, RankEvent, schedulable
 
 #: DP collectives with a sequence number shared by the members (``coll_seq`` of the trace)
@@ -88,7 +88,7 @@ class TraceChecker:
 
     def __init__(self) -> None:
         self._done: dict[tuple[str, int], dict[int, Mapping[str, Any]]] = {}
-        self._expected: dict[tuple[str, int], dict[str, int]] = {}
+        self._expected: dict[tuple[str, int, int], dict[str, int]] = {}
         self.outcomes_checked = 0
         self.has_work_checked = 0
         self.notes: list[str] = []
@@ -129,12 +129,14 @@ class TraceChecker:
             return None
         assert kind is not None
         seq = int(rec.get("coll_seq", 0)) - 1
-        key = (kind, seq)
+        peers = dp_peers(machines, r)  # the collective's members: r's DP world
+        key = (kind, seq, peers[0])
         expected = self._expected.get(key)
         if expected is None:  # the first completion: every member must be inside, at entry state
-            done = self._done.get(key, {})
+            done = self._done.get((kind, seq), {})
             members: list[Member] = []
-            for q, m in enumerate(machines):
+            for q in peers:
+                m = machines[q]
                 if m.vars.collective != kind:
                     return (
                         f"{kind}#{seq} completes while rank {q} is "

@@ -10,7 +10,7 @@ in :mod:`weightsync.spec.rank_tables` (two-phase and the historical designs) and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -324,3 +324,32 @@ class RankMachine(TableMachine[RankState, RankEvent]):
         args.setdefault("dp_size", self.dp_size)
         args.setdefault("sync_interval", self.sync_interval)
         return super().fire(event, **args)
+
+
+def rank_machines(
+    n: int, variant: str = DEFAULT_VARIANT, sync_interval: int = 32, *, lockstep: bool = True
+) -> list[RankMachine]:
+    """One machine per DP engine behind a front-end with ``n`` engines (list index: the engine's index).
+
+    ``lockstep`` True: the engines are the ranks of one DP world, rank ``r`` of ``n`` (a MoE model: vLLM
+    0.32 runs each as a ``DPEngineCoreProc``, ``v1/engine/core.py:1473-1476``). False: they are
+    independent (a dense model: each is an ``EngineCoreProc`` that
+    ``ParallelConfig.reconfigure_for_independent_dp_rank`` made ``data_parallel_size`` 1, rank 0,
+    ``v1/engine/core.py:1477-1482``, ``config/parallel.py:1172-1181``), so each is rank 0 of a world of
+    one: no DP collective with its peers, and the transfer-init gate does not apply.
+
+    Raises:
+        ValueError: ``n`` < 1, or as :class:`RankMachine`.
+    """
+    if n < 1:
+        raise ValueError(f"a front-end has at least one engine, got {n}")
+    if lockstep:
+        return [RankMachine(r, n, variant, sync_interval) for r in range(n)]
+    return [RankMachine(0, 1, variant, sync_interval) for _ in range(n)]
+
+
+def dp_peers(machines: Sequence[RankMachine], r: int) -> list[int]:
+    """The engines (indices into ``machines``, built by :func:`rank_machines`) in engine ``r``'s DP world,
+    the members of its DP collectives: every engine when they step in lockstep, ``r`` alone when each is a
+    world of one (``dp_size`` 1)."""
+    return [r] if machines[r].dp_size == 1 else list(range(len(machines)))

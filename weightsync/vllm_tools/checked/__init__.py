@@ -84,9 +84,9 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.impl.checked import CheckedEngine
-from weightsync.vllm_tools.checked.adapter import VLLMAdapter, VLLMCallError
+from weightsync.vllm_tools.checked.adapter import VLLMAdapter
 from weightsync.vllm_tools.checked.async_llm import AsyncLLMAdapter
-from weightsync.vllm_tools.checked.http import HTTPServerAdapter
+from weightsync.vllm_tools.checked.http import HTTPServerAdapter, VLLMCallError
 
 
 def checked_async_llm(

@@ -25,7 +25,7 @@ from weightsync.spec.collectives import (
     reduce_values,
 )
 from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
-from weightsync.spec.rank import DEFAULT_VARIANT, RankMachine, relabel_weight_version
+from weightsync.spec.rank import DEFAULT_VARIANT, RankMachine, dp_peers, rank_machines, relabel_weight_version
 from weightsync.spec.refusal import refusal_text
 from weightsync.spec.states import (
     Collective,
@@ -47,20 +47,6 @@ Counts = tuple[int, int]
 UNKNOWN: Counts = (-1, -1)
 
 
-class VLLMCallError(RuntimeError):
-    """``vllm serve`` answered a call with an error status (an ``AsyncLLM`` raises vLLM's own exception).
-
-    Attributes:
-        method: the vLLM call.
-        detail: vLLM's error text.
-    """
-
-    def __init__(self, method: str, detail: str) -> None:
-        self.method = method
-        self.detail = detail
-        super().__init__(f"vLLM {method} failed: {detail}")
-
-
 class VLLMAdapter:
     """The engine-client API of :class:`~weightsync.impl.checked.CheckedEngine` over a vLLM front-end, with
     the table transitions derived from what the controller observes (see the module docstring).
@@ -70,6 +56,8 @@ class VLLMAdapter:
 
     Attributes:
         dp_size: DP engines behind the front-end (ranks of the table).
+        lockstep: the engines are one DP world (a MoE model) or each a world of one (a dense model); see
+            :func:`~weightsync.spec.rank.rank_machines`.
         variant: the table's variant name.
         sync_interval: the table's K for the inferred steps (1: one sync step per pause).
         machines: one :class:`~weightsync.spec.rank.RankMachine` per rank, the adapter's own.
@@ -88,6 +76,7 @@ class VLLMAdapter:
         variant: str = DEFAULT_VARIANT,
         sync_interval: int = 1,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        lockstep: bool = True,
     ) -> None:
         if dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
@@ -95,9 +84,8 @@ class VLLMAdapter:
         self.variant = variant
         self.sync_interval = int(sync_interval)
         self.timeout_s = float(timeout_s)
-        self.machines = [
-            RankMachine(r, self.dp_size, variant, self.sync_interval) for r in range(self.dp_size)
-        ]
+        self.lockstep = bool(lockstep)
+        self.machines = rank_machines(self.dp_size, variant, self.sync_interval, lockstep=self.lockstep)
         for m in self.machines:
             m.vars = m.vars._replace(weight_version=str(weight_version))
         self.rank_seq = [0] * self.dp_size
@@ -223,13 +211,19 @@ class VLLMAdapter:
         self.lost = why
 
     def _lockstep(self, target: RankState, counts: list[Counts]) -> None:
-        """Inferred steps and collective completions, every rank in lockstep, until every rank is in
-        ``target`` outside any collective."""
+        """Inferred steps and collective completions, each DP world in lockstep (every engine, or each
+        engine alone: :func:`~weightsync.spec.rank.dp_peers`), until every rank is in ``target`` outside
+        any collective."""
+        for world in sorted({tuple(dp_peers(self.machines, r)) for r in range(self.dp_size)}):
+            self._lockstep_world(target, world, counts)
+
+    def _lockstep_world(self, target: RankState, world: tuple[int, ...], counts: list[Counts]) -> None:
+        machines = [self.machines[r] for r in world]
         for _ in range(2 * self.sync_interval + 4):
-            if all(m.state is target and not m.vars.collective for m in self.machines):
+            if all(m.state is target and not m.vars.collective for m in machines):
                 return
             kinds = set()
-            for r, m in enumerate(self.machines):
+            for r, m in zip(world, machines, strict=True):
                 if not m.vars.collective:
                     work = self._has_work(m, counts[r])
                     kinds.add(self._fire(r, RankEvent.STEP, {"has_work": work}, counts[r]).collective)
@@ -237,9 +231,9 @@ class VLLMAdapter:
                     kinds.add(m.vars.collective)
             if len(kinds) != 1 or "" in kinds or kinds.pop() not in DP_KINDS:
                 break
-            kind = self.machines[0].vars.collective
-            outcome = self._outcome(kind, counts)
-            for r, m in enumerate(self.machines):
+            kind = machines[0].vars.collective
+            outcome = self._outcome(kind, [(m, counts[r]) for r, m in zip(world, machines, strict=True)])
+            for r, m in zip(world, machines, strict=True):
                 args = dict(done_args(kind, tuple(outcome.items()), self._has_work(m, counts[r])))
                 self._fire(r, DONE_EVENT[kind], args, counts[r])
         states = [
@@ -255,10 +249,10 @@ class VLLMAdapter:
             return False  # unknown counts: a returned pause means nothing is schedulable (inference)
         return schedulable(PauseState(m.vars.pause_state), c[0], c[1])
 
-    def _outcome(self, kind: str, counts: list[Counts]) -> dict[str, int]:
-        """The all-reduce outcome of ``kind`` from the members' states and counts: the spec's contributions
-        and reduction (:mod:`weightsync.spec.collectives`); an unknown count contributes no unfinished work
-        (a returned pause: nothing schedulable, the inference of :meth:`_has_work`)."""
+    def _outcome(self, kind: str, members: list[tuple[RankMachine, Counts]]) -> dict[str, int]:
+        """The all-reduce outcome of ``kind`` from its members' machines and counts (one DP world): the
+        spec's contributions and reduction (:mod:`weightsync.spec.collectives`); an unknown count
+        contributes no unfinished work (a returned pause: nothing schedulable, see :meth:`_has_work`)."""
         contributions = [
             contribution(
                 kind,
@@ -268,7 +262,7 @@ class VLLMAdapter:
                 bool(m.vars.pending_pause),
                 int(m.vars.current_wave),
             )
-            for m, c in zip(self.machines, counts, strict=True)
+            for m, c in members
         ]
         return dict(outcome_args(kind, reduce_values(kind, contributions)))
 
@@ -389,7 +383,7 @@ class VLLMAdapter:
 
         Raises:
             LocalProtocolError: illegal on some rank (vLLM not called).
-            VLLMCallError or vLLM's exception: the engines failed (recorded as ``transfer_failed``).
+            vLLM's exception (over HTTP: :class:`~weightsync.vllm_tools.checked.http.VLLMCallError`): the engines failed (recorded as ``transfer_failed``).
         """
         self._weight_call(RankEvent.INIT_TRANSFER, init_info, timeout)
 
@@ -491,5 +485,4 @@ __all__ = [
     "UNKNOWN",
     "Counts",
     "VLLMAdapter",
-    "VLLMCallError",
 ]

@@ -22,6 +22,10 @@ class AsyncLLMAdapter(VLLMAdapter):
     ``get_weight_version()``. Unfinished counts: the output processor's (one engine) or the DP client's
     ``reqs_in_flight`` per engine identity (several), read on the loop in the same task as the pause.
 
+    The engines are one DP world (:func:`~weightsync.spec.rank.rank_machines`) when the model is MoE
+    (``model_config.is_moe``), else each engine is a world of its own; ``kw`` may say otherwise
+    (``lockstep``).
+
     Raises:
         ValueError: the engine is paused (rule 4).
     """
@@ -35,6 +39,8 @@ class AsyncLLMAdapter(VLLMAdapter):
             raise ValueError(
                 "AsyncLLMAdapter attaches to a serving engine; this one is paused (resume it first)"
             )
+        # a dense model's DP engines are independent, a MoE model's step in lockstep (v1/engine/core.py:1473-1482)
+        kw.setdefault("lockstep", bool(llm.vllm_config.model_config.is_moe))
         super().__init__(dp, str(self._run(llm.get_weight_version(), self.timeout_s)), **kw)
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:

@@ -9,7 +9,7 @@ import urllib.request
 from typing import Any
 
 from weightsync.spec.states import RankEvent
-from weightsync.vllm_tools.checked.adapter import CALL_OF_EVENT, DEFAULT_TIMEOUT_S, VLLMAdapter, VLLMCallError
+from weightsync.vllm_tools.checked.adapter import CALL_OF_EVENT, DEFAULT_TIMEOUT_S, VLLMAdapter
 
 #: The JSON field that carries each weight call's payload (``entrypoints/rl/online/api_router.py``; the
 #: route is the spec's call name of the event; None: no body)
@@ -21,6 +21,20 @@ BODY_FIELD: dict[RankEvent, str | None] = {
 }
 
 
+class VLLMCallError(RuntimeError):
+    """``vllm serve`` answered a call with an error status (an ``AsyncLLM`` raises vLLM's own exception).
+
+    Attributes:
+        method: the vLLM call.
+        detail: vLLM's error text.
+    """
+
+    def __init__(self, method: str, detail: str) -> None:
+        self.method = method
+        self.detail = detail
+        super().__init__(f"vLLM {method} failed: {detail}")
+
+
 class HTTPServerAdapter(VLLMAdapter):
     """:class:`VLLMAdapter` over the HTTP routes of ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``
     (``entrypoints/rl/online/api_router.py``): ``POST /pause?mode=&clear_cache=``, ``POST /resume``,
@@ -30,6 +44,8 @@ class HTTPServerAdapter(VLLMAdapter):
 
     The server reports no request counts per engine, so every record's counts are -1 (unknown) and the
     outcome arguments are inferred from the returned calls alone (a returned pause: nothing schedulable).
+    No route says whether the model is MoE: with DP > 1 the engines are taken as one DP world (lockstep)
+    unless ``kw`` passes ``lockstep=False`` (a dense model, :func:`~weightsync.spec.rank.rank_machines`).
 
     Raises:
         ValueError: the server is paused (rule 4).
@@ -95,4 +111,4 @@ class HTTPServerAdapter(VLLMAdapter):
         self._request("POST", f"/{CALL_OF_EVENT[event]}", body, timeout)
 
 
-__all__ = ["BODY_FIELD", "HTTPServerAdapter"]
+__all__ = ["BODY_FIELD", "HTTPServerAdapter", "VLLMCallError"]
