@@ -66,8 +66,8 @@ MUTATION_BOUNDS: tuple[MutationConfig, ...] = (
     # requests: the failed state, its refusals, the recovery round and the per-member timeouts
     MutationConfig("failures-init", Bounds(requests=0, init_transfer=True, failures=1), 60_000),
     # the one-time init with a request (abort mode: 108,590 states unmutated): the init gate's rows
-    # (alone_or_never_served) meet traffic; without requests a gate refusing the init before serving only
-    # loops the controller's retries, which no property forbids
+    # (alone_or_never_served) meet traffic (without requests, a gate that refuses every init only loops the
+    # controller's retries: progress_run)
     MutationConfig("init-traffic", Bounds(init_transfer=True), 500_000, True, (PauseMode.ABORT,)),
     # stray and retried resumes around one request (keep mode; 680k states exhaustively, so bounded)
     MutationConfig(
