@@ -91,8 +91,9 @@ def test_dp2_round_with_requests_in_flight(served: Served) -> None:
 def test_dp2_checked_round_counts_each_engine_and_replays(
     served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The same cycle through ``CheckedEngine(AsyncLLMAdapter)``: two table ranks, each with the front-end's
-    count of its own requests (the DP client's routing table), and a trace ``weightsync replay`` accepts."""
+    """The same cycle through ``CheckedEngine(AsyncLLMAdapter)``: two table ranks, each a DP world of one
+    (a dense model), each with the front-end's count of its own requests (the DP client's routing table),
+    and a trace ``weightsync replay`` accepts."""
     s = served
     trace = tmp_path / "dp2.jsonl"
     eng = CheckedEngine(AsyncLLMAdapter(s.llm, s.loop, timeout_s=120), trace_path=trace)
@@ -126,7 +127,8 @@ def test_dp2_checked_round_counts_each_engine_and_replays(
     assert [(r.rank, r.args["running"]) for r in pauses] == [(0, 1), (1, 2)]
     assert main(["replay", str(trace), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["traces"][0]
-    assert out["ranks"] == 2 and out["outcomes_checked"] == 2 and out["notes"] == [], out
+    # each dense engine is a DP world of one: its own pause sync and resume barrier, 2 outcomes each
+    assert out["ranks"] == 2 and out["outcomes_checked"] == 4 and out["notes"] == [], out
     assert_serves(s, s.hf)
 
 
