@@ -15,6 +15,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -99,23 +100,7 @@ def test_dp2_checked_round_counts_each_engine_and_replays(
     eng = CheckedEngine(AsyncLLMAdapter(s.llm, s.loop, timeout_s=120), trace_path=trace)
     assert eng.dp_size == 2
     tr = s.connect(client=eng)
-    started: set[str] = set()
-
-    async def request(i: int, rank: int) -> Any:
-        sp = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
-        last = None
-        rid = f"checked-{i}"
-        async for out in s.llm.generate(
-            {"prompt_token_ids": [1, 40 + i]}, sp, request_id=rid, data_parallel_rank=rank
-        ):
-            started.add(rid)
-            last = out
-        return last
-
-    futs = [asyncio.run_coroutine_threadsafe(request(i, r), s.loop) for i, r in enumerate([0, 1, 1])]
-    deadline = time.monotonic() + 60
-    while len(started) < len(futs) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    futs = _generating(s, "checked", [0, 1, 1], 150, 40)
     eng.pause(mode="keep")
     s.hf.load_state_dict(perturbed_state(s.hf, seed=12, scale=0.5))
     tr.send_weights(weight_version="step-2")
@@ -150,23 +135,7 @@ def test_dp2_dense_engines_take_a_reinit_while_serving_under_the_checker(
     eng.resume()
     assert all(m.vars.current_wave > 0 for m in eng.machines)  # the engines have served a resume barrier
 
-    started: set[str] = set()
-
-    async def request(i: int, rank: int) -> Any:
-        sp = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
-        last = None
-        async for out in s.llm.generate(
-            {"prompt_token_ids": [1, 60 + i]}, sp, request_id=f"reinit-{i}", data_parallel_rank=rank
-        ):
-            started.add(f"reinit-{i}")
-            last = out
-        return last
-
-    futs = [asyncio.run_coroutine_threadsafe(request(i, r), s.loop) for i, r in enumerate([0, 1])]
-    deadline = time.monotonic() + 60
-    while len(started) < len(futs) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert len(started) == len(futs)
+    futs = _generating(s, "reinit", [0, 1], 120, 60)
     t0 = time.monotonic()
     tr = s.connect(client=eng)  # the re-init, both engines serving
     reinit_s = time.monotonic() - t0
@@ -184,3 +153,26 @@ def test_dp2_dense_engines_take_a_reinit_while_serving_under_the_checker(
     assert out["ranks"] == 2 and out["notes"] == [], out
     print(f"\nre-init while both dense engines serve: {reinit_s:.2f} s")
     assert_serves(s, s.hf)
+
+
+def _generating(s: Served, prefix: str, ranks: list[int], max_tokens: int, base: int) -> list[Future[Any]]:
+    """Greedy requests ``<prefix>-<i>`` on DP ranks ``ranks`` (prompt ``[1, base + i]``), each already
+    generating (its first output seen, at most 60 s) when this returns; their final outputs."""
+    started: set[str] = set()
+
+    async def request(i: int, rank: int) -> Any:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        last = None
+        async for out in s.llm.generate(
+            {"prompt_token_ids": [1, base + i]}, sp, request_id=f"{prefix}-{i}", data_parallel_rank=rank
+        ):
+            started.add(f"{prefix}-{i}")
+            last = out
+        return last
+
+    futs = [asyncio.run_coroutine_threadsafe(request(i, r), s.loop) for i, r in enumerate(ranks)]
+    deadline = time.monotonic() + 60
+    while len(started) < len(futs) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(started) == len(futs), f"only {sorted(started)} started generating within 60 s"
+    return futs
