@@ -343,3 +343,49 @@ def test_a_rendezvous_timeout_names_the_missing_rank_and_the_likely_cause() -> N
     with pytest.raises(TransferTimeoutError) as err2:
         hint_rendezvous(other)()
     assert not getattr(err2.value, "__notes__", None)  # only the rendezvous gets the hint
+
+
+class RefusesFirstInit(WorkerClient):
+    """A client whose engines refuse the first ``init_weight_transfer_engine`` before any worker joins (as
+    patch 0008's gate does while the engines serve: a RuntimeError naming the wave), then take the next."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self.refusals = 0
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        if self.refusals == 0:
+            self.refusals += 1
+            raise RuntimeError("init_weight_transfer_engine called while the engines serve (wave 3)")
+        super().init_weight_transfer_engine(init_info)
+
+
+def test_a_refused_init_releases_the_port_for_a_retry_on_it() -> None:
+    """The controller's recovery from a refused init (pause, then init while paused: ``spec/controller.py``)
+    retries with the same ``init_info``: the trainer abandons the rendezvous the refusal left waiting, so the
+    store it hosted and its ``master_port`` are free at once (the retry failed with PortInUseError until the
+    rendezvous deadline before), and the retried init and a round go through."""
+    pairs = make_tensors(4)
+    model = DictModel(model_spec())
+    client = RefusesFirstInit(model)
+    info = TrainerInitInfo(
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        world_size=2,
+        rank=0,
+        timeout_s=30.0,
+        group_backend="gloo",
+    )
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="wave 3"):
+        BroadcastTrainerEngine.trainer_init(info, client=client)
+    refused_s = time.monotonic() - t0
+    assert refused_s < 10.0, refused_s  # the 5 s grace for the rendezvous's own error, not its 30 s deadline
+    tr = BroadcastTrainerEngine.trainer_init(info, client=client)  # the same master_port, at once
+    try:
+        tr.send_weights(dict(pairs), weight_version="after-retry")
+        assert all(bytes_equal(model.weights()[n], t.contiguous()) for n, t in pairs)
+        assert client.version == "after-retry" and client.refusals == 1
+    finally:
+        tr.shutdown()
+        client.worker.shutdown()

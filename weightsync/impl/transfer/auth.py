@@ -48,7 +48,7 @@ from typing import Any
 from torch._C._distributed_c10d import PrefixStore, Store
 
 from weightsync.impl.transfer.base import AuthenticationError
-from weightsync.impl.transfer.control import ControlPlane, strict_json
+from weightsync.impl.transfer.control import ControlPlane, raise_if_abandoned, strict_json
 from weightsync.impl.transfer.secret import Secret, mac_hex
 from weightsync.spec.errors import TransferTimeoutError, WireMismatchError
 
@@ -173,6 +173,7 @@ def host_handshake(
                 raise TransferTimeoutError(
                     f"{what}/auth", missing, waited, f"{detail}; failing closed after timeout {timeout_s:g} s"
                 )
+            raise_if_abandoned(f"{what}/auth", [r for r in range(1, world_size) if str(r) not in admitted])
             time.sleep(_POLL_S)
     except (_Fatal, TransferTimeoutError, ValueError, WireMismatchError) as exc:
         fail = {"v": AUTH_VERSION, "round": round_id, "reason": str(exc)}

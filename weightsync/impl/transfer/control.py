@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import datetime
 import json
 import queue
@@ -58,6 +59,27 @@ MISMATCH_GRACE_S = 1.0
 STORE_GRACE_S = 1.0
 _POLL_S = 0.005
 T = TypeVar("T")
+#: Set (in the thread that runs it) for the rendezvous the trainer hosts beside the engines'
+#: ``init_weight_transfer_engine`` RPC (:func:`weightsync.impl.transfer.trainer_calls.concurrently`). Once that
+#: RPC failed and no worker will come (an engine refused the init), the trainer sets the event: the
+#: rendezvous gives up at its next poll, so the store it hosts, and its port, are released at once rather
+#: than at the rendezvous deadline (a retry on the same ``master_port`` would otherwise fail with
+#: PortInUseError).
+RENDEZVOUS_ABANDONED: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "weightsync_rendezvous_abandoned", default=None
+)
+
+
+def raise_if_abandoned(phase: str, missing: Sequence[int]) -> None:
+    """Raise PeerFailedError naming ``missing`` (the ranks that never joined) and ``phase`` when this
+    thread's rendezvous was abandoned (:data:`RENDEZVOUS_ABANDONED`); else nothing."""
+    ev = RENDEZVOUS_ABANDONED.get()
+    if ev is not None and ev.is_set():
+        raise PeerFailedError(
+            missing,
+            phase,
+            "the engines' init_weight_transfer_engine failed: the trainer gave the rendezvous up",
+        )
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -247,6 +269,8 @@ class ControlPlane:
                         now - t0,
                         f"{self.world_size - len(missing)} of {self.world_size} joined; {self.timeout_basis}",
                     )
+                joined = {t["rank"] for t in seen}
+                raise_if_abandoned(phase, [r for r in range(self.world_size) if r not in joined])
                 time.sleep(_POLL_S)
             claims = {
                 r: ask(phase, self.timeout_s, s.add, f"claim/{r}", 0)

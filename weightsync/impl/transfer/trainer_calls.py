@@ -5,12 +5,16 @@ with the trainer's side of the data plane. Engine-agnostic (no vLLM import)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
+from weightsync.impl.transfer.control import RENDEZVOUS_ABANDONED
 from weightsync.impl.transfer.rounds import pair_problem
 from weightsync.spec.errors import TransferTimeoutError
 
@@ -74,6 +78,9 @@ def recorded(stream: Iterator[T], errors: list[BaseException]) -> Iterator[T]:
 #: seconds a trainer whose source raised waits beyond the round's deadline for the engines' answer (their
 #: deadline is the same ``timeout_s``, counted from their last progress, which is a little later than ours)
 SETTLE_GRACE_S = 5.0
+#: How long the trainer waits for an abandoned rendezvous to give up (it polls every few milliseconds;
+#: a store call in flight answers within its own deadline only), seconds.
+ABANDON_WAIT_S = 2.0
 
 
 #: Added to a rendezvous timeout of ``TrainerEngine.trainer_init``: the cause the CI met on vLLM as shipped
@@ -101,6 +108,19 @@ def hint_rendezvous(fn: Callable[[], T]) -> Callable[[], T]:
     return noted
 
 
+def _abandon(abandon: threading.Event, f_loc: concurrent.futures.Future[Any]) -> None:
+    """Give up a rendezvous still waiting after the engines' RPC failed: it raises at its next poll
+    (:data:`~weightsync.impl.transfer.control.RENDEZVOUS_ABANDONED`), and its traceback's frames are cleared,
+    so nothing holds the store it hosts and its port is free for a retry (``torch.distributed.TCPStore`` has
+    no close: its server stops when the last reference goes)."""
+    abandon.set()
+    concurrent.futures.wait({f_loc}, timeout=ABANDON_WAIT_S)
+    if f_loc.done() and not f_loc.cancelled():
+        exc = f_loc.exception()
+        if exc is not None:
+            traceback.clear_frames(exc.__traceback__)
+
+
 def concurrently(
     rpc: Callable[[], object],
     local: Callable[[], T],
@@ -119,17 +139,21 @@ def concurrently(
     failure (a peer gone, a cut link, a timeout) is raised at once: the engines learn of it only at their
     own deadline. If the RPC fails
     first, ``local`` gets a few seconds to fail with its own (more precise, rank-naming) error, else the
-    RPC's error is raised. Threads still blocked are left to their own deadlines (the endpoint is unusable
-    afterwards).
+    RPC's error is raised; a rendezvous still waiting then is abandoned (it gives up at its next poll and
+    releases the store it hosts, so a retry may reuse ``master_port`` at once). Threads still blocked are
+    left to their own deadlines (the endpoint is unusable afterwards).
 
     Raises:
         the first error of either side; TransferTimeoutError (phase ``<phase>/rpc``) if the RPC does not
         return within ``timeout_s`` after the data plane finished.
     """
     exe = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="weightsync-trainer")
+    abandon = threading.Event()
+    ctx = contextvars.copy_context()
+    ctx.run(RENDEZVOUS_ABANDONED.set, abandon)
     try:
         f_rpc = exe.submit(rpc)
-        f_loc = exe.submit(local)
+        f_loc = exe.submit(ctx.run, local)
         pending: set[concurrent.futures.Future[Any]] = {f_rpc, f_loc}
         while f_loc in pending:
             done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -147,7 +171,7 @@ def concurrently(
                 try:
                     f_loc.result(timeout=min(5.0, timeout_s))
                 except concurrent.futures.TimeoutError:
-                    pass
+                    _abandon(abandon, f_loc)
                 except BaseException as loc_exc:
                     raise loc_exc from rpc_exc
                 raise rpc_exc
