@@ -277,15 +277,14 @@ class TrainerEngine(ABC):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, init_info=init_info)
         if not engine.is_sender:
             return engine
-        payload = engine.worker_info.to_dict()
-        rinfo = engine.worker_info
-        open_noted = trainer_calls.hint_rendezvous(engine._open)
+        payload, rinfo = engine.worker_info.to_dict(), engine.worker_info
         engine.endpoint = concurrently(
             lambda: client.init_weight_transfer_engine(payload),
-            open_noted,
+            trainer_calls.hint_rendezvous(engine._open),
             rinfo.rendezvous_timeout_s,
             "init_weight_transfer_engine",
             rinfo.rendezvous_timeout_basis,
+            abandon_local=True,
         )
         return engine
 

@@ -128,6 +128,7 @@ def concurrently(
     phase: str,
     basis: str = "",
     engines_told: Callable[[BaseException], bool] = lambda exc: False,
+    abandon_local: bool = False,
 ) -> T:
     """Run the engine-side RPC and the trainer's side of the data plane together (rule 2).
 
@@ -139,9 +140,10 @@ def concurrently(
     failure (a peer gone, a cut link, a timeout) is raised at once: the engines learn of it only at their
     own deadline. If the RPC fails
     first, ``local`` gets a few seconds to fail with its own (more precise, rank-naming) error, else the
-    RPC's error is raised; a rendezvous still waiting then is abandoned (it gives up at its next poll and
-    releases the store it hosts, so a retry may reuse ``master_port`` at once). Threads still blocked are
-    left to their own deadlines (the endpoint is unusable afterwards).
+    RPC's error is raised; with ``abandon_local`` (``local`` is the rendezvous the trainer hosts) a
+    rendezvous still waiting then is abandoned (it gives up at its next poll and releases the store it
+    hosts, so a retry may reuse ``master_port`` at once). Threads still blocked are left to their own
+    deadlines (the endpoint is unusable afterwards).
 
     Raises:
         the first error of either side; TransferTimeoutError (phase ``<phase>/rpc``) if the RPC does not
@@ -171,7 +173,8 @@ def concurrently(
                 try:
                     f_loc.result(timeout=min(5.0, timeout_s))
                 except concurrent.futures.TimeoutError:
-                    _abandon(abandon, f_loc)
+                    if abandon_local:
+                        _abandon(abandon, f_loc)
                 except BaseException as loc_exc:
                     raise loc_exc from rpc_exc
                 raise rpc_exc
