@@ -101,13 +101,7 @@ def test_dp2_checked_round_counts_each_engine_and_replays(
     assert eng.dp_size == 2
     tr = s.connect(client=eng)
     futs = _generating(s, "checked", [0, 1, 1], 150, 40)
-    eng.pause(mode="keep")
-    s.hf.load_state_dict(perturbed_state(s.hf, seed=12, scale=0.5))
-    tr.send_weights(weight_version="step-2")
-    eng.resume()
-    outs = [f.result(180) for f in futs]
-    assert all(len(o.outputs[0].token_ids) == 150 for o in outs)
-    assert eng.get_weight_version() == "step-2" and eng.violations == []
+    _keep_round(s, eng, tr, futs, 12, "step-2", 150)
     pauses = [r for r in eng.engine.transitions if r.event == "pause"]
     assert [(r.rank, r.args["running"]) for r in pauses] == [(0, 1), (1, 2)]
     assert main(["replay", str(trace), "--json"]) == 0
@@ -139,13 +133,7 @@ def test_dp2_dense_engines_take_a_reinit_while_serving_under_the_checker(
     t0 = time.monotonic()
     tr = s.connect(client=eng)  # the re-init, both engines serving
     reinit_s = time.monotonic() - t0
-    eng.pause(mode="keep")
-    s.hf.load_state_dict(perturbed_state(s.hf, seed=22, scale=0.5))
-    tr.send_weights(weight_version="dense-2")
-    eng.resume()
-    outs = [f.result(180) for f in futs]
-    assert all(len(o.outputs[0].token_ids) == 120 for o in outs)
-    assert eng.get_weight_version() == "dense-2" and eng.violations == []
+    _keep_round(s, eng, tr, futs, 22, "dense-2", 120)
     inits = [r.rank for r in eng.engine.transitions if r.event == "init_weight_transfer_engine"]
     assert inits == [0, 1, 0, 1], inits
     assert main(["replay", str(trace), "--json"]) == 0
@@ -176,3 +164,17 @@ def _generating(s: Served, prefix: str, ranks: list[int], max_tokens: int, base:
         time.sleep(0.005)
     assert len(started) == len(futs), f"only {sorted(started)} started generating within 60 s"
     return futs
+
+
+def _keep_round(
+    s: Served, eng: CheckedEngine, tr: Any, futs: list[Future[Any]], seed: int, version: str, tokens: int
+) -> None:
+    """A keep-mode round through the checked client while ``futs`` generate: perturbed weights (``seed``)
+    sent as ``version``; then every request finishes its ``tokens`` and the engines report ``version``."""
+    eng.pause(mode="keep")
+    s.hf.load_state_dict(perturbed_state(s.hf, seed=seed, scale=0.5))
+    tr.send_weights(weight_version=version)
+    eng.resume()
+    outs = [f.result(180) for f in futs]
+    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+    assert eng.get_weight_version() == version and eng.violations == []
