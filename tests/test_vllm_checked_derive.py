@@ -263,3 +263,10 @@ def test_dense_engines_are_worlds_of_one_and_take_an_init_after_serving(
         eng.init_weight_transfer_engine({"master_port": 1})
     assert "init_weight_transfer_engine" not in moe.sent
     replay_ok(tmp_path / "moe.jsonl", capsys)
+
+
+def test_an_illegal_call_on_a_dense_engine_names_the_engine() -> None:
+    """Each dense engine is rank 0 of its own world; an illegal call names the engine, not "rank 0"."""
+    eng = CheckedEngine(ScriptedFrontEnd(2, lockstep=False))
+    with pytest.raises(LocalProtocolError, match=r"engine 0 \(a DP world of one\)"):
+        eng.start_weight_update()

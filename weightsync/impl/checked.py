@@ -209,7 +209,7 @@ class CheckedEngine:
                     legal = sorted({e.value for (s, e) in self._table if s == v.state and e.value in _CALLS})
                     extra = f" after in-flight call(s) {', '.join(pending)}" if pending else ""
                     raise LocalProtocolError(
-                        f"rank {r}: {event.value} is illegal in state {v.state.value}{extra} "
+                        f"{m.name}: {event.value} is illegal in state {v.state.value}{extra} "
                         f"(variant {self.variant_name}); legal calls there: {', '.join(legal) or 'none'}"
                     )
             for r in targets:

@@ -278,6 +278,7 @@ class RankMachine(TableMachine[RankState, RankEvent]):
         dp_size: number of DP ranks.
         variant: protocol variant name (default ``two-phase-epoch``).
         sync_interval: K, the DP sync all-reduce cadence in steps (PR #21617: 32; vLLM 0.32: 16).
+        name: how errors name the machine (default ``rank <rank>``).
 
     Raises:
         ValueError: unknown variant, rank outside ``[0, dp_size)``, or ``sync_interval < 1``.
@@ -285,7 +286,12 @@ class RankMachine(TableMachine[RankState, RankEvent]):
     """
 
     def __init__(
-        self, rank: int, dp_size: int, variant: str = DEFAULT_VARIANT, sync_interval: int = 32
+        self,
+        rank: int,
+        dp_size: int,
+        variant: str = DEFAULT_VARIANT,
+        sync_interval: int = 32,
+        name: str | None = None,
     ) -> None:
         if not 0 <= rank < dp_size:
             raise ValueError(f"rank {rank} is outside [0, dp_size={dp_size})")
@@ -296,7 +302,7 @@ class RankMachine(TableMachine[RankState, RankEvent]):
         self.dp_size = dp_size
         self.sync_interval = sync_interval
         super().__init__(
-            f"rank {rank}",
+            f"rank {rank}" if name is None else name,
             self.variant.table,
             GUARDS,
             UPDATES,
@@ -345,7 +351,7 @@ def rank_machines(
         raise ValueError(f"a front-end has at least one engine, got {n}")
     if lockstep:
         return [RankMachine(r, n, variant, sync_interval) for r in range(n)]
-    return [RankMachine(0, 1, variant, sync_interval) for _ in range(n)]
+    return [RankMachine(0, 1, variant, sync_interval, f"engine {i} (a DP world of one)") for i in range(n)]
 
 
 def dp_peers(machines: Sequence[RankMachine], r: int) -> list[int]:
