@@ -267,16 +267,11 @@ class Properties(Environment):
         return bad
 
     def is_end(self, s: GlobalState) -> bool:
-        """A legitimate end: the controller finished its cycles, every request was sent and finished (or
-        aborted), all channels are empty, nobody is blocked, every rank is running and unpaused, and no rank
-        owes a reply to an untracked call (a retried or repeated pause or resume returns too; a terminal
+        """A legitimate end: the controller's run is over (:meth:`goal_run`) after a resume or idle, all
+        channels are empty, nobody is blocked, every rank is running and unpaused, and no rank owes a reply
+        to an untracked call (a retried or repeated pause or resume returns too; a terminal
         state where one never will is a deadlock of that call)."""
-        phase, started = s.ctrl.phase, s.ctrl.cycles_started
-        if started != self.cycles or not (phase == IDLE or self._all_replied(s, phase)):
-            return False
-        if phase not in (IDLE, RESUME):
-            return False
-        if s.front.next_request != self.requests or len(s.done) + len(s.aborted) != self.requests:
+        if s.ctrl.phase not in (IDLE, RESUME) or not self.goal_run(s):
             return False
         if any(s.coord_q) or s.trainer.blocked:
             return False
