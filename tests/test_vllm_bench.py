@@ -32,6 +32,9 @@ FIELDS = (
     "weightsync_s",
     "vs_vllm_packed",
     "vs_limit",
+    "side_by_side_s",
+    "vs_side_by_side",
+    "vs_limit_here",
     "split",
     "verification",
     "configurations",
@@ -82,6 +85,8 @@ def test_bench_vllm_quick_json_every_method_moves_the_bytes() -> None:
         value = out[key]
         assert isinstance(value, float) and math.isfinite(value) and value > 0, key
     assert out["limit_s"] == max(out["raw_s"], out["reload_only_s"])  # type: ignore[type-var]
+    uncoupled = min(out["side_by_side_s"], out["raw_s"] + out["reload_only_s"])  # type: ignore[operator]
+    assert out["vs_limit_here"] == out["limit_s"] / uncoupled  # type: ignore[operator]
     configs = out["configurations"]
     assert isinstance(configs, dict) and list(configs) == ["2"] and out["engine_workers"] == 2
     split = out["split"]

@@ -55,6 +55,8 @@ from weightsync.vllm_tools.bench_worker import (
     worker_reload_start,
     worker_report,
     worker_setup,
+    worker_side_finish,
+    worker_side_start,
     worker_teardown,
     worker_vllm_packed,
 )
@@ -190,7 +192,11 @@ class _Bench:
             the worker's error when it failed (chained to the trainer's, if that failed too); the
             trainer's error; RuntimeError when the worker does not answer within ``timeout_s``.
         """
-        fut = asyncio.run_coroutine_threadsafe(self._all(fn, args), self.loop)
+        return self._flat(self._beside(self._all(fn, args), fn.__name__, local))
+
+    def _beside(self, coro: Coroutine[Any, Any, T], what: str, local: Callable[[], object]) -> T:
+        """:meth:`_alongside` for any coroutine on the engine's loop (``what`` names it in the timeout)."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             local()
         except BaseException as exc:
@@ -202,11 +208,9 @@ class _Bench:
                 raise worker_exc from exc
             raise
         try:
-            return self._flat(fut.result(self.timeout_s))
+            return fut.result(self.timeout_s)
         except concurrent.futures.TimeoutError:
-            raise RuntimeError(
-                f"bench vllm: {fn.__name__} did not return within {self.timeout_s:g} s"
-            ) from None
+            raise RuntimeError(f"bench vllm: {what} did not return within {self.timeout_s:g} s") from None
 
     def _broadcast(self, t: torch.Tensor) -> None:
         g = self.group
@@ -267,6 +271,18 @@ class _Bench:
         self.rpc(worker_load_stash)
         self.rpc(worker_reload_finish)
 
+    def side_by_side(self) -> None:
+        """The transfer and the loading at once, uncoupled: ``raw``'s broadcast into a second buffer of each
+        worker, received on a thread of its own, while the worker runs ``reload_only``'s three RPCs on
+        the weights already in it (:func:`~weightsync.vllm_tools.bench_worker.worker_side_start`)."""
+
+        async def rpcs() -> Any:
+            await self._all(worker_side_start, ())
+            await self._all(worker_load_stash, ())
+            return await self._all(worker_side_finish, (self.timeout_s,))
+
+        self._beside(rpcs(), "side_by_side", lambda: self._broadcast(self.flat))
+
     def weightsync(self) -> None:
         assert self.trainer is not None
         self.trainer.send_weights(weight_version=f"bench-{self.rounds}")
@@ -294,15 +310,23 @@ class _Bench:
             sent = _crcs(iter(self.params))
             sizes = self.nbytes
         fn: Callable[[], None] = getattr(self, method)
-        if method == "reload_only":
+        if method in ("reload_only", "side_by_side"):
             self.fill_stash()
         self._run(self.llm.pause_generation(mode="keep"), self.timeout_s, "pause_generation")
         t0 = time.perf_counter()
         fn()
         seconds = time.perf_counter() - t0
         self._run(self.llm.resume_generation(), self.timeout_s, "resume_generation")
-        reports = self.rpc(worker_report, raw)
+        side = method == "side_by_side"
+        reports = self.rpc(worker_report, raw, side)
         problems: list[str] = []
+        if side:
+            flat_crc = crc32(self.flat)
+            problems += [
+                f"worker {w}: the side-by-side transfer is not bit-exact"
+                for w, rep in enumerate(reports)
+                if rep.get("side_digest") != flat_crc
+            ]
         good_bytes, checked = None, None
         for w, rep in enumerate(reports):
             ok_bytes, n_checked, wrong = _verify(rep, sent, sizes, raw)
@@ -399,7 +423,8 @@ def run_vllm_bench(
         ``per_tensor_bare_gbps``, ``reload_only_gbps`` (GB/s, medians; ``*_gbps_best`` from the fastest
         round), ``*_s`` (median seconds of every method, e.g. ``weightsync_s``, ``reload_only_s``),
         ``limit_s`` (max of ``raw_s`` and ``reload_only_s``), ``vs_vllm_packed``, ``vs_limit``
-        (``limit_s / weightsync_s``), ``vs_raw``, ``vs_per_tensor``, ``vs_per_tensor_bare``, ``split``
+        (``limit_s / weightsync_s``), ``vs_side_by_side`` (``side_by_side_s / weightsync_s``),
+        ``vs_limit_here`` (``limit_s`` / min(``side_by_side_s``, ``raw_s + reload_only_s``)), ``vs_raw``, ``vs_per_tensor``, ``vs_per_tensor_bare``, ``split``
         (the weightsync round's median time split on the first worker, seconds), ``reload_seconds``,
         ``verification`` (per method: rounds, rounds verified, bytes verified), ``methods``, ``targets``
         (every configuration's), ``targets_met``, ``targets_judged`` (False for ``quick``), ``verified``,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,10 @@ class _WorkerState:
 
     group: BroadcastGroup | None = None
     raw: torch.Tensor | None = None
+    #: ``side_by_side``: the second receive buffer (``raw`` holds the stash the load reads meanwhile)
+    raw2: torch.Tensor | None = None
+    #: ``side_by_side``: the receiving thread and the error it raised, if any
+    side: tuple[threading.Thread, list[BaseException]] | None = None
     #: per name: a preallocated, touched copy of what the last round handed to ``load_weights``
     arena: dict[str, torch.Tensor] = field(default_factory=dict)
     captured: list[str] = field(default_factory=list)
@@ -89,6 +94,7 @@ def worker_setup(worker: Any, rinfo: dict[str, Any], metas: list[tuple[str, str,
     _W.group = join_group(InitInfo.parse(rinfo), 1 + _dp_index(worker))
     _W.arena = {n: torch.zeros(list(shape), dtype=DTYPES[dt]) for n, dt, shape in metas}
     _W.raw = torch.zeros(sum(t.numel() * t.element_size() for t in _W.arena.values()), dtype=torch.uint8)
+    _W.raw2 = torch.zeros_like(_W.raw)
     off = 0
     _W.stash = []
     for n, t in _W.arena.items():
@@ -141,7 +147,8 @@ def worker_teardown(worker: Any) -> None:
     if _W.group is not None:
         _W.group.close()
         _W.group = None
-    _W.raw = None
+    _W.raw = _W.raw2 = None
+    _W.side = None
     _W.captured.clear()
     _W.arena = {}
     _W.stash = []
@@ -176,6 +183,54 @@ def worker_reload_finish(worker: Any) -> None:
 
     with set_current_vllm_config(worker.vllm_config):
         finalize_layerwise_reload(_worker_model(worker), worker.model_config)
+
+
+def worker_side_start(worker: Any) -> None:
+    """The ``side_by_side`` method's first RPC: start receiving the raw broadcast into the second buffer on a
+    thread of its own (as :func:`worker_raw` receives into the first), then ``initialize_layerwise_reload``
+    as :func:`worker_reload_start`. The load (:func:`worker_load_stash`) then runs in the next RPC while the
+    bytes arrive: the transfer and the reload side by side, neither waiting for the other.
+
+    Raises:
+        RuntimeError: the previous side-by-side receive was never finished (:func:`worker_side_finish`).
+    """
+    g = _group()
+    if _W.side is not None:
+        raise RuntimeError("bench vllm: a side-by-side receive is still running (worker_side_finish)")
+    assert _W.raw2 is not None
+    buf = _W.raw2
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            g.wait(g.broadcast(buf), PHASE)
+        except BaseException as exc:  # handed to worker_side_finish, raised there
+            errors.append(exc)
+
+    thread = threading.Thread(target=receive, name="bench-side-by-side-recv", daemon=True)
+    thread.start()
+    _W.side = (thread, errors)
+    worker_reload_start(worker)
+
+
+def worker_side_finish(worker: Any, timeout_s: float) -> None:
+    """The ``side_by_side`` method's last RPC: ``finalize_layerwise_reload``, then wait for the receive that
+    :func:`worker_side_start` started.
+
+    Raises:
+        RuntimeError: no receive was started, or it had not finished ``timeout_s`` seconds later.
+        TransferTimeoutError / PeerFailedError: the receive's own error (its deadline is :data:`PHASE`'s).
+    """
+    worker_reload_finish(worker)
+    if _W.side is None:
+        raise RuntimeError("bench vllm: worker_side_finish without worker_side_start")
+    thread, errors = _W.side
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RuntimeError(f"bench vllm: the side-by-side receive did not finish within {timeout_s:g} s")
+    _W.side = None
+    if errors:
+        raise errors[0]
 
 
 def _receive_and_load(worker: Any, metas: Sequence[tuple[str, str, Sequence[int]]]) -> None:
@@ -304,10 +359,11 @@ def worker_vllm_packed(
         )
 
 
-def worker_report(worker: Any, raw: bool) -> dict[str, Any]:
+def worker_report(worker: Any, raw: bool, side: bool = False) -> dict[str, Any]:
     """What the last round delivered (then reset): CRC-32 per tensor handed to ``load_weights`` (or of the
     raw buffer), how many tensors were loaded, CRC-32 of the model's readable parameters (not for
-    ``raw``), and the seconds spent inside vLLM's layerwise reload and inside ``model.load_weights``."""
+    ``raw``), and the seconds spent inside vLLM's layerwise reload and inside ``model.load_weights``;
+    ``side``: also ``side_digest``, the CRC-32 of the second buffer (``side_by_side``'s transfer)."""
     if raw:
         assert _W.raw is not None
         digests = {RAW_KEY: crc32(_W.raw)}
@@ -329,6 +385,9 @@ def worker_report(worker: Any, raw: bool) -> dict[str, Any]:
         "load_s": _W.load_s,
         "timings": timings,
     }
+    if side:
+        assert _W.raw2 is not None
+        out["side_digest"] = crc32(_W.raw2)
     _W.captured.clear()
     _W.reload_s = _W.load_s = 0.0
     return out
@@ -346,6 +405,8 @@ __all__ = [
     "worker_reload_start",
     "worker_report",
     "worker_setup",
+    "worker_side_finish",
+    "worker_side_start",
     "worker_teardown",
     "worker_vllm_packed",
 ]
