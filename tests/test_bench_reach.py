@@ -26,10 +26,29 @@ def test_a_row_reports_the_checks_verdict_and_the_proofs_state_count() -> None:
     assert 0 < row["seconds"] < 300
 
 
-def test_a_row_past_its_budget_is_stopped_and_reported_as_a_timeout() -> None:
-    row = time_to_verdict(4, progress=True, budget_s=1.0)
+def test_a_row_past_its_budget_stops_exploring_and_gives_a_bounded_verdict() -> None:
+    """N=4 in 3 s: the exploration stops at 90% of the budget and the row says how many BFS levels every
+    mode explored completely."""
+    row = time_to_verdict(4, progress=True, budget_s=3.0)
+    assert row["verdict"] == "incomplete", row
+    assert row["states"] > 0 and row["peak_rss_bytes"] > 0
+    assert 1 <= row["levels_expanded"] < row["depth"]
+    assert row["seconds"] < 3.0 + 30
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]
+
+
+def test_a_row_that_does_not_answer_is_stopped_and_reported_as_a_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The backstop: a row whose process has not answered :data:`GRACE_S` after its budget (here its
+    exploration's deadline lies beyond the budget, and no grace) is killed with its process group."""
+    import weightsync.bench.reach as reach
+
+    monkeypatch.setattr(reach, "DEADLINE_SHARE", 1000.0)
+    monkeypatch.setattr(reach, "GRACE_S", 0.0)
+    row = reach.time_to_verdict(4, progress=True, budget_s=1.0)
     assert row["verdict"] == "timeout"
-    assert row["states"] is None and row["peak_rss_bytes"] is None
+    assert row["states"] is None and row["peak_rss_bytes"] is None and row["levels_expanded"] is None
     assert row["reductions"] == ["symmetry"] and row["budget_s"] == 1.0
     assert 1.0 <= row["seconds"] < 30
     assert not [p for p in multiprocessing.active_children() if p.is_alive()]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from weightsync.cli import main
 from weightsync.model.check import check, check_mode
+from weightsync.model.engines import explore_model
 from weightsync.model.explorer import explore
 from weightsync.model.export import counterexample_mermaid, state_graph
 from weightsync.model.labels import replay_labels
@@ -263,3 +265,41 @@ def test_progress_run_catches_a_call_refused_and_retried_forever() -> None:
     )
     bad = {n for n, v in refused.properties.items() if v == "violated" and not n.startswith("sometimes_")}
     assert bad == {"progress_run"}, refused.properties
+
+
+def test_a_stopped_exploration_is_complete_to_levels_expanded() -> None:
+    """An exploration stopped early (here by ``max_states``) reports ``levels_expanded`` = L: every state of
+    the full exploration within L + 1 steps of the initial state is among the stopped one's states, at the
+    same BFS level, and every state within L steps was expanded (its edges counted): the bounded verdict
+    ``weightsync check --max-seconds`` prints. A complete exploration reports its depth."""
+    model = Model(Config("two-phase-epoch", 2, PauseMode.KEEP))
+    full = explore_model(model, engine="baseline")
+    assert full.complete and full.levels_expanded == full.depth
+    part = explore_model(model, engine="baseline", max_states=len(full.states) // 3)
+    assert not part.complete
+    low = part.levels_expanded
+    assert 2 < low < full.depth - 1
+    within = [(s, full.level[i]) for i, s in enumerate(full.states) if full.level[i] <= low + 1]
+    assert all(part.index.get(s) is not None and part.level[part.index[s]] == lv for s, lv in within)
+    expanded_edges = sum(len(model.successors(s)) for s, lv in within if lv <= low)
+    assert expanded_edges <= part.transitions < full.transitions
+    # the compact engine stops at the same place
+    compact = explore_model(model, max_states=len(full.states) // 3)
+    assert (compact.levels_expanded, len(compact.states)) == (low, len(part.states))
+
+
+def test_check_past_its_deadline_gives_a_bounded_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    """``weightsync check --max-seconds``: a run stopped by its deadline is ``incomplete``, with the BFS
+    levels every mode explored completely; the text output says what that proves. A run that finishes
+    has no top-level ``levels_expanded`` and each mode's equals its depth."""
+    out = check("two-phase-epoch", 3, mode="keep", progress=False, deadline=time.time())
+    assert out["verdict"] == "incomplete" and not out["complete"]
+    assert out["levels_expanded"] == out["per_mode"]["keep"]["levels_expanded"] >= 1
+    assert out["levels_expanded"] < out["depth"]
+    done = check("two-phase-epoch", 2, mode="keep", progress=False)
+    assert "levels_expanded" not in done and done["per_mode"]["keep"]["levels_expanded"] == done["depth"]
+    assert main(["check", "--ranks", "3", "--mode", "keep", "--max-seconds", "0.001"]) == 1
+    text = capsys.readouterr().out
+    assert "incomplete" in text and "steps of the initial state" in text, text
+    assert main(["check", "--max-seconds", "0"]) == 2
+    assert "--max-seconds" in capsys.readouterr().err

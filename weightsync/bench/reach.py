@@ -2,9 +2,11 @@
 
 Each row is one ``weightsync check`` of the default variant (``two-phase-epoch``, per-socket channels,
 default :class:`~weightsync.model.system.Bounds`) in every pause mode, run in a fresh process so that its
-peak resident memory is its own (``ru_maxrss`` of that process, bytes) and so that a row still exploring
-when its time budget runs out is stopped (SIGKILL) and reported as ``verdict: "timeout"`` instead of
-holding the bench. A row reports what the checker ran: the engine, the reductions (``symmetry``: rank
+peak resident memory is its own (``ru_maxrss`` of that process, bytes). A row stops exploring when
+:data:`DEADLINE_SHARE` of its time budget has passed and reports ``verdict: "incomplete"`` with
+``levels_expanded``, the BFS levels every mode explored completely (a bounded verdict: every state within
+that many steps of the initial state was expanded and checked); a row whose process has not answered
+:data:`GRACE_S` seconds after its budget is stopped (SIGKILL) and reported as ``verdict: "timeout"``. A row reports what the checker ran: the engine, the reductions (``symmetry``: rank
 permutations of ranks 1..N-1, :meth:`~weightsync.model.system.Model.canon`), the properties (safety and
 deadlock always; progress, on the unreduced or symmetry-reduced graph, where the row asks for it) and the
 bounds.
@@ -38,11 +40,19 @@ QUICK_ROWS: tuple[tuple[int, bool], ...] = ((2, True), (3, True))
 #: the engine of every row: this package's explicit-state breadth-first explorer with the compact successor
 #: function (:mod:`weightsync.model.compact`, ``weightsync check --engine compact``)
 ENGINE = DEFAULT_ENGINE
+#: the share of a row's budget after which its exploration stops (the rest: its workers' start, the checks
+#: after the exploration, the result)
+DEADLINE_SHARE = 0.9
+#: seconds past its budget a row's process may take before it is stopped
+GRACE_S = 60.0
 
 
-def _row_child(conn: Any, ranks: int, progress: bool, workers: int | None, max_states: int) -> None:
+def _row_child(
+    conn: Any, ranks: int, progress: bool, workers: int | None, max_states: int, deadline: float
+) -> None:
     """In the row's own process (a process group of its own, so that a timeout stops any worker it
-    started): run the check and send its figures as JSON bytes."""
+    started): run the check, its exploration stopped at ``deadline`` (``time.time()``), and send its
+    figures as JSON bytes."""
     os.setpgrp()
     t0 = time.perf_counter()
     out = check(
@@ -54,6 +64,7 @@ def _row_child(conn: Any, ranks: int, progress: bool, workers: int | None, max_s
         workers=workers,
         max_states=max_states,
         engine=ENGINE,
+        deadline=deadline,
     )
     # the largest process's peak: this one's, or a worker's as it reported it (``check``'s peak_rss_mb)
     peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, out["peak_rss_mb"] * 2**20)
@@ -64,6 +75,8 @@ def _row_child(conn: Any, ranks: int, progress: bool, workers: int | None, max_s
         "transitions": out["transitions"],
         "seconds": round(time.perf_counter() - t0, 3),
         "peak_rss_bytes": int(peak),
+        "depth": out["depth"],
+        "levels_expanded": out.get("levels_expanded", out["depth"]),
     }
     conn.send_bytes(json.dumps(row).encode())
     conn.close()
@@ -79,12 +92,15 @@ def time_to_verdict(
 ) -> dict[str, Any]:
     """One row: ``weightsync check`` of the default variant with ``ranks`` ranks, every pause mode (the
     modes explored in ``workers`` processes, None: as ``weightsync check`` does by default, one per mode up
-    to the CPU count; 1: one after another in the row's process), in a process of its own, stopped after
-    ``budget_s`` seconds.
+    to the CPU count; 1: one after another in the row's process), in a process of its own, its exploration
+    stopped after :data:`DEADLINE_SHARE` of ``budget_s`` seconds, the process after ``budget_s`` +
+    :data:`GRACE_S`.
 
     Returns ``ranks``, ``engine``, ``reductions`` (list of names), ``bounds`` (dict), ``properties`` (the
     property classes asked for), ``verdict`` ("verified", "counterexample", "incomplete" when
-    ``max_states`` was reached, "timeout" when the budget ran out), ``states`` (None on a timeout),
+    ``max_states`` or the deadline stopped it, "timeout" when the process did not answer), ``states`` (None
+    on a timeout), ``depth`` and ``levels_expanded`` (BFS levels, and those every mode explored
+    completely: ``depth`` when verified; None on a timeout),
     ``seconds`` (wall, seconds), ``peak_rss_bytes`` (the largest process's peak, the row's or a worker's,
     bytes; None on a timeout), ``workers`` (as asked; the number used once the row finished).
 
@@ -99,7 +115,9 @@ def time_to_verdict(
     ctx: multiprocessing.context.BaseContext = worker_context()
     ours, theirs = multiprocessing.Pipe(duplex=False)
     proc = ctx.Process(  # type: ignore[attr-defined]
-        target=_row_child, args=(theirs, ranks, progress, workers, max_states), daemon=False
+        target=_row_child,
+        args=(theirs, ranks, progress, workers, max_states, time.time() + DEADLINE_SHARE * budget_s),
+        daemon=False,
     )
     t0 = time.perf_counter()
     proc.start()
@@ -113,7 +131,7 @@ def time_to_verdict(
         "workers": workers,
     }
     try:
-        if ours.poll(budget_s):
+        if ours.poll(budget_s + GRACE_S):
             try:
                 row = json.loads(ours.recv_bytes().decode())
             except EOFError:  # the child closed the pipe by dying before it sent anything
@@ -129,6 +147,8 @@ def time_to_verdict(
                 "transitions": row["transitions"],
                 "seconds": row["seconds"],
                 "peak_rss_bytes": row["peak_rss_bytes"],
+                "depth": row["depth"],
+                "levels_expanded": row["levels_expanded"],
             }
         if not proc.is_alive():
             raise RuntimeError(
@@ -138,6 +158,8 @@ def time_to_verdict(
             "verdict": "timeout",
             "states": None,
             "transitions": None,
+            "depth": None,
+            "levels_expanded": None,
             "seconds": round(time.perf_counter() - t0, 3),
             "peak_rss_bytes": None,
             "budget_s": budget_s,
@@ -156,4 +178,13 @@ def reach_rows(budget_s: float, quick: bool = False) -> list[dict[str, Any]]:
     return [time_to_verdict(n, progress=p, budget_s=budget_s) for n, p in rows]
 
 
-__all__ = ["DEFAULT_VARIANT", "ENGINE", "FULL_ROWS", "QUICK_ROWS", "reach_rows", "time_to_verdict"]
+__all__ = [
+    "DEADLINE_SHARE",
+    "DEFAULT_VARIANT",
+    "ENGINE",
+    "FULL_ROWS",
+    "GRACE_S",
+    "QUICK_ROWS",
+    "reach_rows",
+    "time_to_verdict",
+]

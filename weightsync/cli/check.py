@@ -11,6 +11,8 @@ from weightsync.cli.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit
 
 def check(args: argparse.Namespace) -> int:
     """``weightsync check``: :func:`weightsync.model.check.check`; exit 1 on a counterexample."""
+    import time
+
     from weightsync.model.check import check
     from weightsync.model.system import Bounds
     from weightsync.spec.rank import VARIANTS
@@ -49,6 +51,7 @@ def check(args: argparse.Namespace) -> int:
         stalls=args.stalls,
         counterexample_of=args.counterexample_of,
         engine=args.engine,
+        deadline=None if args.max_seconds is None else time.time() + args.max_seconds,
     )
     emit(out, args.json, lambda: print_human(out))
     return EXIT_OK if out["verdict"] == "verified" else EXIT_VIOLATION
@@ -72,6 +75,12 @@ def print_human(result: dict[str, Any]) -> None:
         f"{result['transitions']:,} transitions, depth {result['depth']}, {result['seconds']:.2f} s, "
         f"peak RSS {result['peak_rss_mb']:.0f} MB"
     )
+    if "levels_expanded" in result:
+        con.print(
+            f"[yellow]stopped before the end[/yellow]: every state within {result['levels_expanded']} steps of "
+            "the initial state (in every mode) was expanded and checked; 'not checked' below means "
+            "not proved beyond that depth"
+        )
     t = RichTable("property", "result", "statement (source)")
     for name, val in result["properties"].items():
         c = {"holds": "green", "violated": "red"}.get(val, "yellow")

@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sync-interval", type=POSITIVE, default=2, help="K: DP sync all-reduce every K steps")
     c.add_argument("--max-states", type=POSITIVE, default=20_000_000, help="stop exploring past this many")
     c.add_argument(
+        "--max-seconds",
+        type=_seconds,
+        default=None,
+        help="stop exploring after this many seconds; an unfinished run reports how many BFS levels it "
+        "explored completely (levels_expanded): a bounded verdict",
+    )
+    c.add_argument(
         "--symmetry",
         action=argparse.BooleanOptionalAction,
         default=None,

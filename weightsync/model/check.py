@@ -75,7 +75,9 @@ class ModeResult:
         states, transitions, depth, seconds: exploration figures (depth: BFS levels, TLC convention).
         properties: name -> holds / violated / not checked.
         counterexample: the shortest violation's record (see :func:`counterexample_record`), or None.
-        complete: False if ``max_states`` stopped the exploration.
+        complete: False if ``max_states`` or the deadline stopped the exploration.
+        levels_expanded: BFS levels explored completely (:attr:`Exploration.levels_expanded`): ``depth``
+            when ``complete``.
         model, exploration: kept when asked (``keep=True``) for export / replay.
         peak_rss_mb: peak resident set (MB) of the process that checked the mode, when it finished (a
             worker's own: :func:`_peak_rss_mb` in the caller cannot see a forkserver's children).
@@ -94,6 +96,7 @@ class ModeResult:
     violation_depths: dict[str, int] = field(default_factory=dict)
     stranded: dict[str, int] | None = None
     peak_rss_mb: float = 0.0
+    levels_expanded: int = 0
 
 
 def build_model(
@@ -120,6 +123,7 @@ def check_mode(
     stalls: bool = False,
     counterexample_of: str | None = None,
     engine: str = DEFAULT_ENGINE,
+    deadline: float | None = None,
 ) -> ModeResult:
     """Explore ``model`` exhaustively and check every property of :data:`PROPERTIES`; with ``stalls``, also
     classify the states in which a rank waits in a DP collective (:func:`stranded_counts`).
@@ -128,7 +132,8 @@ def check_mode(
     then checked only when it completed without one (one exploration serves both, as the mutation
     analysis needs for a mutant that survives). ``counterexample_of``: report the shortest counterexample
     of this property where it is violated, instead of the most specific one (``PRIORITY``). ``engine``: see
-    :func:`explore_model`."""
+    :func:`explore_model`. ``deadline``: stop exploring once ``time.time()`` passes it (epoch seconds); the
+    result is then incomplete and ``levels_expanded`` says how deep it was complete."""
     t0 = time.perf_counter()
     keep_labels = keep_labels or stalls
     do_progress = progress
@@ -140,6 +145,7 @@ def check_mode(
         max_states=max_states,
         stop_at_first=stop_at_first,
         engine=engine,
+        deadline=deadline,
     )
     props: dict[str, str] = {}
     complete = ex.complete
@@ -199,6 +205,7 @@ def check_mode(
         {name: _vdepth(ex, v) for name, v in ex.violations.items()},
         stranded,
         _peak_rss_mb(),
+        ex.levels_expanded,
     )
 
 
@@ -362,9 +369,11 @@ def default_symmetry(ranks: int) -> bool:
 
 
 def _check_one(
-    args: tuple[str, int, ModeSetting, str, Bounds, bool, int, bool, bool, str | None, str],
+    args: tuple[str, int, ModeSetting, str, Bounds, bool, int, bool, bool, str | None, str, float | None],
 ) -> ModeResult:
-    variant, ranks, mode, channels, bounds, symmetry, max_states, progress, stalls, of, engine = args
+    variant, ranks, mode, channels, bounds, symmetry, max_states, progress, stalls, of, engine, deadline = (
+        args
+    )
     return check_mode(
         build_model(variant, ranks, mode, channels, bounds),
         symmetry=symmetry,
@@ -373,6 +382,7 @@ def _check_one(
         stalls=stalls,
         counterexample_of=of,
         engine=engine,
+        deadline=deadline,
     )
 
 
@@ -390,6 +400,7 @@ def check(
     stalls: bool = False,
     counterexample_of: str | None = None,
     engine: str = DEFAULT_ENGINE,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """Run ``weightsync check`` and return its JSON object (the keys below).
 
@@ -397,7 +408,8 @@ def check(
     parallel (each mode is an independent exploration); None: one per mode, at most the CPU count.
     ``counterexample_of``: the property whose counterexample to report where it is violated (default: the
     most specific violation, ``PRIORITY``). ``engine``: the exploration engine (:func:`explore_model`; both
-    give the same figures and verdicts).
+    give the same figures and verdicts). ``deadline``: every mode stops exploring once ``time.time()``
+    passes it (epoch seconds).
 
     Raises:
         ValueError: ``workers`` < 1, ``counterexample_of`` names no property, or ``engine`` no engine.
@@ -405,7 +417,10 @@ def check(
     Keys: variant, ranks, verdict ("verified" | "counterexample" | "incomplete"), states, transitions
     (summed over modes), depth (max), seconds, symmetry, properties, bounds, channels, mode, per_mode,
     peak_rss_mb (the largest process's peak: this one's or a worker's), and for a violation
-    ``counterexample {property, mode, steps, records, labels}``.
+    ``counterexample {property, mode, steps, records, labels}``. An incomplete run (``max_states`` or
+    ``deadline``) also has ``levels_expanded``: the fewest BFS levels any mode explored completely, so that
+    every state within that many steps of the initial state, in every mode, was expanded and checked (a
+    bounded verdict); each mode's is in ``per_mode``.
     """
     b = bounds or Bounds()
     modes: list[ModeSetting] = list(PauseMode) if mode == "all" else [mode_setting(mode)]
@@ -417,7 +432,20 @@ def check(
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: known engines are {', '.join(ENGINES)}")
     jobs = [
-        (variant, ranks, m, channels, b, sym, max_states, progress, stalls, counterexample_of, engine)
+        (
+            variant,
+            ranks,
+            m,
+            channels,
+            b,
+            sym,
+            max_states,
+            progress,
+            stalls,
+            counterexample_of,
+            engine,
+            deadline,
+        )
         for m in modes
     ]
     n_workers = min(len(jobs), os.cpu_count() or 1) if workers is None else workers
@@ -470,6 +498,7 @@ def check(
                 "depth": r.depth,
                 "seconds": round(r.seconds, 3),
                 "peak_rss_mb": round(r.peak_rss_mb, 1),
+                "levels_expanded": r.levels_expanded,
                 "verdict": "counterexample"
                 if r.counterexample
                 else ("verified" if r.complete else "incomplete"),
@@ -478,6 +507,8 @@ def check(
             for r in results
         },
     }
+    if not complete:
+        out["levels_expanded"] = min(r.levels_expanded for r in results)
     if stalls:
         out["stranded"] = {
             k: sum((r.stranded or {}).get(k, 0) for r in results) for k in ("transient", "stall", "hang")

@@ -22,13 +22,15 @@ def explore_model(
     max_states: int = 50_000_000,
     stop_at_first: bool = False,
     engine: str = DEFAULT_ENGINE,
+    deadline: float | None = None,
 ) -> Exploration[G]:
     """:func:`~weightsync.model.explorer.explore` of ``model`` from its initial state with its safety checks
     (invariant, edge and terminal checks), up to rank permutations when ``symmetry``.
 
     ``engine``: ``"compact"`` (:mod:`weightsync.model.compact`: encoded states, memoised transitions) or
     ``"baseline"`` (the model's successor function on :class:`GlobalState` values); both give the same
-    exploration (states in the same order, counts, violations, paths).
+    exploration (states in the same order, counts, violations, paths). ``deadline``: stop once
+    ``time.time()`` passes it (:func:`~weightsync.model.explorer.explore`).
 
     Raises:
         ValueError: an unknown ``engine``."""
@@ -40,6 +42,7 @@ def explore_model(
             keep_labels=keep_labels,
             max_states=max_states,
             stop_at_first=stop_at_first,
+            deadline=deadline,
         )[0]
     if engine != "baseline":
         raise ValueError(f"engine={engine!r}: known engines are {', '.join(ENGINES)}")
@@ -54,4 +57,5 @@ def explore_model(
         keep_labels=keep_labels,
         max_states=max_states,
         stop_at_first=stop_at_first,
+        deadline=deadline,
     )

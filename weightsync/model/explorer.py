@@ -84,9 +84,14 @@ class Exploration(Generic[S]):
         src, dst: every edge as two parallel int arrays (only when ``keep_edges``).
         labels: every edge's label (only when ``keep_labels``).
         violations: the first violation of each property, by name.
-        complete: False if exploration stopped early (``max_states`` or ``stop_at_first``).
+        complete: False if exploration stopped early (``max_states``, ``deadline`` or ``stop_at_first``).
         seconds: wall time spent.
         terminal: indices of states without successors.
+        levels_expanded: BFS levels whose every state was expanded (each of its edges generated and checked,
+            a state without successors checked as terminal): ``depth`` when ``complete``; when stopped
+            early, the levels before the first state left unexpanded. Every state within that many steps of
+            an initial state, and one step more, was found and checked against the invariant: a bounded
+            verdict for an exploration too large to finish.
     """
 
     states: Sequence[S]
@@ -102,6 +107,7 @@ class Exploration(Generic[S]):
     complete: bool = True
     seconds: float = 0.0
     terminal: list[int] = field(default_factory=list)
+    levels_expanded: int = 0
 
     @property
     def depth(self) -> int:
@@ -131,6 +137,7 @@ def explore(
     keep_labels: bool = False,
     max_states: int = 50_000_000,
     stop_at_first: bool = False,
+    deadline: float | None = None,
 ) -> Exploration[S]:
     """Breadth-first exploration of every state reachable from ``initial``.
 
@@ -145,6 +152,9 @@ def explore(
         keep_labels: also record every edge's label (needed for graph export).
         max_states: stop (``complete=False``) when this many distinct states are known.
         stop_at_first: stop at the first violation of any property.
+        deadline: stop (``complete=False``) once ``time.time()`` passes it (epoch seconds; looked at every
+            1,024 expanded states); None: no deadline. ``levels_expanded`` then says how deep the
+            exploration was complete.
 
     Returns:
         An :class:`Exploration`.
@@ -174,6 +184,7 @@ def explore(
         keep_labels=keep_labels,
         max_states=max_states,
         stop_at_first=stop_at_first,
+        deadline=deadline,
     )
 
 
@@ -193,6 +204,7 @@ def explore_checked(
     keep_labels: bool = False,
     max_states: int = 50_000_000,
     stop_at_first: bool = False,
+    deadline: float | None = None,
 ) -> Exploration[S]:
     """:func:`explore` for successor functions that check their own edges: ``successors`` yields triples
     ``(label, next_state, violated)``, where ``violated`` names the transition properties the edge violates
@@ -285,6 +297,9 @@ def explore_checked(
         if len(states) >= max_states and i < len(states):
             complete = False
             break
+        if deadline is not None and not i & 1023 and i < len(states) and time.time() > deadline:
+            complete = False
+            break
     ex: Exploration[S] = Exploration(
         states=states,
         index=index,
@@ -299,6 +314,7 @@ def explore_checked(
         complete=complete,
         terminal=terminal,
     )
+    ex.levels_expanded = ex.depth if complete else (level[i] - 1 if i < len(states) else ex.depth)
     ex.seconds = time.perf_counter() - t0
     return ex
 

@@ -93,6 +93,7 @@ def explore_compact(
     max_states: int = 50_000_000,
     stop_at_first: bool = False,
     verify: bool = False,
+    deadline: float | None = None,
 ) -> tuple[Exploration[GlobalState], CompactEngine]:
     """Explore ``model`` with the compact engine: the same exploration as
     ``explore([model.initial()], model.successors, invariant=..., edge_check=..., terminal_check=...,
@@ -109,6 +110,7 @@ def explore_compact(
         keep_labels=keep_labels,
         max_states=max_states,
         stop_at_first=stop_at_first,
+        deadline=deadline,
     )
     violations = {
         name: Violation(v.property, v.state, v.label, None if v.target is None else engine.decode(v.target))
@@ -128,5 +130,6 @@ def explore_compact(
         complete=ex.complete,
         seconds=ex.seconds,
         terminal=ex.terminal,
+        levels_expanded=ex.levels_expanded,
     )
     return out, engine
