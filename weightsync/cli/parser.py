@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=POSITIVE,
         default=None,
-        help="processes exploring the pause modes in parallel (default: one per mode, at most the CPUs)",
+        help="processes exploring the pause modes in parallel (default: one per mode, at most the CPUs; "
+        "with --max-seconds, one per mode)",
     )
     c.add_argument(
         "--stray-resume", action="store_true", help="the controller may issue one resume no pause preceded"

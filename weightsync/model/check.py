@@ -405,7 +405,8 @@ def check(
     """Run ``weightsync check`` and return its JSON object (the keys below).
 
     ``symmetry`` None: :func:`default_symmetry`. ``workers``: processes exploring the pause modes in
-    parallel (each mode is an independent exploration); None: one per mode, at most the CPU count.
+    parallel (each mode is an independent exploration); None: one per mode, at most the CPU count (with a
+    ``deadline``: one per mode).
     ``counterexample_of``: the property whose counterexample to report where it is violated (default: the
     most specific violation, ``PRIORITY``). ``engine``: the exploration engine (:func:`explore_model`; both
     give the same figures and verdicts). ``deadline``: every mode stops exploring once ``time.time()``
@@ -448,7 +449,10 @@ def check(
         )
         for m in modes
     ]
-    n_workers = min(len(jobs), os.cpu_count() or 1) if workers is None else workers
+    # Under a deadline every mode explores at once (sharing the CPUs), so that none starts when the others
+    # have used the time up and the bounded verdict (the fewest levels any mode expanded) is not one mode's.
+    cpus = len(jobs) if deadline is not None else os.cpu_count() or 1
+    n_workers = min(len(jobs), cpus) if workers is None else workers
     if n_workers < 1:
         raise ValueError(f"workers={n_workers}: need at least one process")
     t0 = time.perf_counter()
