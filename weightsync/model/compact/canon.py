@@ -94,13 +94,32 @@ class CanonicalForm(Codec):
         cheap = [keyof(k) for k in ids]
         pos = sorted(range(1, self.n), key=cheap.__getitem__)
         if any(cheap[a] == cheap[b] for a, b in itertools.pairwise(pos)):
-            pos = sorted(range(1, self.n), key=lambda j: (cheap[j], self._sym_key(ids, rest, j)))
+            pos = self._break_ties(ids, rest, cheap, pos)
         if pos == list(range(1, self.n)):
             return c
         perm = [0] * self.n  # old -> new
         for new_j, old in enumerate(pos, start=1):
             perm[old] = new_j
         return self._permuted(ids, rest, tuple(perm))
+
+    def _break_ties(self, ids: list[int], rest: int, cheap: list[Any], pos: list[int]) -> list[int]:
+        """``pos`` (ranks 1..N-1 in order of their :func:`slice_key`, ``cheap``, ties in index order) in the
+        model's order, ``sorted(key=(slice_key, _sym_key))``: each run of ranks tied on ``cheap`` sorted by
+        the first part of :meth:`_sym_key` (the rank's own FIFOs seen from itself), and only a run still
+        tied on that by the whole key; ranks tied on the whole key stay in index order (both sorts are
+        stable), as in the model. The whole key costs a sort of every other rank's FIFOs per rank, so it is
+        computed for the tied ranks only."""
+        rel = self._relative
+        out: list[int] = []
+        for _, run in itertools.groupby(pos, key=cheap.__getitem__):
+            group = list(run)
+            if len(group) > 1:
+                own = {j: rel(ids[j], j) for j in group}
+                group.sort(key=own.__getitem__)
+                if any(own[a] == own[b] for a, b in itertools.pairwise(group)):
+                    group.sort(key=lambda j: self._sym_key(ids, rest, j))
+            out.extend(group)
+        return out
 
     def _permuted(self, ids: list[int], rest: int, perm: tuple[int, ...]) -> Compact:
         """The encoded state ``ids``, ``rest`` with rank ``i`` renamed ``perm[i]`` (:meth:`Symmetry._permute`)."""
