@@ -10,6 +10,7 @@ import pytest
 
 from weightsync.model.check import build_model, check, check_mode, explore_model
 from weightsync.model.compact import CompactEngine, explore_compact
+from weightsync.model.compact.canon import OrderLabels
 from weightsync.model.explorer import Exploration
 from weightsync.model.system import Bounds, G
 
@@ -163,7 +164,27 @@ def test_symmetry_beyond_three_ranks_gives_the_same_representatives(ranks: int) 
     )
     _same(a, b)
     assert any(len(set(perm)) == ranks for _, perm in engine._ren)  # a renaming permutation was used
-    assert engine._fulls  # the plain sorted order was used
+    assert engine.plain_reorders  # the plain sorted order (int labels) reordered states
+
+
+def test_order_labels_keep_the_order_of_their_keys_through_renumbering() -> None:
+    """OrderLabels: labels compare as their keys do, equal keys share a label, and a gap that runs out
+    (keys placed again and again between the same two) renumbers every label (``epoch``) and keeps the
+    order. Keys are tuples as the canonical form's are."""
+    order = OrderLabels()
+    keys = [(0, "a"), (1, "z")]
+    lo, hi = 0.0, 1.0
+    for _ in range(40):  # each new key between the previous one and (1, "z"): halves one gap 40 times
+        lo = (lo + hi) / 2
+        keys.append((lo, "m"))
+    for key in keys:
+        order.label(key)
+    assert order.epoch >= 1  # 32 halvings of a gap of 2**32 leave no int: renumbered
+    assert order.label((0, "a")) == order.of[(0, "a")]  # equal key, same label
+    by_label = sorted(keys, key=order.label)
+    assert by_label == sorted(keys)
+    assert len({order.label(k) for k in keys}) == len(keys)
+    assert order.keys == sorted(keys) and order.labels == sorted(order.labels)
 
 
 def test_a_broken_memo_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

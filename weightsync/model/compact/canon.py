@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_left
 from typing import Any
 
 from weightsync.model.compact.codec import FIELD_BITS, FIELD_MASK, Codec, Compact
@@ -19,6 +20,52 @@ from weightsync.model.system.symmetry import (
 #: their FIFOs in order, or reversed (:meth:`Symmetry.canon`'s cases); the swap of ranks 1 and 2.
 _IN_ORDER, _REVERSED, _TIE_IN_ORDER, _TIE_REVERSED = 0, 1, 2, 3
 _SWAP12 = (0, 2, 1)
+#: Spacing of :class:`OrderLabels`' labels (ints, so a gap halves 32 times before the labels are renumbered).
+_LABEL_GAP = 1 << 32
+
+
+class OrderLabels:
+    """Int labels of keys in the keys' order: ``label(a) < label(b)`` iff ``a < b``, equal keys get equal
+    labels, so a sort by label is a sort by key that compares ints. A new key takes a label between its
+    neighbours' (found by bisection); when no int is left between them, every label is renumbered
+    ``_LABEL_GAP`` apart and :attr:`epoch` grows, so a caller that keeps labels must drop them then.
+
+    Args:
+        (none) keys must be mutually comparable and hashable.
+    """
+
+    __slots__ = ("epoch", "keys", "labels", "of")
+
+    def __init__(self) -> None:
+        self.keys: list[Any] = []  # every key seen, ascending
+        self.labels: list[int] = []  # their labels, ascending
+        self.of: dict[Any, int] = {}
+        self.epoch = 0
+
+    def label(self, key: Any) -> int:
+        """The label of ``key`` (placed if new)."""
+        v = self.of.get(key)
+        if v is not None:
+            return v
+        keys, labels = self.keys, self.labels
+        pos = bisect_left(keys, key)
+        if not keys:
+            v = 0
+        elif pos == len(keys):
+            v = labels[-1] + _LABEL_GAP
+        elif pos == 0:
+            v = labels[0] - _LABEL_GAP
+        else:
+            v = (labels[pos - 1] + labels[pos]) // 2
+            if v == labels[pos - 1]:  # no int left between the neighbours: renumber every label
+                for j, k in enumerate(keys):
+                    labels[j] = self.of[k] = j * _LABEL_GAP
+                self.epoch += 1
+                v = (labels[pos - 1] + labels[pos]) // 2
+        keys.insert(pos, key)
+        labels.insert(pos, v)
+        self.of[key] = v
+        return v
 
 
 class CanonicalForm(Codec):
@@ -38,7 +85,15 @@ class CanonicalForm(Codec):
         self._keys: dict[int, tuple[Any, ...]] = {}
         self._rel: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._rel_rest: dict[tuple[int, int], tuple[Any, ...]] = {}
-        self._fulls: dict[int, tuple[Any, ...]] = {}
+        # N > 3: per slice id, its place in the model's order of slices (slice_key, then its FIFOs) as an int
+        # label (the plain path), and the key it was labelled by
+        self._slice_order = OrderLabels()
+        self._labels: list[int] = []
+        self._slice_keys: list[tuple[Any, ...]] = []
+        # N > 3, a message names a rank: per (slice id, rank j), the label of (slice_key, own FIFOs seen from j)
+        self._own_order = OrderLabels()
+        self._own_labels: dict[tuple[int, int], int] = {}
+        self.plain_reorders = 0  # states the plain path reordered (figures, tests)
 
     def canon(self, c: Compact) -> Compact:
         """The model's canonical representative of ``c`` (:meth:`Symmetry.canon`), encoded, computed without
@@ -62,8 +117,7 @@ class CanonicalForm(Codec):
             if order == _IN_ORDER and not self.verify:
                 return c
         ids, rest = self.unpack(c)
-        names = self._names
-        plain = not (self._rest_names[rest] or any(names[k] for k in ids))
+        plain = not self._rest_names[rest] and self._named.isdisjoint(ids)
         if n == 3:
             if order == _IN_ORDER:
                 out = c
@@ -80,46 +134,59 @@ class CanonicalForm(Codec):
         return out
 
     def _canon_sorted(self, c: Compact, ids: list[int], rest: int, plain: bool) -> Compact:
-        """The canonical form at N > 3. Where no message names a rank other than 0 (``plain``), ranks
-        1..N-1 sorted by :func:`slice_key` then their FIFOs: the model's order, as its tie-break
-        :meth:`Symmetry._sym_key` starts with the rank's own FIFOs, and ranks equal on both are equal slices,
-        whose order changes nothing. Otherwise by :func:`slice_key`, and where two ranks tie on it, by
-        ``(slice_key, _sym_key)`` as the model does, from memoised parts (:meth:`_relative`,
-        :meth:`_relative_rest`); then the permutation with its renaming."""
+        """The canonical form at N > 3: ranks 1..N-1 in the model's order, ``(slice_key, _sym_key)``, whose
+        :meth:`Symmetry._sym_key` starts with the rank's own FIFOs seen from itself.
+
+        - Where no message names a rank other than 0 (``plain``), renaming changes nothing and that order
+          is the order of ``(slice_key, inq, outq)``, a total order of slices (ranks equal on it are equal
+          slices, whose order changes nothing): sorted by each slice id's int label (:class:`OrderLabels`).
+        - Otherwise ranks sorted by the label of ``(slice_key, own FIFOs seen from the rank)``, and a run
+          of ranks tied on it by the whole :meth:`_sym_key` (it costs a sort of every other rank's FIFOs per
+          rank, so only the tied ranks get it); ranks tied on the whole key stay in index order (the sorts
+          are stable), as in the model. Then the permutation with its renaming."""
         tail = ids[1:]
         if plain:
-            order = sorted(tail, key=self._full_key)
-            return c if order == tail else self.pack((ids[0], *order), rest)
-        keyof = self._key_of
-        cheap = [keyof(k) for k in ids]
-        pos = sorted(range(1, self.n), key=cheap.__getitem__)
-        if any(cheap[a] == cheap[b] for a, b in itertools.pairwise(pos)):
-            pos = self._break_ties(ids, rest, cheap, pos)
-        if pos == list(range(1, self.n)):
+            order = sorted(tail, key=self._labels.__getitem__)
+            if order == tail:
+                return c
+            self.plain_reorders += 1
+            return self.pack((ids[0], *order), rest)
+        n = self.n
+        while True:
+            epoch = self._own_order.epoch
+            pair = self._own_labels
+            lab = [0] * n
+            for j in range(1, n):
+                v = pair.get((ids[j], j))
+                lab[j] = self._own_label(ids[j], j) if v is None else v
+            if self._own_order.epoch == epoch:
+                break  # else a label was renumbered meanwhile: read them again
+        pos = sorted(range(1, n), key=lab.__getitem__)
+        if any(lab[a] == lab[b] for a, b in itertools.pairwise(pos)):
+            out: list[int] = []
+            for _, run in itertools.groupby(pos, key=lab.__getitem__):
+                group = list(run)
+                if len(group) > 1:
+                    group.sort(key=lambda j: self._sym_key(ids, rest, j))
+                out.extend(group)
+            pos = out
+        if pos == list(range(1, n)):
             return c
-        perm = [0] * self.n  # old -> new
+        perm = [0] * n  # old -> new
         for new_j, old in enumerate(pos, start=1):
             perm[old] = new_j
         return self._permuted(ids, rest, tuple(perm))
 
-    def _break_ties(self, ids: list[int], rest: int, cheap: list[Any], pos: list[int]) -> list[int]:
-        """``pos`` (ranks 1..N-1 in order of their :func:`slice_key`, ``cheap``, ties in index order) in the
-        model's order, ``sorted(key=(slice_key, _sym_key))``: each run of ranks tied on ``cheap`` sorted by
-        the first part of :meth:`_sym_key` (the rank's own FIFOs seen from itself), and only a run still
-        tied on that by the whole key; ranks tied on the whole key stay in index order (both sorts are
-        stable), as in the model. The whole key costs a sort of every other rank's FIFOs per rank, so it is
-        computed for the tied ranks only."""
-        rel = self._relative
-        out: list[int] = []
-        for _, run in itertools.groupby(pos, key=cheap.__getitem__):
-            group = list(run)
-            if len(group) > 1:
-                own = {j: rel(ids[j], j) for j in group}
-                group.sort(key=own.__getitem__)
-                if any(own[a] == own[b] for a, b in itertools.pairwise(group)):
-                    group.sort(key=lambda j: self._sym_key(ids, rest, j))
-            out.extend(group)
-        return out
+    def _own_label(self, k: int, j: int) -> int:
+        """The label of ``(slice_key, own FIFOs seen from rank j)`` of slice ``k`` at rank ``j``, memoised
+        (the memo is dropped when the labels are renumbered)."""
+        order = self._own_order
+        epoch = order.epoch
+        v = order.label((self._key_of(k), self._relative(k, j)))
+        if order.epoch != epoch:
+            self._own_labels.clear()
+        self._own_labels[(k, j)] = v
+        return v
 
     def _permuted(self, ids: list[int], rest: int, perm: tuple[int, ...]) -> Compact:
         """The encoded state ``ids``, ``rest`` with rank ``i`` renamed ``perm[i]`` (:meth:`Symmetry._permute`)."""
@@ -162,13 +229,24 @@ class CanonicalForm(Codec):
             v = self._keys[k] = slice_key(self.ranks[k])
         return v
 
-    def _full_key(self, k: int) -> tuple[Any, ...]:
-        """:func:`slice_key` of slice ``k`` then its FIFOs, memoised."""
-        v = self._fulls.get(k)
-        if v is None:
-            r = self.ranks[k]
-            v = self._fulls[k] = (self._key_of(k), r.inq, r.outq)
-        return v
+    def _interned(self, k: int) -> None:
+        """A new slice ``k`` was interned: at N > 3, give it its label in the order of
+        ``(slice_key, inq, outq)`` (:meth:`_canon_sorted`'s plain path).
+
+        Raises:
+            AssertionError: two distinct slices with equal keys (the key must name the whole slice)."""
+        if self.n <= 3:
+            return
+        r = self.ranks[k]
+        key = (self._key_of(k), r.inq, r.outq)
+        order = self._slice_order
+        epoch, known = order.epoch, len(order.keys)
+        self._slice_keys.append(key)
+        self._labels.append(order.label(key))
+        if len(order.keys) == known:
+            raise AssertionError(f"slice {k} has the order key of another slice")
+        if order.epoch != epoch:
+            self._labels = [order.of[key] for key in self._slice_keys]
 
     def _pair_order(self, k1: int, k2: int) -> int:
         r1, r2 = self.ranks[k1], self.ranks[k2]

@@ -70,7 +70,9 @@ class Codec:
         self._blocked: list[str] = []
         self._flags: list[int] = []
         self._status: list[int] = []
-        self._names: list[bool] = []  # a message in its FIFOs names a rank other than 0 (symmetry)
+        self._named: set[int] = (
+            set()
+        )  # ids of slices with a message that names a rank other than 0 (symmetry)
         self._coll_proj: list[int] = []
         self._env_class: list[int] = []
         self._projs: list[tuple[int, ...]] = []
@@ -103,7 +105,8 @@ class Codec:
                 | (_OUTQ if r.outq else 0)
             )
             self._status.append(r.status)
-            self._names.append(rank_names_a_rank(r))
+            if rank_names_a_rank(r):
+                self._named.add(k)
             pid = self._proj_ids
             coll = pid.setdefault(("c", r.blocked, r.vars.state, r.status), len(pid))
             self._coll_proj.append(coll)
@@ -111,7 +114,11 @@ class Codec:
             ps = tuple(pid.setdefault((g, *f(r)), len(pid)) for g, f in enumerate(RANK_PROJECTIONS))
             self._projs.append(ps)
             self._proj.append(pid.setdefault(("all", *ps), len(pid)))
+            self._interned(k)
         return k
+
+    def _interned(self, k: int) -> None:
+        """Called once for every new slice id ``k``, after its per-id attributes (a hook for subclasses)."""
 
     def rest_id(self, rest: tuple[Any, ...]) -> int:
         """The id of ``rest`` (a GlobalState's fields after ``ranks``; a new id if unseen)."""
