@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from weightsync.model.compact.projections import RANK_PROJECTIONS, rest_projections
 from weightsync.model.system import TRANSFER_KINDS, GlobalState, Label, Model, Rank
@@ -15,6 +17,11 @@ Compact = int
 #: Bits of one rank slice id in an encoded state.
 FIELD_BITS = 32
 FIELD_MASK = (1 << FIELD_BITS) - 1
+#: The :mod:`array` typecode of one field (C ``unsigned int``, or ``unsigned long`` where that is 32 bits):
+#: :meth:`Codec.pack` and :meth:`Codec.unpack` convert between a state and its fields as bytes in C.
+FIELD_CODE: Literal["I", "L"] = "I" if array("I").itemsize * 8 == FIELD_BITS else "L"
+if array(FIELD_CODE).itemsize * 8 != FIELD_BITS:  # pragma: no cover - no such CPython platform
+    raise ImportError(f"no array typecode of {FIELD_BITS} bits on this platform")
 #: A successor with its edge check: ``(label, next state, names of violated transition properties)``.
 Checked = tuple[Label, Compact, Sequence[str]]
 _Moves = list[tuple[Label, GlobalState]]
@@ -60,6 +67,7 @@ class Codec:
         #: bit offset of each rank's id in an encoded state, then of the rest's id
         self.shifts = tuple(FIELD_BITS * i for i in range(n))
         self.rest_shift = FIELD_BITS * n
+        self.nbytes = (n + 1) * FIELD_BITS // 8  # of an encoded state
         self.ranks: list[Rank] = []
         self.rank_ids: dict[Rank, int] = {}
         self.rests: list[tuple[Any, ...]] = []
@@ -121,10 +129,16 @@ class Codec:
         """Called once for every new slice id ``k``, after its per-id attributes (a hook for subclasses)."""
 
     def rest_id(self, rest: tuple[Any, ...]) -> int:
-        """The id of ``rest`` (a GlobalState's fields after ``ranks``; a new id if unseen)."""
+        """The id of ``rest`` (a GlobalState's fields after ``ranks``; a new id if unseen).
+
+        Raises:
+            OverflowError: more distinct rests than :data:`FIELD_BITS` can number."""
         k = self.rest_ids.get(rest)
         if k is None:
-            k = self.rest_ids[rest] = len(self.rests)
+            k = len(self.rests)
+            if k > FIELD_MASK:
+                raise OverflowError(f"more than {FIELD_MASK + 1} distinct rests")
+            self.rest_ids[rest] = k
             self.rests.append(rest)
             self._rest_names.append(fifos_name_a_rank(rest[0]))
             pid = self._proj_ids
@@ -146,14 +160,13 @@ class Codec:
 
     def pack(self, ids: Sequence[int], rest: int) -> Compact:
         """The encoded state of rank slice ids ``ids`` and rest id ``rest``."""
-        c = rest << self.rest_shift
-        for sh, k in zip(self.shifts, ids, strict=True):
-            c |= k << sh
-        return c
+        return int.from_bytes(array(FIELD_CODE, (*ids, rest)), sys.byteorder)
 
     def unpack(self, c: Compact) -> tuple[list[int], int]:
         """The rank slice ids and the rest id of encoded state ``c``."""
-        return [(c >> sh) & FIELD_MASK for sh in self.shifts], c >> self.rest_shift
+        fields = memoryview(c.to_bytes(self.nbytes, sys.byteorder)).cast(FIELD_CODE).tolist()
+        rest = fields.pop()
+        return fields, rest
 
     def encode(self, s: GlobalState) -> Compact:
         """``s``, encoded."""

@@ -15,7 +15,6 @@ from weightsync.model.compact.codec import (
     _OUTQ,
     _PER_RANK_CONTROLLER,
     _TRANSFER,
-    FIELD_MASK,
     Checked,
     Compact,
     _CoordEntry,
@@ -71,8 +70,7 @@ class CompactEngine(CanonicalForm):
         """The model's successors of ``c`` with their edge checks, in the model's order (see the module
         docstring for which part is memoised how)."""
         n = self.n
-        rest = c >> self.rest_shift
-        ids = [(c >> sh) & FIELD_MASK for sh in self.shifts]
+        ids, rest = self.unpack(c)
         plan = self._plans.get((rest, *map(self._env_class.__getitem__, ids)))
         if plan is None:
             plan = self._plan(ids, rest)
@@ -169,8 +167,7 @@ class CompactEngine(CanonicalForm):
         """The model's invariant of ``c``, memoised by the projections of its ranks and its rest (every
         field some group reads); on a miss, each group memoised by its own projections."""
         proj = self._proj
-        ids = [(c >> sh) & FIELD_MASK for sh in self.shifts]
-        rest = c >> self.rest_shift
+        ids, rest = self.unpack(c)
         key = (*map(proj.__getitem__, ids), self._rest_proj_id[rest])
         v = self._inv.get(key)
         if v is None:
