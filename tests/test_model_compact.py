@@ -146,7 +146,8 @@ def test_symmetry_gives_the_same_representatives(
 def test_symmetry_beyond_three_ranks_gives_the_same_representatives(ranks: int) -> None:
     """At N = 4 and 5 the compact engine's canonical form (ranks sorted without decoding, renamed by the
     permutation where a message names a rank) keeps the baseline's representatives, checked against the
-    model's canon at every call; the sorted path, not the model's, decides most states."""
+    model's canon at every call; the sorted path, not the model's, decides most states, and a rank's own
+    move that comes canonical already (``resorted``) is checked to be the model's canon of its successor."""
     bounds = Bounds()
     a = explore_model(
         build_model("two-phase-epoch", ranks, "keep", "per-socket", bounds),
@@ -165,6 +166,7 @@ def test_symmetry_beyond_three_ranks_gives_the_same_representatives(ranks: int) 
     _same(a, b)
     assert any(len(set(perm)) == ranks for _, perm in engine._ren)  # a renaming permutation was used
     assert engine.plain_reorders  # the plain sorted order (int labels) reordered states
+    assert engine.presorted  # a rank's own move came canonical already, and was the model's canon
 
 
 def test_order_labels_keep_the_order_of_their_keys_through_renumbering() -> None:

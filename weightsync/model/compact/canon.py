@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from bisect import bisect_left
+import sys
+from array import array
+from bisect import bisect_left, bisect_right
 from typing import Any
 
-from weightsync.model.compact.codec import FIELD_BITS, FIELD_MASK, Codec, Compact
+from weightsync.model.compact.codec import FIELD_BITS, FIELD_CODE, FIELD_MASK, Codec, Compact
 from weightsync.model.system import Model
 from weightsync.model.system.symmetry import (
     relative_fifos,
@@ -176,6 +178,27 @@ class CanonicalForm(Codec):
         for new_j, old in enumerate(pos, start=1):
             perm[old] = new_j
         return self._permuted(ids, rest, tuple(perm))
+
+    def resorted(self, t: Compact, ids: list[int], i: int) -> Compact:
+        """``t``, the successor of a plain state ``ids`` by a move of rank ``i`` >= 1 alone (its slice and
+        the rest changed, every other rank's slice as in ``ids``), with rank ``i``'s slice moved to its
+        place among ranks 1..N-1 by label (:meth:`_canon_sorted`'s plain order). Where ``ids`` is canonical
+        that is :meth:`canon` of ``t``, at the cost of two label comparisons when the slice stays in
+        place; else it is a state of ``t``'s orbit, which the explorer canonicalises as any other. ``t``
+        itself where its new slice or rest has a message that names a rank (not plain)."""
+        k = (t >> self.shifts[i]) & FIELD_MASK
+        rest = t >> self.rest_shift
+        if k in self._named or self._rest_names[rest]:
+            return t
+        labels = self._labels
+        lk = labels[k]
+        n = self.n
+        if (i == 1 or labels[ids[i - 1]] <= lk) and (i == n - 1 or lk <= labels[ids[i + 1]]):
+            return t
+        tail = ids[1:]
+        del tail[i - 1]
+        tail.insert(bisect_right([labels[x] for x in tail], lk), k)
+        return int.from_bytes(array(FIELD_CODE, (ids[0], *tail, rest)), sys.byteorder)
 
     def _own_label(self, k: int, j: int) -> int:
         """The label of ``(slice_key, own FIFOs seen from rank j)`` of slice ``k`` at rank ``j``, memoised

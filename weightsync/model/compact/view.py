@@ -99,7 +99,7 @@ def explore_compact(
     ``explore([model.initial()], model.successors, invariant=..., edge_check=..., terminal_check=...,
     canon=...)`` (same states in the same order, same counts, violations and paths), its states decoded on
     access; and the engine (its memo figures: :meth:`CompactEngine.stats`)."""
-    engine = CompactEngine(model, verify=verify)
+    engine = CompactEngine(model, verify=verify, symmetry=symmetry)
     ex = explore_checked(
         engine.initial(),
         engine.successors,
