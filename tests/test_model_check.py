@@ -15,7 +15,7 @@ from weightsync.model.explorer import explore
 from weightsync.model.export import counterexample_mermaid, state_graph
 from weightsync.model.labels import replay_labels
 from weightsync.model.mutation import mutants, mutation_guards
-from weightsync.model.properties import PROPERTIES
+from weightsync.model.properties import PROGRESS, PROPERTIES
 from weightsync.model.system import Bounds, Config, Model
 from weightsync.spec.rank import get_variant
 from weightsync.spec.states import PauseMode
@@ -303,3 +303,15 @@ def test_check_past_its_deadline_gives_a_bounded_verdict(capsys: pytest.CaptureF
     assert "incomplete" in text and "steps of the initial state" in text, text
     assert main(["check", "--max-seconds", "0"]) == 2
     assert "--max-seconds" in capsys.readouterr().err
+
+
+def test_check_no_progress_checks_safety_and_deadlock_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """``weightsync check --no-progress``: safety and deadlock are checked (a violation still fails the run),
+    the progress properties are 'not checked', and no edge is kept for them."""
+    assert main(["check", "--ranks", "2", "--mode", "keep", "--no-progress", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    props = out["properties"]
+    assert out["verdict"] == "verified" and props["deadlock"] == "holds"
+    assert {props[p] for p in PROGRESS} == {"not checked"}
+    assert main(["check", "--variant", "vllm-0.32", "--ranks", "2", "--mode", "keep", "--no-progress"]) == 1
+    assert "counterexample" in capsys.readouterr().out

@@ -47,6 +47,7 @@ def check(args: argparse.Namespace) -> int:
         bounds=bounds,
         symmetry=args.symmetry,
         max_states=args.max_states,
+        progress=args.progress,
         workers=args.workers,
         stalls=args.stalls,
         counterexample_of=args.counterexample_of,

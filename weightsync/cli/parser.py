@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         "default: on from 3 ranks)",
     )
     c.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also check the progress properties (every reachable state can reach a goal), which keeps "
+        "every edge in memory; --no-progress checks safety and deadlock only (default: on)",
+    )
+    c.add_argument(
         "--stalls",
         action="store_true",
         help="classify the states where a rank waits in a DP collective: transient (the peers join on "

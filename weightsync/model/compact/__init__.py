@@ -1,7 +1,7 @@
 """The compact engine: the model's states as ints, and its transitions memoised per part.
 
 A global state is encoded as one int, ``r_0 + (r_1 << 32) + ... + (r_{N-1} << 32 (N-1)) + (rest << 32 N)``
-(:mod:`~weightsync.model.compact.codec`): ``r_i`` is the id of rank ``i``'s :class:`~weightsync.model.system.Rank`
+(:mod:`~weightsync.model.compact.codec`; packed and unpacked as N + 1 native 32-bit fields in C): ``r_i`` is the id of rank ``i``'s :class:`~weightsync.model.system.Rank`
 slice and ``rest`` the id of the state outside the ranks (the :class:`~weightsync.model.system.GlobalState`
 less ``ranks``: coordinator FIFOs, coordinator, front-end, controller, trainer, finished and aborted
 requests). Ids are small ints handed out in order of first appearance by two intern tables (value -> id,
@@ -36,7 +36,11 @@ successors from ints alone:
   the fields :meth:`Properties.invariant` reads; on a miss, each of its groups by its own projections
   (:mod:`~weightsync.model.compact.projections`);
 - the canonical form (symmetry), at every N: the ranks' order by memoised keys, the renaming per id and
-  permutation (:mod:`~weightsync.model.compact.canon`).
+  permutation (:mod:`~weightsync.model.compact.canon`). At N > 3 the model's order of slices is kept as
+  int labels (:class:`~weightsync.model.compact.canon.OrderLabels`), so a sort compares ints, and a rank's
+  own move from a canonical state where no message names a rank comes canonical already
+  (:meth:`~weightsync.model.compact.canon.CanonicalForm.resorted`: the explorer's lookup then finds it
+  without canonicalising it; the successor is the model's up to renaming ranks 1..N-1).
 
 The explorer is :func:`~weightsync.model.explorer.explore_checked` (the successor function hands it
 each edge's check); :class:`~weightsync.model.compact.view.DecodedStates` reads the result as

@@ -95,6 +95,12 @@ class CanonicalForm(Codec):
         # N > 3, a message names a rank: per (slice id, rank j), the label of (slice_key, own FIFOs seen from j)
         self._own_order = OrderLabels()
         self._own_labels: dict[tuple[int, int], int] = {}
+        # N > 3, ranks tied on that: per (slice id, rank j) the label of its FIFOs seen from j, per (rest id,
+        # rank j) the label of the coordinator's FIFOs seen from j (:meth:`_sym_labels`)
+        self._rel_order = OrderLabels()
+        self._rel_labels: dict[tuple[int, int], int] = {}
+        self._rest_rel_order = OrderLabels()
+        self._rest_rel_labels: dict[tuple[int, int], int] = {}
         self.plain_reorders = 0  # states the plain path reordered (figures, tests)
 
     def canon(self, c: Compact) -> Compact:
@@ -143,9 +149,10 @@ class CanonicalForm(Codec):
           is the order of ``(slice_key, inq, outq)``, a total order of slices (ranks equal on it are equal
           slices, whose order changes nothing): sorted by each slice id's int label (:class:`OrderLabels`).
         - Otherwise ranks sorted by the label of ``(slice_key, own FIFOs seen from the rank)``, and a run
-          of ranks tied on it by the whole :meth:`_sym_key` (it costs a sort of every other rank's FIFOs per
-          rank, so only the tied ranks get it); ranks tied on the whole key stay in index order (the sorts
-          are stable), as in the model. Then the permutation with its renaming."""
+          of ranks tied on it by the whole :meth:`_sym_key` as int labels (:meth:`_sym_labels`; it costs a
+          sort of every other rank's FIFOs per rank, so only the tied ranks get it); ranks tied on the whole
+          key stay in index order (the sorts are stable), as in the model. Then the permutation with its
+          renaming."""
         tail = ids[1:]
         if plain:
             order = sorted(tail, key=self._labels.__getitem__)
@@ -169,7 +176,12 @@ class CanonicalForm(Codec):
             for _, run in itertools.groupby(pos, key=lab.__getitem__):
                 group = list(run)
                 if len(group) > 1:
-                    group.sort(key=lambda j: self._sym_key(ids, rest, j))
+                    while True:
+                        epochs = (self._rel_order.epoch, self._rest_rel_order.epoch)
+                        keys = {j: self._sym_labels(ids, rest, j) for j in group}
+                        if epochs == (self._rel_order.epoch, self._rest_rel_order.epoch):
+                            break  # else a label was renumbered meanwhile: read them again
+                    group.sort(key=keys.__getitem__)
                 out.extend(group)
             pos = out
         if pos == list(range(1, n)):
@@ -230,6 +242,35 @@ class CanonicalForm(Codec):
         rel = self._relative
         others = tuple(sorted(rel(ids[k], j) for k in range(1, self.n) if k != j))
         return (rel(ids[j], j), rel(ids[0], j), others, self._relative_rest(rest, j))
+
+    def _sym_labels(self, ids: list[int], rest: int, j: int) -> tuple[Any, ...]:
+        """:meth:`_sym_key` with each FIFO part replaced by its int label (:class:`OrderLabels` of the parts
+        seen from a rank): the rank's own, rank 0's, the other ranks' (sorted) and the coordinator's. The
+        labels keep the parts' order, so these keys compare as the model's do."""
+        rl = self._rel_label
+        others = tuple(sorted([rl(ids[k], j) for k in range(1, self.n) if k != j]))
+        v = self._rest_rel_labels.get((rest, j))
+        if v is None:
+            order = self._rest_rel_order
+            epoch = order.epoch
+            v = order.label(self._relative_rest(rest, j))
+            if order.epoch != epoch:
+                self._rest_rel_labels.clear()
+            self._rest_rel_labels[(rest, j)] = v
+        return (rl(ids[j], j), rl(ids[0], j), others, v)
+
+    def _rel_label(self, k: int, j: int) -> int:
+        """The label of :meth:`_relative` of slice ``k`` seen from rank ``j``, memoised (the memo is dropped
+        when the labels are renumbered)."""
+        v = self._rel_labels.get((k, j))
+        if v is None:
+            order = self._rel_order
+            epoch = order.epoch
+            v = order.label(self._relative(k, j))
+            if order.epoch != epoch:
+                self._rel_labels.clear()
+            self._rel_labels[(k, j)] = v
+        return v
 
     def _relative(self, k: int, j: int) -> tuple[Any, ...]:
         """:func:`relative_fifos` of slice ``k`` as seen from rank ``j``, memoised."""

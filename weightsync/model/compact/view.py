@@ -97,8 +97,9 @@ def explore_compact(
 ) -> tuple[Exploration[GlobalState], CompactEngine]:
     """Explore ``model`` with the compact engine: the same exploration as
     ``explore([model.initial()], model.successors, invariant=..., edge_check=..., terminal_check=...,
-    canon=...)`` (same states in the same order, same counts, violations and paths), its states decoded on
-    access; and the engine (its memo figures: :meth:`CompactEngine.stats`)."""
+    canon=...)`` (same states in the same order, same counts, violations and paths; under symmetry at N > 3
+    an edge violation's ``target`` may be another state of its orbit, see :meth:`CompactEngine.successors`),
+    its states decoded on access; and the engine (its memo figures: :meth:`CompactEngine.stats`)."""
     engine = CompactEngine(model, verify=verify, symmetry=symmetry)
     ex = explore_checked(
         engine.initial(),
