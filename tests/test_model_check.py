@@ -311,7 +311,7 @@ def test_check_no_progress_checks_safety_and_deadlock_only(capsys: pytest.Captur
     assert main(["check", "--ranks", "2", "--mode", "keep", "--no-progress", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     props = out["properties"]
-    assert out["verdict"] == "verified" and props["deadlock"] == "holds"
+    assert out["verdict"] == "verified" and props["no_deadlock"] == "holds"
     assert {props[p] for p in PROGRESS} == {"not checked"}
     assert main(["check", "--variant", "vllm-0.32", "--ranks", "2", "--mode", "keep", "--no-progress"]) == 1
     assert "counterexample" in capsys.readouterr().out

@@ -113,7 +113,7 @@ def _traced(fn: Any) -> tuple[float, int]:
     return dt, peak
 
 
-def run_explorer_bench(quick: bool = False, budget_s: float = 300.0) -> dict[str, Any]:
+def run_explorer_bench(quick: bool = False, budget_s: float = 600.0) -> dict[str, Any]:
     """Measure the explorer; returns one JSON-able dict (``ok`` is True when every run found no violation
     and every time-to-verdict row verified within its budget).
 

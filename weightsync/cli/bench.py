@@ -28,7 +28,7 @@ def _bench_explorer(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.bench.explorer import run_explorer_bench
 
     return run_explorer_bench(
-        quick=bool(getattr(args, "quick", False)), budget_s=float(getattr(args, "budget", 300.0))
+        quick=bool(getattr(args, "quick", False)), budget_s=float(getattr(args, "budget", 600.0))
     )
 
 

@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--budget",
         type=POSITIVE,
-        default=300,
+        default=600,
         help="(explorer) seconds each time-to-verdict row (N = 2, 3, 4, 6, 8) may take before it is stopped",
     )
     b.add_argument(
