@@ -26,6 +26,17 @@ _SWAP12 = (0, 2, 1)
 _LABEL_GAP = 1 << 32
 
 
+def _memo_label(memo: dict[tuple[int, int], int], order: OrderLabels, key: tuple[int, int], part: Any) -> int:
+    """``order``'s label of ``part``, stored in ``memo`` under ``key``; ``memo`` is emptied first when placing
+    ``part`` renumbered the labels (its other entries would be stale)."""
+    epoch = order.epoch
+    v = order.label(part)
+    if order.epoch != epoch:
+        memo.clear()
+    memo[key] = v
+    return v
+
+
 class OrderLabels:
     """Int labels of keys in the keys' order: ``label(a) < label(b)`` iff ``a < b``, equal keys get equal
     labels, so a sort by label is a sort by key that compares ints. A new key takes a label between its
@@ -215,13 +226,7 @@ class CanonicalForm(Codec):
     def _own_label(self, k: int, j: int) -> int:
         """The label of ``(slice_key, own FIFOs seen from rank j)`` of slice ``k`` at rank ``j``, memoised
         (the memo is dropped when the labels are renumbered)."""
-        order = self._own_order
-        epoch = order.epoch
-        v = order.label((self._key_of(k), self._relative(k, j)))
-        if order.epoch != epoch:
-            self._own_labels.clear()
-        self._own_labels[(k, j)] = v
-        return v
+        return _memo_label(self._own_labels, self._own_order, (k, j), (self._key_of(k), self._relative(k, j)))
 
     def _permuted(self, ids: list[int], rest: int, perm: tuple[int, ...]) -> Compact:
         """The encoded state ``ids``, ``rest`` with rank ``i`` renamed ``perm[i]`` (:meth:`Symmetry._permute`)."""
@@ -251,12 +256,9 @@ class CanonicalForm(Codec):
         others = tuple(sorted([rl(ids[k], j) for k in range(1, self.n) if k != j]))
         v = self._rest_rel_labels.get((rest, j))
         if v is None:
-            order = self._rest_rel_order
-            epoch = order.epoch
-            v = order.label(self._relative_rest(rest, j))
-            if order.epoch != epoch:
-                self._rest_rel_labels.clear()
-            self._rest_rel_labels[(rest, j)] = v
+            v = _memo_label(
+                self._rest_rel_labels, self._rest_rel_order, (rest, j), self._relative_rest(rest, j)
+            )
         return (rl(ids[j], j), rl(ids[0], j), others, v)
 
     def _rel_label(self, k: int, j: int) -> int:
@@ -264,12 +266,7 @@ class CanonicalForm(Codec):
         when the labels are renumbered)."""
         v = self._rel_labels.get((k, j))
         if v is None:
-            order = self._rel_order
-            epoch = order.epoch
-            v = order.label(self._relative(k, j))
-            if order.epoch != epoch:
-                self._rel_labels.clear()
-            self._rel_labels[(k, j)] = v
+            v = _memo_label(self._rel_labels, self._rel_order, (k, j), self._relative(k, j))
         return v
 
     def _relative(self, k: int, j: int) -> tuple[Any, ...]:
