@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import itertools
-import sys
-from array import array
 from bisect import bisect_left, bisect_right
 from typing import Any
 
-from weightsync.model.compact.codec import FIELD_BITS, FIELD_CODE, FIELD_MASK, Codec, Compact
+from weightsync.model.compact.codec import FIELD_BITS, FIELD_MASK, Codec, Compact
 from weightsync.model.system import Model
 from weightsync.model.system.symmetry import (
     relative_fifos,
@@ -221,7 +219,7 @@ class CanonicalForm(Codec):
         tail = ids[1:]
         del tail[i - 1]
         tail.insert(bisect_right([labels[x] for x in tail], lk), k)
-        return int.from_bytes(array(FIELD_CODE, (ids[0], *tail, rest)), sys.byteorder)
+        return self.pack((ids[0], *tail), rest)
 
     def _own_label(self, k: int, j: int) -> int:
         """The label of ``(slice_key, own FIFOs seen from rank j)`` of slice ``k`` at rank ``j``, memoised
