@@ -104,6 +104,9 @@ class CanonicalForm(Codec):
         # N > 3, a message names a rank: per (slice id, rank j), the label of (slice_key, own FIFOs seen from j)
         self._own_order = OrderLabels()
         self._own_labels: dict[tuple[int, int], int] = {}
+        self._own_plain: list[
+            int | None
+        ] = []  # per slice id that names no rank: that label, the same for every j
         # N > 3, ranks tied on that: per (slice id, rank j) the label of its FIFOs seen from j, per (rest id,
         # rank j) the label of the coordinator's FIFOs seen from j (:meth:`_sym_labels`)
         self._rel_order = OrderLabels()
@@ -111,6 +114,7 @@ class CanonicalForm(Codec):
         self._rest_rel_order = OrderLabels()
         self._rest_rel_labels: dict[tuple[int, int], int] = {}
         self.plain_reorders = 0  # states the plain path reordered (figures, tests)
+        self.tie_sorts = 0  # runs of tied ranks sorted by the whole key, a message naming one (tests)
 
     def canon(self, c: Compact) -> Compact:
         """The model's canonical representative of ``c`` (:meth:`Symmetry.canon`), encoded, computed without
@@ -170,35 +174,67 @@ class CanonicalForm(Codec):
             self.plain_reorders += 1
             return self.pack((ids[0], *order), rest)
         n = self.n
+        bits = self._name_bits
         while True:
             epoch = self._own_order.epoch
             pair = self._own_labels
+            plain_own = self._own_plain
             lab = [0] * n
             for j in range(1, n):
-                v = pair.get((ids[j], j))
-                lab[j] = self._own_label(ids[j], j) if v is None else v
+                k = ids[j]
+                v = pair.get((k, j)) if bits[k] else plain_own[k]
+                lab[j] = self._own_label(k, j) if v is None else v
             if self._own_order.epoch == epoch:
                 break  # else a label was renumbered meanwhile: read them again
         pos = sorted(range(1, n), key=lab.__getitem__)
-        if any(lab[a] == lab[b] for a, b in itertools.pairwise(pos)):
-            out: list[int] = []
-            for _, run in itertools.groupby(pos, key=lab.__getitem__):
-                group = list(run)
-                if len(group) > 1:
-                    while True:
-                        epochs = (self._rel_order.epoch, self._rest_rel_order.epoch)
-                        keys = {j: self._sym_labels(ids, rest, j) for j in group}
-                        if epochs == (self._rel_order.epoch, self._rest_rel_order.epoch):
-                            break  # else a label was renumbered meanwhile: read them again
-                    group.sort(key=keys.__getitem__)
-                out.extend(group)
-            pos = out
+        if len(set(lab)) < n:  # some ranks may tie (or a label equals lab[0], 0): look at the runs
+            pos = self._ties_sorted(pos, lab, ids, rest)
         if pos == list(range(1, n)):
             return c
         perm = [0] * n  # old -> new
         for new_j, old in enumerate(pos, start=1):
             perm[old] = new_j
         return self._permuted(ids, rest, tuple(perm))
+
+    def _ties_sorted(self, pos: list[int], lab: list[int], ids: list[int], rest: int) -> list[int]:
+        """``pos``, ranks 1..N-1 sorted by their labels ``lab``, with each run of ranks tied on a label
+        sorted by :meth:`_tie_sort` where a message names one of them."""
+        if all(lab[a] != lab[b] for a, b in itertools.pairwise(pos)):
+            return pos
+        bits = self._name_bits
+        named = self._rest_name_bits[rest]
+        for k in ids:
+            named |= bits[k]
+        out: list[int] = []
+        for _, run in itertools.groupby(pos, key=lab.__getitem__):
+            group = list(run)
+            if len(group) > 1 and any(named >> j & 1 for j in group):
+                self.tie_sorts += 1
+                self._tie_sort(group, ids, rest, named)
+            out.extend(group)
+        return out
+
+    def _tie_sort(self, group: list[int], ids: list[int], rest: int, named: int) -> None:
+        """Sort ``group``, ranks tied on ``(slice_key, own FIFOs seen from the rank)``, in place by the whole
+        :meth:`_sym_key` (as :meth:`_sym_labels`), stably as the model does. Ranks of the group that no
+        message of the state names (not in the bit mask ``named``) all have the same whole key: every FIFO
+        looks the same from each of them (the ranks it names are 0 or others, -3, from both), and so does
+        the other's FIFOs from each (equal own FIFOs, naming neither). So one of them is keyed for all; a
+        group that no message names keeps its index order and is not passed here."""
+        while True:
+            epochs = (self._rel_order.epoch, self._rest_rel_order.epoch)
+            keys: dict[int, tuple[Any, ...]] = {}
+            shared: tuple[Any, ...] | None = None
+            for j in group:
+                if named >> j & 1:
+                    keys[j] = self._sym_labels(ids, rest, j)
+                else:
+                    if shared is None:
+                        shared = self._sym_labels(ids, rest, j)
+                    keys[j] = shared
+            if epochs == (self._rel_order.epoch, self._rest_rel_order.epoch):
+                break  # else a label was renumbered meanwhile: read them again
+        group.sort(key=keys.__getitem__)
 
     def resorted(self, t: Compact, ids: list[int], i: int) -> Compact:
         """``t``, the successor of a plain state ``ids`` by a move of rank ``i`` >= 1 alone (its slice and
@@ -224,14 +260,29 @@ class CanonicalForm(Codec):
     def _own_label(self, k: int, j: int) -> int:
         """The label of ``(slice_key, own FIFOs seen from rank j)`` of slice ``k`` at rank ``j``, memoised
         (the memo is dropped when the labels are renumbered)."""
-        return _memo_label(self._own_labels, self._own_order, (k, j), (self._key_of(k), self._relative(k, j)))
+        order = self._own_order
+        epoch = order.epoch
+        v = order.label((self._key_of(k), self._relative(k, j)))
+        if order.epoch != epoch:  # renumbered: every label kept is stale
+            self._own_labels.clear()
+            self._own_plain = [None] * len(self._own_plain)
+        if self._name_bits[k]:
+            self._own_labels[(k, j)] = v
+        else:  # the slice names no rank, so it looks the same from every rank
+            self._own_plain[k] = v
+        return v
 
     def _permuted(self, ids: list[int], rest: int, perm: tuple[int, ...]) -> Compact:
         """The encoded state ``ids``, ``rest`` with rank ``i`` renamed ``perm[i]`` (:meth:`Symmetry._permute`)."""
         new = [0] * self.n
+        moved = 0  # the ranks perm renames, as a bit mask: a slice naming none of them stays as it is
+        for old, to in enumerate(perm):
+            if old != to:
+                moved |= 1 << old
+        bits = self._name_bits
         for old, k in enumerate(ids):
-            new[perm[old]] = self._renamed(k, perm)
-        return self.pack(new, self._renamed_rest(rest, perm))
+            new[perm[old]] = self._renamed(k, perm) if bits[k] & moved else k
+        return self.pack(new, self._renamed_rest(rest, perm) if self._rest_name_bits[rest] & moved else rest)
 
     def _tie_reversed(self, ids: list[int], rest: int) -> bool:
         """At N = 3, ranks 1 and 2 tie on :func:`slice_key` and a message names a rank other than 0: whether
@@ -296,6 +347,7 @@ class CanonicalForm(Codec):
             AssertionError: two distinct slices with equal keys (the key must name the whole slice)."""
         if self.n <= 3:
             return
+        self._own_plain.append(None)
         r = self.ranks[k]
         key = (self._key_of(k), r.inq, r.outq)
         order = self._slice_order

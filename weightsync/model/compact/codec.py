@@ -10,7 +10,7 @@ from typing import Any, Literal
 from weightsync.model.compact.projections import RANK_PROJECTIONS, rest_projections
 from weightsync.model.system import TRANSFER_KINDS, GlobalState, Label, Model, Rank
 from weightsync.model.system.state import _new_tuple
-from weightsync.model.system.symmetry import fifos_name_a_rank, rank_names_a_rank
+from weightsync.model.system.symmetry import named_ranks
 
 #: An encoded state: ``sum(r_i << FIELD_BITS * i) + (rest << FIELD_BITS * N)`` (see the module docstring).
 Compact = int
@@ -78,9 +78,10 @@ class Codec:
         self._blocked: list[str] = []
         self._flags: list[int] = []
         self._status: list[int] = []
-        self._named: set[int] = (
-            set()
-        )  # ids of slices with a message that names a rank other than 0 (symmetry)
+        # (symmetry) ids of slices with a message that names a rank other than 0, and per id the bit mask
+        # of the ranks its messages name (:func:`named_ranks`)
+        self._named: set[int] = set()
+        self._name_bits: list[int] = []
         self._coll_proj: list[int] = []
         self._env_class: list[int] = []
         self._projs: list[tuple[int, ...]] = []
@@ -89,6 +90,7 @@ class Codec:
         # per rest id: trainer blocked, the client may send, the client may abort; its invariant projections
         self._rest_flags: list[tuple[bool, bool, bool]] = []
         self._rest_names: list[bool] = []
+        self._rest_name_bits: list[int] = []  # the ranks the coordinator's FIFOs name, as a bit mask
         self._rest_proj: list[tuple[int, ...]] = []
         self._rest_proj_id: list[int] = []
 
@@ -113,7 +115,9 @@ class Codec:
                 | (_OUTQ if r.outq else 0)
             )
             self._status.append(r.status)
-            if rank_names_a_rank(r):
+            bits = named_ranks(r.inq) | named_ranks((r.outq,))
+            self._name_bits.append(bits)
+            if bits:
                 self._named.add(k)
             pid = self._proj_ids
             coll = pid.setdefault(("c", r.blocked, r.vars.state, r.status), len(pid))
@@ -140,7 +144,9 @@ class Codec:
                 raise OverflowError(f"more than {FIELD_MASK + 1} distinct rests")
             self.rest_ids[rest] = k
             self.rests.append(rest)
-            self._rest_names.append(fifos_name_a_rank(rest[0]))
+            bits = named_ranks(rest[0])
+            self._rest_name_bits.append(bits)
+            self._rest_names.append(bool(bits))
             pid = self._proj_ids
             rp = tuple(
                 pid.setdefault(("rest", g, *p), len(pid)) for g, p in enumerate(rest_projections(rest))

@@ -167,6 +167,20 @@ def fifos_name_a_rank(qs: tuple[tuple[tuple[Any, ...], ...], ...]) -> bool:
     return False
 
 
+def named_ranks(qs: tuple[tuple[tuple[Any, ...], ...], ...]) -> int:
+    """The ranks other than 0 that a message in the FIFOs ``qs`` names (see :func:`_names_a_rank`), as a
+    bit mask: bit ``j`` set iff some message names rank ``j`` (0 when :func:`fifos_name_a_rank` is false)."""
+    naming = _RANK_NAMING
+    bits = 0
+    for q in qs:
+        for m in q:
+            if m[0] in naming:
+                x = m[1] if m[0] == "FIRST_REQ" else m[2]
+                if x > 0:
+                    bits |= 1 << x
+    return bits
+
+
 def slice_key(r: Rank) -> tuple[Any, ...]:
     """The fields of a rank's slice that name no rank (the first part of the symmetry order)."""
     return (r.vars, r.blocked, r.waiting, r.running, r.status, r.pause_ghost, r.worker, r.owed)
