@@ -179,16 +179,32 @@ class CanonicalForm(Codec):
             epoch = self._own_order.epoch
             pair = self._own_labels
             plain_own = self._own_plain
+            named = self._rest_name_bits[rest] | bits[ids[0]]
             lab = [0] * n
             for j in range(1, n):
                 k = ids[j]
-                v = pair.get((k, j)) if bits[k] else plain_own[k]
+                b = bits[k]
+                if b:
+                    named |= b
+                    v = pair.get((k, j))
+                else:
+                    v = plain_own[k]
                 lab[j] = self._own_label(k, j) if v is None else v
             if self._own_order.epoch == epoch:
                 break  # else a label was renumbered meanwhile: read them again
         pos = sorted(range(1, n), key=lab.__getitem__)
-        if len(set(lab)) < n:  # some ranks may tie (or a label equals lab[0], 0): look at the runs
-            pos = self._ties_sorted(pos, lab, ids, rest)
+        # Ranks that no message names and that tie on their label have equal whole keys (:meth:`_tie_sort`),
+        # so the model keeps them in index order, as this stable sort does: only a tie of a named rank
+        # needs the whole key.
+        tail = lab[1:]
+        j = 1
+        named >>= 1
+        while named:
+            if named & 1 and tail.count(lab[j]) > 1:
+                pos = self._ties_sorted(pos, lab, ids, rest)
+                break
+            named >>= 1
+            j += 1
         if pos == list(range(1, n)):
             return c
         perm = [0] * n  # old -> new
@@ -199,8 +215,6 @@ class CanonicalForm(Codec):
     def _ties_sorted(self, pos: list[int], lab: list[int], ids: list[int], rest: int) -> list[int]:
         """``pos``, ranks 1..N-1 sorted by their labels ``lab``, with each run of ranks tied on a label
         sorted by :meth:`_tie_sort` where a message names one of them."""
-        if all(lab[a] != lab[b] for a, b in itertools.pairwise(pos)):
-            return pos
         bits = self._name_bits
         named = self._rest_name_bits[rest]
         for k in ids:
