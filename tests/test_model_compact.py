@@ -149,8 +149,7 @@ def test_symmetry_beyond_three_ranks_gives_the_same_representatives(
     """At N = 4 and 5 the compact engine's canonical form (ranks sorted without decoding, renamed by the
     permutation where a message names a rank) keeps the baseline's representatives, checked against the
     model's canon at every call; the sorted path, not the model's, decides most states, and a rank's own
-    move that comes canonical already (``resorted``; ``reordered`` where a message names a rank) is checked
-    to be the model's canon of its successor.
+    move that comes canonical already (``resorted``) is checked to be the model's canon of its successor.
     Runs of ranks tied on their own view with a message naming one of them are sorted by the whole key
     (both runs); N = 4 keep gets far enough to rename a message naming a rank that moved."""
     bounds = Bounds()
@@ -174,7 +173,6 @@ def test_symmetry_beyond_three_ranks_gives_the_same_representatives(
         assert any(len(set(perm)) == ranks for _, perm in engine._ren)  # a renaming permutation was used
     assert engine.plain_reorders  # the plain sorted order (int labels) reordered states
     assert engine.presorted  # a rank's own move came canonical already, and was the model's canon
-    assert engine.named_reorders  # ... also from a state where a message names a rank (reordered)
 
 
 def test_order_labels_keep_the_order_of_their_keys_through_renumbering() -> None:

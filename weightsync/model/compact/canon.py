@@ -114,7 +114,6 @@ class CanonicalForm(Codec):
         self._rest_rel_order = OrderLabels()
         self._rest_rel_labels: dict[tuple[int, int], int] = {}
         self.plain_reorders = 0  # states the plain path reordered (figures, tests)
-        self.named_reorders = 0  # successors reordered re-sorted into canonical form (figures, tests)
         self.tie_sorts = 0  # runs of tied ranks sorted by the whole key, a message naming one (tests)
 
     def canon(self, c: Compact) -> Compact:
@@ -174,12 +173,6 @@ class CanonicalForm(Codec):
                 return c
             self.plain_reorders += 1
             return self.pack((ids[0], *order), rest)
-        lab, named = self.own_order(ids, rest)
-        return self._canon_named(c, ids, rest, lab, named)
-
-    def own_order(self, ids: list[int], rest: int) -> tuple[list[int], int]:
-        """The label of ``(slice_key, own FIFOs seen from the rank)`` of each rank 1..N-1 of the encoded
-        state ``ids``, ``rest`` (index 0: 0), and the bit mask of the ranks its messages name."""
         n = self.n
         bits = self._name_bits
         while True:
@@ -198,12 +191,7 @@ class CanonicalForm(Codec):
                     v = plain_own[k]
                 lab[j] = self._own_label(k, j) if v is None else v
             if self._own_order.epoch == epoch:
-                return lab, named  # else a label was renumbered meanwhile: read them again
-
-    def _canon_named(self, c: Compact, ids: list[int], rest: int, lab: list[int], named: int) -> Compact:
-        """:meth:`_canon_sorted` where a message names a rank, from the ranks' labels and the named ranks
-        (:meth:`own_order`)."""
-        n = self.n
+                break  # else a label was renumbered meanwhile: read them again
         pos = sorted(range(1, n), key=lab.__getitem__)
         # Ranks that no message names and that tie on their label have equal whole keys (:meth:`_tie_sort`),
         # so the model keeps them in index order, as this stable sort does: only a tie of a named rank
@@ -223,39 +211,6 @@ class CanonicalForm(Codec):
         for new_j, old in enumerate(pos, start=1):
             perm[old] = new_j
         return self._permuted(ids, rest, tuple(perm))
-
-    def reordered(
-        self, t: Compact, ids: list[int], i: int, lab: list[int], tied: bool, epoch: int
-    ) -> Compact:
-        """``t``, the successor of a canonical state ``ids`` where a message names a rank by a move of rank
-        ``i`` >= 1 alone (its slice and the rest changed), in canonical form (:meth:`_canon_named`) from
-        ``lab``, the ranks' labels in ``ids`` (:meth:`own_order`, read at the labels' ``epoch``; ``tied``:
-        two of them are equal), and the new slice's label: ``t`` itself, at the cost of two comparisons,
-        where that label lies strictly between its neighbours' and no labels tie; else the ranks re-sorted
-        with only rank ``i``'s label new. ``t`` itself where the labels were renumbered since ``lab`` was
-        read (the explorer canonicalises it)."""
-        k = (t >> self.shifts[i]) & FIELD_MASK
-        li = self._own_labels.get((k, i)) if self._name_bits[k] else self._own_plain[k]
-        if li is None:
-            li = self._own_label(k, i)
-        if self._own_order.epoch != epoch:
-            return t
-        n = self.n
-        if not tied and (i == 1 or lab[i - 1] < li) and (i == n - 1 or li < lab[i + 1]):
-            return t
-        labs = lab.copy()
-        labs[i] = li
-        tids = ids.copy()
-        tids[i] = k
-        rest = t >> self.rest_shift
-        bits = self._name_bits
-        named = self._rest_name_bits[rest]
-        for x in tids:
-            named |= bits[x]
-        out = self._canon_named(t, tids, rest, labs, named)
-        if out != t:
-            self.named_reorders += 1
-        return out
 
     def _ties_sorted(self, pos: list[int], lab: list[int], ids: list[int], rest: int) -> list[int]:
         """``pos``, ranks 1..N-1 sorted by their labels ``lab``, with each run of ranks tied on a label

@@ -36,9 +36,8 @@ class CompactEngine(CanonicalForm):
         model: the model; its parts compute every memo entry.
         verify: compare every result with a fresh computation of the model (slow; for tests).
         symmetry: the exploration reduces by symmetry (its ``canon`` is :meth:`canon`): at N > 3 a rank's
-            own move from a canonical state is returned in canonical form already
-            (:meth:`~weightsync.model.compact.canon.CanonicalForm.resorted` where no message names a rank,
-            else :meth:`~weightsync.model.compact.canon.CanonicalForm.reordered`), so the explorer finds it
+            own move from a plain canonical state is returned in canonical form already
+            (:meth:`~weightsync.model.compact.canon.CanonicalForm.resorted`), so the explorer finds it
             without canonicalising it. The successors are then the model's up to renaming ranks.
     """
 
@@ -85,18 +84,8 @@ class CompactEngine(CanonicalForm):
         local = self._local
         self.lookups += n
         out: list[Checked] = []
-        presort = reorder = tied = False
-        lab: list[int] = []
-        epoch = 0
-        if self.presort:
-            presort = not self._rest_names[rest] and self._named.isdisjoint(ids)
-            reorder = not presort
-            if reorder:
-                lab = self.own_order(ids, rest)[0]
-                epoch = self._own_order.epoch
-                # a tie (or a label equal to lab[0], 0): then reordered sorts, as it must on a tie
-                tied = len(set(lab)) < n
-        resorted, reordered = self.resorted, self.reordered
+        presort = self.presort and not self._rest_names[rest] and self._named.isdisjoint(ids)
+        resorted = self.resorted
         for i in range(n):
             e = local.get((i, ids[i], rest, busy))
             if e is None:
@@ -104,8 +93,6 @@ class CompactEngine(CanonicalForm):
             if e:
                 if presort and i:
                     out += [(label, resorted(c + d, ids, i), ev) for label, d, ev in e]
-                elif reorder and i:
-                    out += [(label, reordered(c + d, ids, i, lab, tied, epoch), ev) for label, d, ev in e]
                 else:
                     out += [(label, c + d, ev) for label, d, ev in e]
         s: GlobalState | None = None
