@@ -18,7 +18,7 @@ import time
 import tracemalloc
 from typing import Any
 
-from weightsync.bench.reach import DEFAULT_VARIANT, reach_rows
+from weightsync.bench.reach import DEFAULT_VARIANT, ROW_BUDGET_S, reach_rows
 from weightsync.model.check import explore_model
 from weightsync.model.compact import explore_compact
 from weightsync.model.explorer import explore, networkx_bfs
@@ -113,7 +113,7 @@ def _traced(fn: Any) -> tuple[float, int]:
     return dt, peak
 
 
-def run_explorer_bench(quick: bool = False, budget_s: float = 600.0) -> dict[str, Any]:
+def run_explorer_bench(quick: bool = False, budget_s: float = ROW_BUDGET_S) -> dict[str, Any]:
     """Measure the explorer; returns one JSON-able dict (``ok`` is True when every run found no violation
     and every time-to-verdict row verified within its budget).
 

@@ -26,9 +26,10 @@ def _bench_pause(args: argparse.Namespace) -> dict[str, Any]:
 
 def _bench_explorer(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.bench.explorer import run_explorer_bench
+    from weightsync.bench.reach import ROW_BUDGET_S
 
     return run_explorer_bench(
-        quick=bool(getattr(args, "quick", False)), budget_s=float(getattr(args, "budget", 600.0))
+        quick=bool(getattr(args, "quick", False)), budget_s=float(getattr(args, "budget", ROW_BUDGET_S))
     )
 
 

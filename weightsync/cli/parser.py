@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
+from weightsync.bench.reach import ROW_BUDGET_S
 from weightsync.model.check import DEFAULT_ENGINE, ENGINES
 from weightsync.model.properties import PROPERTIES
 from weightsync.spec.states import PauseMode
@@ -237,8 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--budget",
         type=POSITIVE,
-        default=600,
-        help="(explorer) seconds each time-to-verdict row (N = 2, 3, 4, 6, 8) may take before it is stopped",
+        default=ROW_BUDGET_S,
+        help="(explorer) seconds each time-to-verdict row (N = 2, 3, 4, 6, 8) may take before it is stopped "
+        "(default: 1800, issue 19's limit for N = 8)",
     )
     b.add_argument(
         "--glibc-malloc-defaults",
