@@ -104,9 +104,8 @@ class CanonicalForm(Codec):
         # N > 3, a message names a rank: per (slice id, rank j), the label of (slice_key, own FIFOs seen from j)
         self._own_order = OrderLabels()
         self._own_labels: dict[tuple[int, int], int] = {}
-        self._own_plain: list[
-            int | None
-        ] = []  # per slice id that names no rank: that label, the same for every j
+        # per slice id that names no rank: that label, the same for every j (None: not labelled yet)
+        self._own_plain: list[int | None] = []
         # N > 3, ranks tied on that: per (slice id, rank j) the label of its FIFOs seen from j, per (rest id,
         # rank j) the label of the coordinator's FIFOs seen from j (:meth:`_sym_labels`)
         self._rel_order = OrderLabels()
@@ -162,10 +161,10 @@ class CanonicalForm(Codec):
           is the order of ``(slice_key, inq, outq)``, a total order of slices (ranks equal on it are equal
           slices, whose order changes nothing): sorted by each slice id's int label (:class:`OrderLabels`).
         - Otherwise ranks sorted by the label of ``(slice_key, own FIFOs seen from the rank)``, and a run
-          of ranks tied on it by the whole :meth:`_sym_key` as int labels (:meth:`_sym_labels`; it costs a
-          sort of every other rank's FIFOs per rank, so only the tied ranks get it); ranks tied on the whole
+          of ranks tied on it, one of which a message names, by the whole :meth:`_sym_key` as int labels
+          (:meth:`_tie_sort`; it costs a sort of every other rank's FIFOs per rank); ranks tied on the whole
           key stay in index order (the sorts are stable), as in the model. Then the permutation with its
-          renaming."""
+          renaming, of the slices whose messages name a rank it moves."""
         tail = ids[1:]
         if plain:
             order = sorted(tail, key=self._labels.__getitem__)
@@ -198,12 +197,12 @@ class CanonicalForm(Codec):
         # needs the whole key.
         tail = lab[1:]
         j = 1
-        named >>= 1
-        while named:
-            if named & 1 and tail.count(lab[j]) > 1:
-                pos = self._ties_sorted(pos, lab, ids, rest)
+        left = named >> 1
+        while left:
+            if left & 1 and tail.count(lab[j]) > 1:
+                pos = self._ties_sorted(pos, lab, ids, rest, named)
                 break
-            named >>= 1
+            left >>= 1
             j += 1
         if pos == list(range(1, n)):
             return c
@@ -212,13 +211,12 @@ class CanonicalForm(Codec):
             perm[old] = new_j
         return self._permuted(ids, rest, tuple(perm))
 
-    def _ties_sorted(self, pos: list[int], lab: list[int], ids: list[int], rest: int) -> list[int]:
+    def _ties_sorted(
+        self, pos: list[int], lab: list[int], ids: list[int], rest: int, named: int
+    ) -> list[int]:
         """``pos``, ranks 1..N-1 sorted by their labels ``lab``, with each run of ranks tied on a label
-        sorted by :meth:`_tie_sort` where a message names one of them."""
-        bits = self._name_bits
-        named = self._rest_name_bits[rest]
-        for k in ids:
-            named |= bits[k]
+        sorted by :meth:`_tie_sort` where a message names one of them (``named``: the bit mask of the
+        ranks the state's messages name)."""
         out: list[int] = []
         for _, run in itertools.groupby(pos, key=lab.__getitem__):
             group = list(run)
