@@ -159,17 +159,12 @@ def rank_names_a_rank(r: Rank) -> bool:
 
 def fifos_name_a_rank(qs: tuple[tuple[tuple[Any, ...], ...], ...]) -> bool:
     """Some message in the FIFOs ``qs`` names a rank other than 0 (see :func:`_names_a_rank`)."""
-    naming = _RANK_NAMING
-    for q in qs:
-        for m in q:
-            if m[0] in naming and (m[1] if m[0] == "FIRST_REQ" else m[2]) > 0:
-                return True
-    return False
+    return named_ranks(qs) != 0
 
 
 def named_ranks(qs: tuple[tuple[tuple[Any, ...], ...], ...]) -> int:
     """The ranks other than 0 that a message in the FIFOs ``qs`` names (see :func:`_names_a_rank`), as a
-    bit mask: bit ``j`` set iff some message names rank ``j`` (0 when :func:`fifos_name_a_rank` is false)."""
+    bit mask: bit ``j`` set iff some message names rank ``j`` (0: none does)."""
     naming = _RANK_NAMING
     bits = 0
     for q in qs:
