@@ -1,0 +1,467 @@
+"""The Promela model's declarations, initial state, and its building blocks: FIFO operations, request
+queries, and firing a rank's table with the effects the model interprets (:mod:`weightsync.model.system.
+effects`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from weightsync.model.spin.tables import TEMPS, TableCode, _and, _not
+from weightsync.model.spin.translate import Codes, Expr, Registry, Translator, Value, text
+from weightsync.model.system import Model
+from weightsync.model.system.state import (
+    ANY_MODE,
+    CALL_EVENT,
+    DONE_EVENT,
+    ENTER_EFFECT,
+    FAILED_REPLY,
+    GHOST_QUEUED,
+    GHOST_RECEIVED,
+    GHOST_REPLY,
+    GHOST_STRIDE,
+    REPLIED,
+    SENT,
+    SPURIOUS,
+)
+from weightsync.spec.calls import WORKER_OUTCOME, worker_outcome
+from weightsync.spec.collectives import CALL_FAIL_PHASE
+from weightsync.spec.controller import CtrlVars
+from weightsync.spec.coordinator import CoordVars
+from weightsync.spec.front_end import RANK_EFFECT_EVENT, FrontEvent, FrontVars
+from weightsync.spec.rank import EFFECT_RANKS, RankVars, effect_acts_on
+from weightsync.spec.states import DRAINS_BEFORE_RETURN, PauseMode, RankEvent, RankState
+from weightsync.spec.table import Transition
+from weightsync.spec.worker import WORKER_TABLE, WORKER_EVENT_OF_EFFECT, WorkerVars, WorkerState
+
+#: Request places (``rq_where``): not at a rank's scheduler (unsent, or an ADD in a FIFO), waiting, running,
+#: finished, aborted.
+NOWHERE, WAITING, RUNNING_Q, DONE, ABORTED = 0, 1, 2, 3, 4
+#: FIFO capacity (a send past it fails the run with ``fifo_capacity``; no bound of the model comes near).
+CAP = 8
+#: Message kinds in FIFOs (0: an empty slot).
+KINDS = ("ADD", "ABORT", "W", "U", "FIRST_REQ", "wave_complete", "start_wave")
+
+#: Promela types of the rank variables.
+_RANK_TYPES = {
+    "state": "byte",
+    "pause_state": "byte",
+    "engines_running": "bit",
+    "current_wave": "byte",
+    "step_counter": "byte",
+    "pending_pause": "bit",
+    "ignore_start_dp_wave": "bit",
+    "collective": "byte",
+    "weight_version": "short",
+    "clear_cache": "bit",
+    "wave_started": "bit",
+    "first_synced": "bit",
+    "was_running": "bit",
+}
+_WORKER_TYPES = {
+    "state": "byte",
+    "initialized": "bit",
+    "is_checkpoint_format": "bit",
+    "weight_version": "byte",
+    "updates_in_round": "byte",
+    "partial": "bit",
+}
+
+
+class UnsupportedModel(ValueError):
+    """The Promela generator does not cover a bound, mode or channel semantics of the model (named)."""
+
+
+def kind(name: str) -> int:
+    """A message kind's code in the FIFOs."""
+    return KINDS.index(name) + 1
+
+
+class Build:
+    """Declarations, initial state and building blocks (see the module docstring)."""
+
+    def __init__(self, model: Model, checks: bool) -> None:
+        b = model.config.bounds
+        unsupported = [
+            name
+            for name, on in (
+                ("failures", b.failures > 0),
+                ("stray_resume", b.stray_resume),
+                ("repeat_resume", b.repeat_resume),
+                ("pause_during_update", b.pause_during_update),
+                ("resume_during_update", b.resume_during_update),
+                ("repeat_pause", b.repeat_pause),
+                ("init_while_serving", b.init_while_serving),
+                ("mode any", model.mode is ANY_MODE),
+            )
+            if on
+        ]
+        if unsupported:
+            raise UnsupportedModel(
+                f"the Promela generator does not cover {', '.join(unsupported)} yet; "
+                "use the Python explorer (weightsync check --engine compact)"
+            )
+        self.m = model
+        self.n = model.n
+        self.checks = checks
+        self.mode = PauseMode(model.mode.value)
+        self.codes = Codes()
+        self.nf = model.n_fifos
+        self.R = model.requests
+        self.rank_tables = [
+            TableCode(
+                model.table,
+                Registry("weightsync.spec.rank_vars", "GUARDS", "UPDATES"),
+                self.codes,
+                lambda f, i=i: f"r_{f}[{i}]",
+                RankVars._fields,
+            )
+            for i in range(self.n)
+        ]
+        self.worker_tables = [
+            TableCode(
+                WORKER_TABLE,
+                Registry("weightsync.spec.worker", "WORKER_GUARDS", "WORKER_UPDATES"),
+                self.codes,
+                lambda f, i=i: f"w_{f}[{i}]",
+                WorkerVars._fields,
+            )
+            for i in range(self.n)
+        ]
+        self.coord_table = TableCode(
+            model.coord_table,
+            Registry("weightsync.spec.coordinator", "COORD_GUARDS", "COORD_UPDATES"),
+            self.codes,
+            lambda f: "co_state" if f == "state" else "co_wave",
+            CoordVars._fields,
+        )
+        self.front_table = TableCode(
+            model.front_table,
+            Registry("weightsync.spec.front_end", "FRONT_END_GUARDS", "FRONT_END_UPDATES"),
+            self.codes,
+            lambda f: {"state": "f_state", "current_wave": "f_wave", "gated": "f_gated"}[f],
+            FrontVars._fields,
+        )
+        self.ctrl_table = TableCode(
+            model.ctrl_table,
+            Registry("weightsync.spec.controller", "CTRL_GUARDS", "CTRL_UPDATES"),
+            self.codes,
+            lambda f: f"ct_{f}",
+            CtrlVars._fields,
+        )
+        self.states_fn = Translator(Registry("weightsync.spec.states", None, None), self.codes, str, ())
+        self.ctrl_fn = self.ctrl_table.tr
+        self.c = self.codes.value
+
+    # ------------------------------------------------------------------ parts the checks supply
+
+    def snapshot(self, label: str) -> str:  # pragma: no cover - Props overrides
+        raise NotImplementedError
+
+    def check_edge(self, label: str) -> str:  # pragma: no cover - Props overrides
+        raise NotImplementedError
+
+    def check_state(self) -> str:  # pragma: no cover - Props overrides
+        raise NotImplementedError
+
+    def all_replied_expr(self, phase: object) -> Expr:  # pragma: no cover - Moves overrides
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ declarations
+
+    def header(self) -> str:
+        m = self.m
+        cfg = m.config
+        return (
+            f"/* weightsync: generated from weightsync/spec for variant {cfg.variant}, N={self.n}, "
+            f"mode {self.mode.value}, channels {cfg.channels}, bounds {dict(cfg.bounds._asdict())}.\n"
+            "   Do not edit: `weightsync check --engine spin` regenerates it from the tables. */\n"
+        )
+
+    def declarations(self) -> str:
+        n, nf, r = self.n, self.nf, max(self.R, 1)
+        lines = [f"{t} r_{f}[{n}];" for f, t in _RANK_TYPES.items()]
+        lines += [f"{t} w_{f}[{n}];" for f, t in _WORKER_TYPES.items()]
+        lines += [
+            f"byte r_blocked[{n}]; byte r_status[{n}]; byte r_ghost[{n}]; byte r_owed[{n}];",
+            f"byte q_len[{n * nf}]; byte q_k[{n * nf * CAP}]; short q_a[{n * nf * CAP}]; "
+            f"short q_b[{n * nf * CAP}]; short q_c[{n * nf * CAP}];",
+            f"byte o_len[{n}]; byte o_k[{n * CAP}]; short o_a[{n * CAP}]; short o_b[{n * CAP}];",
+            f"byte cq_len; byte cq_k[{CAP}]; short cq_a[{CAP}]; short cq_b[{CAP}]; short cq_c[{CAP}];",
+            f"byte rq_where[{r}]; byte rq_rank[{r}]; byte rq_left[{r}]; short rq_kv[{r}];",
+            "byte co_state; short co_wave; bit co_pub;",
+            "byte f_state; short f_wave; byte f_next; bit f_gated; byte f_cab;",
+            "byte ct_state; byte ct_cycles_started; byte ct_update_rounds; bit ct_transfer_initialised;",
+            "bit ct_stray_resume_used; bit ct_repeat_resume_used; byte ct_failures_used; bit ct_recovering;",
+            "byte ct_extra_used;",
+            "byte t_blocked; byte t_status;",
+            f"hidden short tmp[{TEMPS}]; hidden short m_k, m_a, m_b, m_c; hidden byte k, j;",
+            "hidden short h_a, h_b, h_g, h_hw, h_w, h_run;",
+            f"hidden byte b_where[{r}]; hidden byte b_rank[{r}]; hidden byte b_left[{r}]; hidden short b_kv[{r}];",
+            f"hidden byte b_blocked[{n}]; hidden byte b_ghost[{n}]; hidden byte b_state; hidden byte b_ps;",
+            "hidden short b_wv; hidden byte b_wstate; hidden byte b_partial;",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def initial(self) -> str:
+        """The model's initial state (:meth:`Model.initial`); arrays not named here start at 0."""
+        m, c = self.m, self.c
+        s = m.initial()
+        rank = s.ranks[0]
+        out = []
+        for i in range(self.n):
+            for f, v in rank.vars._asdict().items():
+                out.append(f"r_{f}[{i}] = {c(v)}")
+            for f, v in rank.worker._asdict().items():
+                out.append(f"w_{f}[{i}] = {c(v)}")
+            out.append(f"r_blocked[{i}] = {c(rank.blocked)}; r_status[{i}] = {rank.status}")
+        out.append(f"co_state = {c(self.coord_state(s.coord.engines_running))}; co_wave = {s.coord.current_wave}")
+        out.append(f"f_state = {c(self.front_state(s.front.believed_running))}; f_wave = {s.front.believed_wave}")
+        ctrl = s.ctrl
+        out.append(
+            f"ct_state = {ctrl.phase}; ct_cycles_started = {ctrl.cycles_started}; "
+            f"ct_update_rounds = {ctrl.update_rounds}; ct_transfer_initialised = {int(ctrl.transfer_initialised)}"
+        )
+        out.append(f"t_blocked = {c(s.trainer.blocked)}; t_status = {s.trainer.status}")
+        for r in range(self.R):
+            out.append(f"rq_where[{r}] = {NOWHERE}")
+        return "; ".join(out)
+
+    def coord_state(self, running: bool) -> object:
+        from weightsync.spec.coordinator import CoordState
+
+        return CoordState.RUNNING if running else CoordState.IDLE
+
+    def front_state(self, running: bool) -> object:
+        from weightsync.spec.front_end import FrontState
+
+        return FrontState.RUNNING if running else FrontState.IDLE
+
+    # ------------------------------------------------------------------ FIFOs
+
+    def qbase(self, i: int, f: int) -> int:
+        return (i * self.nf + f) * CAP
+
+    def push(self, i: int, f: int, kd: str, a: str, b: str = "0", cc: str = "0") -> str:
+        """Append a message to rank ``i``'s input FIFO ``f``."""
+        q = i * self.nf + f
+        base = self.qbase(i, f)
+        at = f"{base} + q_len[{q}]"
+        return (
+            f"assert(q_len[{q}] < {CAP} /* fifo_capacity */); q_k[{at}] = {kind(kd)}; q_a[{at}] = {a}; "
+            f"q_b[{at}] = {b}; q_c[{at}] = {cc}; q_len[{q}]++"
+        )
+
+    def pop(self, i: int, f: int) -> str:
+        """Take the head of rank ``i``'s FIFO ``f`` into ``m_k, m_a, m_b, m_c``."""
+        q = i * self.nf + f
+        base = self.qbase(i, f)
+        return (
+            f"m_k = q_k[{base}]; m_a = q_a[{base}]; m_b = q_b[{base}]; m_c = q_c[{base}]; k = 0; "
+            f"do :: k + 1 < q_len[{q}] -> q_k[{base} + k] = q_k[{base} + k + 1]; "
+            f"q_a[{base} + k] = q_a[{base} + k + 1]; q_b[{base} + k] = q_b[{base} + k + 1]; "
+            f"q_c[{base} + k] = q_c[{base} + k + 1]; k++ :: else -> break od; "
+            f"q_len[{q}]--; q_k[{base} + q_len[{q}]] = 0; q_a[{base} + q_len[{q}]] = 0; "
+            f"q_b[{base} + q_len[{q}]] = 0; q_c[{base} + q_len[{q}]] = 0"
+        )
+
+    def to_coord(self, i: int, kd: str, wave: str) -> str:
+        """``_to_coord``: rank ``i``'s message to the coordinator (its FIFO, or the one ordered FIFO)."""
+        if self.m.ordered:
+            return (
+                f"assert(cq_len < {CAP} /* fifo_capacity */); cq_k[cq_len] = {kind(kd)}; cq_a[cq_len] = {wave}; "
+                f"cq_b[cq_len] = {i}; cq_c[cq_len] = 0; cq_len++"
+            )
+        return (
+            f"assert(o_len[{i}] < {CAP} /* fifo_capacity */); o_k[{i * CAP} + o_len[{i}]] = {kind(kd)}; "
+            f"o_a[{i * CAP} + o_len[{i}]] = {wave}; o_b[{i * CAP} + o_len[{i}]] = {i}; o_len[{i}]++"
+        )
+
+    def fifo_has(self, i: int, kinds: tuple[str, ...], f: int | None = None) -> str:
+        """Some FIFO of rank ``i`` (or FIFO ``f``) holds a message of one of ``kinds`` (unrolled)."""
+        fs = range(self.nf) if f is None else (f,)
+        terms = [
+            f"q_k[{self.qbase(i, g) + p}] == {kind(kd)}" for g in fs for p in range(CAP) for kd in kinds
+        ]
+        return "(" + " || ".join(terms) + ")" if terms else "false"
+
+    def inq_empty(self, i: int) -> str:
+        return "(" + " && ".join(f"q_len[{i * self.nf + g}] == 0" for g in range(self.nf)) + ")"
+
+    # ------------------------------------------------------------------ requests
+
+    def count(self, i: int, where: int, before: bool = False) -> str:
+        """Requests on rank ``i`` at ``where`` (an int expression)."""
+        w, rk = ("b_where", "b_rank") if before else ("rq_where", "rq_rank")
+        if not self.R:
+            return "0"
+        return "(" + " + ".join(f"(({w}[{r}] == {where} && {rk}[{r}] == {i}) -> 1 : 0)" for r in range(self.R)) + ")"
+
+    def any_at(self, i: int, where: int, before: bool = False) -> str:
+        w, rk = ("b_where", "b_rank") if before else ("rq_where", "rq_rank")
+        if not self.R:
+            return "false"
+        return "(" + " || ".join(f"({w}[{r}] == {where} && {rk}[{r}] == {i})" for r in range(self.R)) + ")"
+
+    def has_work(self, i: int) -> Value:
+        """``_has_work``: :func:`weightsync.spec.states.schedulable` on rank ``i``'s queues."""
+        return self.states_fn.call(
+            "schedulable", Expr(f"r_pause_state[{i}]"), Expr(self.count(i, WAITING)), Expr(self.count(i, RUNNING_Q))
+        )
+
+    # ------------------------------------------------------------------ the rank table with effects
+
+    def base_args(self, i: int) -> dict[str, Value]:
+        return {"rank": i, "dp_size": self.n, "sync_interval": self.m.sync_interval}
+
+    def call_args(self, i: int, ev: RankEvent) -> dict[str, Value]:
+        """``call_extra``: a controller call's table arguments on rank ``i``."""
+        args = self.base_args(i)
+        if ev is RankEvent.PAUSE:
+            args.update(
+                mode=self.mode,
+                clear_cache=self.m.clear_cache,
+                running=Expr(self.count(i, RUNNING_Q)),
+                waiting=Expr(self.count(i, WAITING)),
+            )
+        elif self.m.worker_args and ev in CALL_FAIL_PHASE:
+            args.update(worker=Expr(f"w_state[{i}]"), worker_initialized=Expr(f"w_initialized[{i}]"))
+        return args
+
+    def fire_rank(self, i: int, ev: RankEvent, args: Mapping[str, Value], req: str = "-1", arg: str = "0",
+                  top: bool = True) -> str:
+        """``_rank_event`` (``top``) or ``_nested``: fire ``ev`` on rank ``i`` and run the row's effects."""
+        t = self.rank_tables[i]
+
+        def on_row(row: Transition) -> str:
+            out = []
+            for eff in row.effects:
+                out.append(self.effect(i, eff, req))
+                if top and eff in WORKER_OUTCOME:
+                    oev, oargs = worker_outcome(eff, {"weight_version": Expr(arg)})
+                    out.append(self.fire_rank(i, oev, {**self.base_args(i), **oargs}, top=False))
+            return "; ".join(o for o in out if o)
+
+        return t.fire(ev, args, on_row, f"r_state[{i}] = {self.c(RankState.ERROR)}")
+
+    def effect(self, i: int, eff: str, req: str) -> str:
+        """``_effect``: the model's interpretation of rank ``i``'s effect ``eff``."""
+        c = self.c
+        if eff in EFFECT_RANKS and not effect_acts_on(eff, i):
+            return ""
+        R = self.R
+        if eff == "queue_request":
+            return (
+                f"rq_where[{req}] = {WAITING}; rq_rank[{req}] = {i}; rq_left[{req}] = {self.m.tokens}; "
+                f"rq_kv[{req}] = 0"
+            )
+        if eff == "admit_waiting":
+            return "; ".join(
+                f"if :: rq_where[{r}] == {WAITING} && rq_rank[{r}] == {i} -> rq_where[{r}] = {RUNNING_Q}; "
+                f"rq_kv[{r}] = r_weight_version[{i}] :: else -> skip fi"
+                for r in range(R)
+            )
+        if eff == "execute_step":
+            admits = self.states_fn.call("admits_waiting", Expr(f"r_pause_state[{i}]"))
+            advances = self.states_fn.call("advances_running", Expr(f"r_pause_state[{i}]"))
+            out = []
+            if admits is not False:
+                out += [
+                    f"if :: {text(self.codes, admits)} && rq_where[{r}] == {WAITING} && rq_rank[{r}] == {i} -> "
+                    f"rq_where[{r}] = {RUNNING_Q}; rq_kv[{r}] = r_weight_version[{i}] :: else -> skip fi"
+                    for r in range(R)
+                ]
+            if advances is not False:
+                out += [
+                    f"if :: {text(self.codes, advances)} && rq_where[{r}] == {RUNNING_Q} && rq_rank[{r}] == {i} -> "
+                    f"if :: rq_left[{r}] > 1 -> rq_left[{r}]-- :: else -> rq_where[{r}] = {DONE}; rq_rank[{r}] = 0; "
+                    f"rq_left[{r}] = 0; rq_kv[{r}] = 0 fi :: else -> skip fi"
+                    for r in range(R)
+                ]
+            return "; ".join(out)
+        if eff in ENTER_EFFECT or eff in WORKER_EVENT_OF_EFFECT:
+            out = []
+            if eff in ENTER_EFFECT:
+                out.append(f"r_blocked[{i}] = {c(ENTER_EFFECT[eff])}")
+            if eff in WORKER_EVENT_OF_EFFECT:
+                w = self.worker_tables[i]
+                out.append(
+                    w.fire(WORKER_EVENT_OF_EFFECT[eff], {}, lambda row: "", f"w_state[{i}] = {c(WorkerState.ERROR)}")
+                )
+            return "; ".join(out)
+        if eff in ("reply", "reply_pause", "reply_resume"):
+            out = []
+            if eff == "reply_pause":
+                out.append(self.ghost_replied(i))
+            out.append(f"r_status[{i}] = (r_status[{i}] == {SENT} -> {REPLIED} : {SPURIOUS})")
+            return "; ".join(out)
+        if eff in ("reply_failure", "refuse"):
+            return f"r_status[{i}] = (r_status[{i}] == {SENT} -> {FAILED_REPLY} : {SPURIOUS})"
+        if eff == "abort_requests":
+            return "; ".join(
+                f"if :: (rq_where[{r}] == {WAITING} || rq_where[{r}] == {RUNNING_Q}) && rq_rank[{r}] == {i} -> "
+                f"rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; rq_kv[{r}] = 0 :: else -> skip fi"
+                for r in range(R)
+            )
+        if eff == "abort_request":
+            return "; ".join(
+                f"if :: {req} == {r} && (rq_where[{r}] == {WAITING} || rq_where[{r}] == {RUNNING_Q}) && "
+                f"rq_rank[{r}] == {i} -> rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; "
+                f"rq_kv[{r}] = 0 :: else -> skip fi"
+                for r in range(R)
+            )
+        if eff == "clear_cache":
+            return "; ".join(
+                f"if :: r_clear_cache[{i}] && rq_where[{r}] == {RUNNING_Q} && rq_rank[{r}] == {i} -> "
+                f"rq_where[{r}] = {WAITING}; rq_kv[{r}] = 0 :: else -> skip fi"
+                for r in range(R)
+            )
+        if eff == "emit_wave_complete":
+            return self.to_coord(i, "wave_complete", f"(r_current_wave[{i}] - 1)")
+        if eff == "emit_start_wave":
+            return self.to_coord(i, "start_wave", f"r_current_wave[{i}]")
+        if eff in RANK_EFFECT_EVENT:
+            return self.front_table.fire(RANK_EFFECT_EVENT[eff], {}, lambda row: "", "assert(false)")
+        raise UnsupportedModel(f"effect {eff!r} is not known to the Promela generator")
+
+    def ghost_replied(self, i: int) -> str:
+        """``ghost_replied``: the ghost after its pause's reply, its mode field kept."""
+        branches = " ".join(
+            f":: (r_ghost[{i}] % {GHOST_STRIDE}) == {b} -> r_ghost[{i}] = r_ghost[{i}] - {b} + {a}"
+            for b, a in GHOST_REPLY.items()
+        )
+        return f"if {branches} :: else -> skip fi"
+
+    def received_ghost(self, i: int, row_admits: Value) -> str:
+        """``_received_ghost`` for a pause in the model's mode; ``row_admits``: the row the pause takes is
+        none or admits waiting requests (a Promela condition)."""
+        if self.mode not in DRAINS_BEFORE_RETURN:
+            return f"r_ghost[{i}] = {GHOST_RECEIVED}"
+        waiting = self.any_at(i, WAITING)
+        return (
+            f"if :: !{waiting} -> r_ghost[{i}] = {GHOST_RECEIVED} "
+            f":: else -> r_ghost[{i}] = ({text(self.codes, row_admits)} -> {GHOST_RECEIVED} : {GHOST_QUEUED}) fi"
+        )
+
+    def row_condition(self, i: int, ev: RankEvent, args: Mapping[str, Value], pred: object) -> Value:
+        """A Promela condition: the row ``ev`` takes on rank ``i`` satisfies ``pred(row)`` (no row: ``pred(None)``)."""
+        t = self.rank_tables[i]
+        out: Value = False
+        none_legal: Value = True
+        for s in t.states_for(ev):
+            in_s = Expr(f"(r_state[{i}] == {self.c(s)})")
+            for row, cond in t.selected(t.table[(s, ev)], args):
+                if pred(row):  # type: ignore[operator]
+                    out = _or_(out, _and(in_s, cond))
+                none_legal = _and(none_legal, _not(_and(in_s, cond)))
+        if pred(None):  # type: ignore[operator]
+            out = _or_(out, none_legal)
+        return out
+
+
+def _or_(a: Value, b: Value) -> Value:
+    from weightsync.model.spin.tables import _or
+
+    return _or(a, b)
+
+
+__all__ = ["CAP", "KINDS", "Build", "UnsupportedModel", "kind"]

@@ -1,0 +1,60 @@
+"""The Promela model of one :class:`~weightsync.model.system.Model`: its state as Promela arrays and its
+successor function as one ``do`` loop of ``d_step`` moves, each the model's move of the same label, generated
+from the spec's tables (:mod:`weightsync.model.spin.tables`) and composed as
+:mod:`weightsync.model.system` composes them (FIFOs, scheduler queues, collectives, coordinator, front-end,
+controller, trainer).
+
+The encoding is one-to-one: a Promela state holds exactly what a :class:`GlobalState` holds (FIFO slots past
+a FIFO's length are 0; a request's place is ``rq_where``/``rq_rank``/``rq_left``/``rq_kv``, so the sorted
+queues and the ``done``/``aborted`` sets are read off it), and each move changes what the model's move of
+the same label changes. So with the checks off, SPIN's count of stored states equals the model's count of
+states (``tests/test_spin.py`` checks it), and with them on, a SPIN trail is a path of the model
+(:mod:`weightsync.model.spin.run` replays it on :meth:`Model.successors`).
+
+Checked in Promela: every state invariant and edge check of :class:`~weightsync.model.system.properties.
+Properties` and the terminal check (deadlock, one-sided collective); not the progress properties (CTL
+``AG EF``, not LTL) nor the non-vacuity witnesses.
+"""
+
+from __future__ import annotations
+
+from weightsync.model.spin.build import Build, UnsupportedModel
+from weightsync.model.spin.moves import Moves
+from weightsync.model.spin.props import Props
+from weightsync.model.system import Model
+
+
+class PromelaModel(Props, Moves, Build):
+    """The Promela text of ``model``.
+
+    Args:
+        model: the model (its variant, N, mode, channels and bounds).
+        checks: generate the property checks (False: the bare successor function, to count states).
+
+    Raises:
+        UnsupportedModel: the model uses a bound the generator does not cover yet (named).
+    """
+
+    def __init__(self, model: Model, checks: bool = True) -> None:
+        Build.__init__(self, model, checks)
+
+    def text(self) -> str:
+        """The whole Promela model."""
+        opts = self.options()
+        body = "\n".join(opts)
+        terminal = f"  :: else -> {self.terminal_check()}; break\n" if self.checks else ""
+        return (
+            self.header()
+            + self.declarations()
+            + "\ninit {\n  d_step { "
+            + self.initial()
+            + (f"; {self.check_state()}" if self.checks else "")
+            + " };\n  do\n"
+            + body
+            + "\n"
+            + terminal
+            + "  od\n}\n"
+        )
+
+
+__all__ = ["PromelaModel", "UnsupportedModel"]

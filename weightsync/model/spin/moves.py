@@ -1,0 +1,447 @@
+"""The Promela model's moves: one ``do`` option per move of :meth:`Model.successors` (same label, same
+change), each a ``d_step`` whose first statement is the move's enabling condition."""
+
+from __future__ import annotations
+
+from weightsync.model.spin.build import (
+    ABORTED,
+    CAP,
+    DONE,
+    NOWHERE,
+    RUNNING_Q,
+    WAITING,
+    Build,
+    UnsupportedModel,
+    kind,
+)
+from weightsync.model.spin.tables import _and, _not, _or
+from weightsync.model.spin.translate import Expr, Value, text
+from weightsync.model.system.environment import MODE_CALLS
+from weightsync.model.system.state import (
+    CALL_EVENT,
+    DONE_EVENT,
+    DP_KINDS,
+    FAILED_REPLY,
+    FAIL_PHASE,
+    NOT_SENT,
+    PHASE_CALL,
+    REPLIED,
+    SENT,
+    SPURIOUS,
+    TRANSFER_KINDS,
+)
+from weightsync.spec.calls import TRAINER_COLLECTIVE, Phase, call_version
+from weightsync.spec.collectives import (
+    ABANDONED_ON_REFUSAL,
+    COLLECTIVES,
+    DONE_CARRIES_HAS_WORK,
+    Reduction,
+)
+from weightsync.spec.controller import CtrlEvent, Policy
+from weightsync.spec.coordinator import BROADCASTS, MESSAGE_FIELDS, PUBLISH, CoordEvent, CoordState
+from weightsync.spec.front_end import FrontEvent, FrontState
+from weightsync.spec.states import Collective, RankEvent, RankState
+from weightsync.spec.table import ALWAYS
+
+_REPLIES = frozenset({"reply", "reply_resume"})
+
+
+class Moves(Build):
+    """Every move of :meth:`Model.successors` as a Promela ``do`` option."""
+
+    def option(self, guard: str, body: str, label: str) -> str:
+        """One move: ``guard`` enables it; ``body`` changes the state; ``label`` is printed for replay."""
+        pre = self.snapshot(label) + "; " if self.checks else ""
+        post = f"; {self.check_edge(label)}; {self.check_state()}" if self.checks else ""
+        return f"  :: d_step {{ ({guard}) -> {pre}{body}; printf(\"MOVE {label}\\n\"){post} }}"
+
+    def options(self) -> list[str]:
+        out: list[str] = []
+        for i in range(self.n):
+            out += self.rank_moves(i)
+        out += self.collective_moves()
+        out += self.coord_moves()
+        out += self.send_moves()
+        out += self.refresh_moves()
+        out += self.abort_moves()
+        out += self.controller_moves()
+        return out
+
+    # ------------------------------------------------------------------ ranks
+
+    def rank_moves(self, i: int) -> list[str]:
+        c = self.c
+        live = f"r_blocked[{i}] == {c('')} && r_state[{i}] != {c(RankState.ERROR)}"
+        out = []
+        for f in range(self.nf):
+            q = i * self.nf + f
+            body = self.pop(i, f) + "; " + self.receive(i, f)
+            out.append(self.option(f"{live} && q_len[{q}] > 0", body, f"recv {i} {f}"))
+        args = {**self.base_args(i), "has_work": self.has_work(i)}
+        t = self.rank_tables[i]
+        # a step is a move unless its row changes nothing (no effects, variables unchanged): Model._step
+        idle: Value = False
+        for s in t.states_for(RankEvent.STEP):
+            in_s = Expr(f"(r_state[{i}] == {c(s)})")
+            for row, cond in t.selected(t.table[(s, RankEvent.STEP)], args):
+                if not row.effects:
+                    idle = _or(idle, _and(_and(in_s, cond), t.noop(row, args)))
+        guard = f"{live} && !{text(self.codes, idle)}" if idle is not False else live
+        body = f"h_hw = {text(self.codes, args['has_work'])}; " + self.fire_rank(
+            i, RankEvent.STEP, {**args, "has_work": Expr("h_hw")}
+        )
+        out.append(self.option(guard, body, f"step {i}"))
+        return out
+
+    def receive(self, i: int, f: int) -> str:
+        """``_recv``: the message in ``m_k, m_a, m_b, m_c`` reaches rank ``i``."""
+        m = self.m
+        kinds = []
+        if f == m.f_add:
+            kinds += [
+                (
+                    "ADD",
+                    self.fire_rank(i, RankEvent.ADD, {**self.base_args(i), "wave": Expr("m_b")}, req="m_a"),
+                ),
+                ("ABORT", self.fire_rank(i, RankEvent.ABORT, self.base_args(i), req="m_a")),
+            ]
+        if f == m.f_wave:
+            wave_args = {**self.base_args(i), "exclude": Expr("m_b"), "wave": Expr("m_a")}
+            kinds.append(("W", self.fire_rank(i, RankEvent.START_DP_WAVE, wave_args)))
+        if f == m.f_ctrl:
+            calls = " ".join(
+                f":: m_a == {self.c(call)} -> {self.call(i, ev)}" for call, ev in CALL_EVENT.items()
+            )
+            kinds.append(("U", f"if {calls} fi"))
+        return "if " + " ".join(f":: m_k == {kind(k)} -> {code}" for k, code in kinds) + " fi"
+
+    def call(self, i: int, ev: RankEvent) -> str:
+        """A controller call ``ev`` (its version in ``m_b``) received by rank ``i``: the pause ghost
+        (``_owe`` / ``_received_ghost``), then ``_rank_event``."""
+        args = self.call_args(i, ev)
+        pre = ""
+        if ev is RankEvent.PAUSE:
+            admits = self.row_condition(i, ev, args, lambda row: row is None or "admit_waiting" in row.effects)
+            ghost = self.received_ghost(i, admits)
+            if self.m.track_owed:
+                refused = self.row_condition(i, ev, args, lambda row: row is None or "refuse" in row.effects)
+                pre = f"if :: {text(self.codes, refused)} -> skip :: else -> {ghost} fi; "
+            else:
+                pre = ghost + "; "
+        elif ev is RankEvent.RESUME:
+            if self.m.track_owed:
+                refused = self.row_condition(i, ev, args, lambda row: row is None or "refuse" in row.effects)
+                pre = f"if :: {text(self.codes, refused)} -> skip :: else -> r_ghost[{i}] = 0 fi; "
+            else:
+                pre = f"r_ghost[{i}] = 0; "
+        return pre + self.fire_rank(i, ev, args, arg="m_b")
+
+    # ------------------------------------------------------------------ collectives
+
+    def collective_moves(self) -> list[str]:
+        out = []
+        c = self.c
+        for k in COLLECTIVES:
+            kd = str(k.value)
+            all_in = " && ".join(f"r_blocked[{i}] == {c(kd)}" for i in range(self.n))
+            guard = all_in if kd in DP_KINDS else f"{all_in} && t_blocked == {c(kd)}"
+            out.append(self.option(guard, self.complete(k), f"done {kd}"))
+        out += self.timeouts()
+        return out
+
+    def complete(self, k: Collective) -> str:
+        """``_complete``: the outcome from every member's contribution, then each member's completion."""
+        spec = COLLECTIVES[k]
+        kd = str(k.value)
+        pre = []
+        outcome: dict[str, Value] = {}
+        for pos, name in enumerate(spec.contributes):
+            acc = ("h_a", "h_b")[pos]
+            vals = []
+            for i in range(self.n):
+                if name == "has_unfinished":
+                    v = self.states_fn.call(
+                        "unfinished_for_sync",
+                        Expr(f"r_pause_state[{i}]"),
+                        Expr(self.count(i, WAITING)),
+                        Expr(self.count(i, RUNNING_Q)),
+                    )
+                    vals.append(text(self.codes, v))
+                elif name == "pending_pause":
+                    vals.append(f"r_pending_pause[{i}]")
+                else:
+                    vals.append(f"r_current_wave[{i}]")
+            if spec.reduction is Reduction.SUM:
+                pre.append(f"{acc} = " + " + ".join(f"({v})" for v in vals))
+            else:
+                pre.append(f"{acc} = {vals[0]}")
+                pre += [f"if :: ({v}) > {acc} -> {acc} = ({v}) :: else -> skip fi" for v in vals[1:]]
+            outcome[spec.outcome[pos]] = Expr(acc)
+        body = list(pre)
+        for i in range(self.n):
+            args = {**self.base_args(i), **outcome}
+            body.append(f"r_blocked[{i}] = {self.c('')}")
+            if kd in DONE_CARRIES_HAS_WORK:
+                body.append(f"h_hw = {text(self.codes, self.has_work(i))}")
+                args["has_work"] = Expr("h_hw")
+            body.append(self.fire_rank(i, DONE_EVENT[kd], args, top=False))
+        if kd in TRANSFER_KINDS:
+            body.append(f"t_status = (t_status == {SENT} -> {REPLIED} : {SPURIOUS}); t_blocked = {self.c('')}")
+        return "; ".join(body)
+
+    def timeouts(self) -> list[str]:
+        """``_timeouts``: members of a transfer collective that can never complete time out."""
+        c = self.c
+        out = []
+        for kd in sorted(TRANSFER_KINDS):
+            failed_out = " || ".join(
+                f"(r_state[{i}] == {c(RankState.FAILED)} && r_blocked[{i}] != {c(kd)})" for i in range(self.n)
+            )
+            stuck = f"({failed_out}) || (t_blocked != {c(kd)} && t_status == {FAILED_REPLY})"
+            if kd in ABANDONED_ON_REFUSAL:
+                refused = " || ".join(
+                    f"(r_status[{i}] == {FAILED_REPLY} && r_blocked[{i}] != {c(kd)})" for i in range(self.n)
+                )
+                stuck += f" || {refused}"
+            for i in range(self.n):
+                args = {**self.base_args(i), "phase": FAIL_PHASE[kd]}
+                body = f"r_blocked[{i}] = {c('')}; " + self.fire_rank(i, RankEvent.TRANSFER_FAILED, args, top=False)
+                out.append(self.option(f"r_blocked[{i}] == {c(kd)} && ({stuck})", body, f"timeout {i} {kd}"))
+            out.append(
+                self.option(
+                    f"t_blocked == {c(kd)} && ({stuck})",
+                    f"t_blocked = {c('')}; t_status = {FAILED_REPLY}",
+                    f"timeout -1 {kd}",
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------------ coordinator and front-end
+
+    def coord_moves(self) -> list[str]:
+        out = [self.option("cq_len > 0", self.coord_take_own(), "coord -1 0")]
+        if not self.m.ordered:
+            for i in range(self.n):
+                out.append(self.option(f"o_len[{i}] > 0", self.coord_take_rank(i), f"coord {i} 0"))
+        return out
+
+    def coord_take_own(self) -> str:
+        pop = (
+            "m_k = cq_k[0]; m_a = cq_a[0]; m_b = cq_b[0]; m_c = cq_c[0]; k = 0; "
+            "do :: k + 1 < cq_len -> cq_k[k] = cq_k[k + 1]; cq_a[k] = cq_a[k + 1]; cq_b[k] = cq_b[k + 1]; "
+            "cq_c[k] = cq_c[k + 1]; k++ :: else -> break od; cq_len--; cq_k[cq_len] = 0; cq_a[cq_len] = 0; "
+            "cq_b[cq_len] = 0; cq_c[cq_len] = 0"
+        )
+        return pop + "; " + self.coord_fire()
+
+    def coord_take_rank(self, i: int) -> str:
+        b = i * CAP
+        pop = (
+            f"m_k = o_k[{b}]; m_a = o_a[{b}]; m_b = o_b[{b}]; k = 0; "
+            f"do :: k + 1 < o_len[{i}] -> o_k[{b} + k] = o_k[{b} + k + 1]; o_a[{b} + k] = o_a[{b} + k + 1]; "
+            f"o_b[{b} + k] = o_b[{b} + k + 1]; k++ :: else -> break od; o_len[{i}]--; "
+            f"o_k[{b} + o_len[{i}]] = 0; o_a[{b} + o_len[{i}]] = 0; o_b[{b} + o_len[{i}]] = 0"
+        )
+        return pop + "; " + self.coord_fire()
+
+    def coord_fire(self) -> str:
+        """``coord_take``: the coordinator's table on the message in ``m_k, m_a, m_b`` (FIRST_REQ:
+        exclude, wave; a rank's: wave, sender), then its START_DP_WAVE broadcasts to every rank."""
+        c = self.c
+        branches = []
+        for ev in CoordEvent:
+            fields = MESSAGE_FIELDS[ev]
+            if ev is CoordEvent.FIRST_REQ:
+                args = {"exclude": Expr("m_a"), "wave": Expr("m_b")}
+            else:
+                args = {"wave": Expr("m_a"), "sender": Expr("m_b")}
+            assert set(args) == set(fields)
+
+            def on_row(row: object, args: dict[str, Value] = args) -> str:
+                out = []
+                for eff in row.effects:  # type: ignore[attr-defined]
+                    if eff == PUBLISH:
+                        out.append("co_pub = 1")
+                    elif eff in BROADCASTS:
+                        who = BROADCASTS[eff]
+                        exclude = "-1" if who == "none" else text(self.codes, args[who])
+                        out += [self.push(i, self.m.f_wave, "W", "co_wave", exclude) for i in range(self.n)]
+                return "; ".join(out) or "skip"
+
+            # the broadcast carries current_wave after the row; pushed after the updates (fire's order)
+            code = self.coord_table.fire(ev, args, on_row, "assert(false)")
+            branches.append(f":: m_k == {kind(ev.value)} -> {code}")
+        running = c(CoordState.RUNNING)
+        settle = (
+            f"if :: co_pub && f_wave == co_wave && (f_state == {c(FrontState.RUNNING)}) == (co_state == {running}) "
+            "-> co_pub = 0 :: else -> skip fi"
+        )
+        return "if " + " ".join(branches) + " fi; " + settle
+
+    def send_moves(self) -> list[str]:
+        """``send_moves``: the client's next request to rank ``i`` (unless the front-end holds it)."""
+        if not self.R:
+            return []
+        t = self.front_table
+        out = []
+        holds = ""
+        if self.m.init_transfer:
+            answered = self.all_replied_expr(Phase.INIT)
+            h = self.ctrl_fn.call("init_holds_requests", Expr("ct_state"), Expr("ct_cycles_started"), answered)
+            holds = f" && !{text(self.codes, h)}" if h is not False else ""
+        for i in range(self.n):
+            args = {"target": i}
+            sends: Value = False
+            for s in t.states_for(FrontEvent.SEND_REQUEST):
+                for row, cond in t.selected(t.table[(s, FrontEvent.SEND_REQUEST)], args):
+                    if "hold_request" not in row.effects:
+                        sends = _or(sends, _and(Expr(f"(f_state == {self.c(s)})"), cond))
+            guard = f"f_next < {self.R}{holds} && {text(self.codes, sends)}"
+
+            def on_row(row: object, i: int = i) -> str:
+                out = []
+                for eff in row.effects:  # type: ignore[attr-defined]
+                    if eff == "send_add":
+                        out.append(self.push(i, self.m.f_add, "ADD", "f_next", "h_w"))
+                    elif eff == "send_first_req":
+                        out.append(
+                            f"assert(cq_len < {CAP} /* fifo_capacity */); cq_k[cq_len] = {kind('FIRST_REQ')}; "
+                            f"cq_a[cq_len] = {i}; cq_b[cq_len] = h_w; cq_c[cq_len] = 0; cq_len++"
+                        )
+                return "; ".join(out) or "skip"
+
+            body = "h_w = f_wave; " + t.fire(FrontEvent.SEND_REQUEST, args, on_row, "assert(false)") + "; f_next++"
+            out.append(self.option(guard, body, f"send {i}"))
+        return out
+
+    def refresh_moves(self) -> list[str]:
+        c = self.c
+        running = f"(co_state == {c(CoordState.RUNNING)})"
+        differs = f"f_wave != co_wave || (f_state == {c(FrontState.RUNNING)}) != {running}"
+        args = {"wave": Expr("co_wave"), "running": Expr(running)}
+        body = self.front_table.fire(FrontEvent.STATS, args, lambda row: "", "assert(false)") + "; co_pub = 0"
+        return [self.option(differs, body, "refresh")]
+
+    def abort_moves(self) -> list[str]:
+        """``abort_moves``: the client aborts request ``r`` still held by rank ``i``."""
+        if not self.m.client_aborts:
+            return []
+        out = []
+        for r in range(self.R):
+            for i in range(self.n):
+                held_q = " || ".join(
+                    f"(q_k[{self.qbase(i, g) + p}] == {kind('ADD')} && q_a[{self.qbase(i, g) + p}] == {r})"
+                    for g in range(self.nf)
+                    for p in range(CAP)
+                )
+                held = f"((rq_where[{r}] == {WAITING} || rq_where[{r}] == {RUNNING_Q}) && rq_rank[{r}] == {i}) || {held_q}"
+                nab = " + ".join(f"((f_cab >> {x}) & 1)" for x in range(self.R))
+                guard = (
+                    f"({nab}) < {self.m.client_aborts} && {r} < f_next && !((f_cab >> {r}) & 1) && "
+                    f"rq_where[{r}] != {DONE} && rq_where[{r}] != {ABORTED} && ({held})"
+                )
+                body = self.push(i, self.m.f_add, "ABORT", str(r)) + f"; f_cab = f_cab | {1 << r}"
+                out.append(self.option(guard, body, f"abort {i} {r}"))
+        return out
+
+    # ------------------------------------------------------------------ controller
+
+    def all_replied_expr(self, phase: Phase | None) -> Value:
+        """``_all_replied`` for ``phase`` (None: the controller's current phase)."""
+        ranks = " && ".join(
+            f"(r_status[{i}] == {REPLIED} || r_status[{i}] == {FAILED_REPLY})" for i in range(self.n)
+        )
+        trainer = f"(t_status == {REPLIED} || t_status == {FAILED_REPLY})"
+        if phase is None:
+            joins = " || ".join(f"ct_state == {int(p)}" for p in TRAINER_COLLECTIVE)
+            return Expr(f"({ranks} && (!({joins}) || {trainer}))")
+        return Expr(f"({ranks} && {trainer})" if phase in TRAINER_COLLECTIVE else f"({ranks})")
+
+    def phase_failed_expr(self) -> str:
+        ranks = " || ".join(f"r_status[{i}] == {FAILED_REPLY}" for i in range(self.n))
+        return f"({ranks} || t_status == {FAILED_REPLY})"
+
+    def controller_moves(self) -> list[str]:
+        """``_controller``: every enabled row of the controller table is a move (``enabled_transitions``)."""
+        m = self.m
+        answered = self.all_replied_expr(None)
+        ev_expr = self.ctrl_fn.call(
+            "controller_event", Expr("ct_state"), answered, _and(answered, Expr(self.phase_failed_expr()))
+        )
+        args = {**m._ctrl_args(0), "requests_sent": Expr("f_next")}
+        out = []
+        t = self.ctrl_table
+        for (phase, ev), rows in t.table.items():
+            is_ev = Expr(f"({text(self.codes, ev_expr)} == {self.c(ev)})")
+            for row in rows:
+                g = t.guard(row, args)
+                if g is False:
+                    continue
+                (eff,) = row.effects
+                target = Phase(row.target) if row.target is not None else Phase(phase)
+                guard = _and(_and(Expr(f"(ct_state == {int(phase)})"), is_ev), g)
+                update = t.updates(row, args)
+                label_call = PHASE_CALL.get(target, "")
+                if eff == "fan_out":
+                    body = update + "; " + self.fan_out(target)
+                    label = f"fan {label_call} -1"
+                elif eff == "front_end_call":
+                    body = update + "; " + self.front_end_call(target)
+                    label = f"fe {label_call}"
+                elif eff in ("retry_resume", "extra_pause", "extra_resume"):
+                    raise UnsupportedModel(f"controller effect {eff!r} is not covered by the Promela generator")
+                else:  # the controller stops (Environment._controller's "end" move)
+                    body = update
+                    label = f"end {eff}"
+                out.append(self.option(text(self.codes, guard), body, label))
+        return out
+
+    def fan_out(self, phase: Phase) -> str:
+        """``_fan_out`` of ``phase``'s call to every rank (the controller's variables already updated)."""
+        call = PHASE_CALL[phase]
+        out = [f"r_status[{i}] = {NOT_SENT}" for i in range(self.n)]
+        out.append(f"t_blocked = {self.c('')}; t_status = {NOT_SENT}")
+        version = "(ct_update_rounds + 1)" if call_version(phase, 0) else "0"
+        for i in range(self.n):
+            out.append(f"r_status[{i}] = {SENT}")
+            push = self.push(i, self.m.f_ctrl, "U", str(self.c(call)), version)
+            deliver = self.deliver_now(i, call)
+            out.append(f"if :: {deliver[0]} -> {deliver[1]} :: else -> {push} fi" if deliver else push)
+        if phase in TRAINER_COLLECTIVE:
+            out.append(f"t_blocked = {self.c(str(TRAINER_COLLECTIVE[phase].value))}; t_status = {SENT}")
+        return "; ".join(out)
+
+    def deliver_now(self, i: int, call: str) -> tuple[str, str] | None:
+        """``_deliver_now``: (condition, code) for a resume that rank ``i`` takes at once as a no-op."""
+        if call != "resume":
+            return None
+        c = self.c
+        states = []
+        for (s, ev), rows in self.m.table.items():
+            if ev is not RankEvent.RESUME or len(rows) != 1:
+                continue
+            row = rows[0]
+            if row.guard != ALWAYS or row.target != s or not set(row.effects) <= _REPLIES or row.updates:
+                continue
+            states.append(s)
+        if not states:
+            return None
+        in_states = " || ".join(f"r_state[{i}] == {c(s)}" for s in states)
+        cond = f"r_blocked[{i}] == {c('')} && q_len[{i * self.nf + self.m.f_ctrl}] == 0 && ({in_states})"
+        code = f"r_ghost[{i}] = 0; " + self.fire_rank(i, RankEvent.RESUME, self.base_args(i), top=False)
+        return cond, code
+
+    def front_end_call(self, phase: Phase) -> str:
+        """``_front_end_call``: the front-end applies pause or resume to every rank machine."""
+        ev = CALL_EVENT[PHASE_CALL[phase]]
+        from weightsync.model.system.state import GHOST_RECEIVED
+
+        out = [f"t_blocked = {self.c('')}; t_status = {NOT_SENT}"]
+        for i in range(self.n):
+            ghost = GHOST_RECEIVED if ev is RankEvent.PAUSE else 0
+            out.append(f"r_status[{i}] = {SENT}; r_ghost[{i}] = {ghost}")
+            out.append(self.fire_rank(i, ev, self.call_args(i, ev), top=False))
+        return "; ".join(out)
+
+
+__all__ = ["Moves", "MODE_CALLS", "NOWHERE", "Policy", "CtrlEvent", "_not"]
