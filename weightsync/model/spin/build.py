@@ -194,13 +194,25 @@ class Build:
             "bit ct_stray_resume_used; bit ct_repeat_resume_used; byte ct_failures_used; bit ct_recovering;",
             "byte ct_extra_used;",
             "byte t_blocked; byte t_status;",
-            f"hidden short tmp[{TEMPS}]; hidden short m_k, m_a, m_b, m_c; hidden byte k, j;",
-            "hidden short h_a, h_b, h_g, h_hw, h_w, h_run;",
-            f"hidden byte b_where[{r}]; hidden byte b_rank[{r}]; hidden byte b_left[{r}]; hidden short b_kv[{r}];",
-            f"hidden byte b_blocked[{n}]; hidden byte b_ghost[{n}]; hidden byte b_state; hidden byte b_ps;",
-            "hidden short b_wv; hidden byte b_wstate; hidden byte b_partial;",
+            # scratch: not hidden (SPIN's BFS refuses hidden variables), so every move zeroes it again
+            # (:meth:`reset`) and it adds nothing to the state space
+            f"short tmp[{TEMPS}]; short m_k, m_a, m_b, m_c; byte k;",
+            "short h_a, h_b, h_hw, h_w;",
+            f"byte b_where[{r}]; byte b_rank[{r}]; byte b_left[{r}]; short b_kv[{r}];",
+            f"byte b_blocked[{n}]; byte b_ghost[{n}]; byte b_state; byte b_ps;",
+            "short b_wv; byte b_wstate; byte b_partial;",
         ]
         return "\n".join(lines) + "\n"
+
+    def reset(self) -> str:
+        """Zero the scratch variables (end of every move)."""
+        n, r = self.n, max(self.R, 1)
+        out = [f"tmp[{x}] = 0" for x in range(TEMPS)]
+        out += ["m_k = 0; m_a = 0; m_b = 0; m_c = 0; k = 0; h_a = 0; h_b = 0; h_hw = 0; h_w = 0"]
+        out += [f"b_where[{x}] = 0; b_rank[{x}] = 0; b_left[{x}] = 0; b_kv[{x}] = 0" for x in range(r)]
+        out += [f"b_blocked[{x}] = 0; b_ghost[{x}] = 0" for x in range(n)]
+        out += ["b_state = 0; b_ps = 0; b_wv = 0; b_wstate = 0; b_partial = 0"]
+        return "; ".join(out)
 
     def initial(self) -> str:
         """The model's initial state (:meth:`Model.initial`); arrays not named here start at 0."""

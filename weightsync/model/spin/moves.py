@@ -53,7 +53,7 @@ class Moves(Build):
         """One move: ``guard`` enables it; ``body`` changes the state; ``label`` is printed for replay."""
         pre = self.snapshot(label) + "; " if self.checks else ""
         post = f"; {self.check_edge(label)}; {self.check_state()}" if self.checks else ""
-        return f"  :: d_step {{ ({guard}) -> {pre}{body}; printf(\"MOVE {label}\\n\"){post} }}"
+        return f"  :: d_step {{ ({guard}) -> {pre}{body}; printf(\"MOVE {label}\\n\"){post}; {self.reset()} }}"
 
     def options(self) -> list[str]:
         out: list[str] = []

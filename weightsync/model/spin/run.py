@@ -1,0 +1,220 @@
+"""Run SPIN on the generated Promela model (:class:`~weightsync.model.spin.compose.PromelaModel`) and check its
+verdict with our own model: SPIN's trail is replayed on :meth:`Model.successors`, label by label, and the
+violation SPIN names is confirmed on the replayed path by :class:`~weightsync.model.system.properties.
+Properties` (a trail that is no path of the model, or a violation the model does not confirm, is an error).
+
+SPIN (Debian package ``spin``) and a C compiler (``cc``) must be on ``PATH``. The verifier is compiled with
+``-DSAFETY`` (safety and deadlock: assertions and the terminal check; no never claim) and breadth-first
+search (``-DBFS``: a trail is a shortest counterexample, as the Python explorer's), or depth-first search
+with SPIN's partial-order reduction and ``-DNCORE`` workers (``search="dfs"``).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from weightsync.model.spin.compose import PromelaModel
+from weightsync.model.system import G, Label, Model, describe
+
+#: pan's figures, parsed from its report.
+_FIGURES = {
+    "states": re.compile(r"^\s*(\d+) states, stored", re.M),
+    "transitions": re.compile(r"^\s*(\d+) transitions \(= stored\+matched\)", re.M),
+    "depth": re.compile(r"depth reached (\d+)"),
+    "errors": re.compile(r"errors: (\d+)"),
+    "memory_mb": re.compile(r"^\s*([\d.]+)\s+total actual memory usage", re.M),
+}
+
+
+class SpinError(RuntimeError):
+    """SPIN or the C compiler is missing or failed, or SPIN's trail does not replay on the model (the
+    message names the step and what the model offers there)."""
+
+
+@dataclass
+class SpinResult:
+    """One SPIN run of one model.
+
+    Attributes:
+        verdict: "verified" or "counterexample" (safety and deadlock only).
+        states, transitions, depth: pan's figures (``states`` counts SPIN's pre-init state too: the
+            model's count + 1).
+        seconds: generation, compilation and search, wall clock.
+        memory_mb: pan's total memory.
+        violation: the property SPIN reports violated (None when verified).
+        labels: the trail as the model's labels.
+        path: the trail replayed on the model, ``(state, label, next_state)``.
+        pan_output: pan's report.
+    """
+
+    verdict: str
+    states: int
+    transitions: int
+    depth: int
+    seconds: float
+    memory_mb: float
+    violation: str | None = None
+    labels: list[Label] = field(default_factory=list)
+    path: list[tuple[G, Label, G]] = field(default_factory=list)
+    pan_output: str = ""
+
+
+def spin_available() -> bool:
+    """SPIN and a C compiler are on PATH."""
+    return shutil.which("spin") is not None and shutil.which("cc") is not None
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float) -> str:
+    try:
+        p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    except FileNotFoundError as exc:
+        raise SpinError(f"{cmd[0]} is not installed: {exc} (apt-get install spin gcc)") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise SpinError(f"{' '.join(cmd)} ran past {timeout:.0f} s") from exc
+    if p.returncode != 0 and cmd[0] != "./pan":
+        raise SpinError(f"{' '.join(cmd)} failed (exit {p.returncode}): {(p.stderr or p.stdout)[-2000:]}")
+    return p.stdout + p.stderr
+
+
+def spin_check(
+    model: Model,
+    *,
+    search: str = "bfs",
+    checks: bool = True,
+    max_depth: int = 10_000_000,
+    hash_bits: int = 22,
+    cores: int = 1,
+    timeout: float = 3600.0,
+    workdir: Path | None = None,
+) -> SpinResult:
+    """Verify ``model`` (safety and deadlock) with SPIN, and replay a counterexample on the model.
+
+    Args:
+        model: the model (its configuration must be one :class:`PromelaModel` covers).
+        search: "bfs" (shortest trail, no reduction) or "dfs" (SPIN's partial-order reduction on, ``cores``
+            worker processes with ``-DNCORE``).
+        checks: False: the successor function alone (state counting; the verdict is then "verified").
+        max_depth: pan's ``-m`` (search depth bound; DFS stack).
+        hash_bits: pan's ``-w`` (log2 of the hash table's slots).
+        cores: DFS worker processes (``-DNCORE``; 1: none).
+        timeout: seconds for each of SPIN, the compiler and pan.
+        workdir: keep the files there (default: a temporary directory, removed).
+
+    Raises:
+        UnsupportedModel: the model is outside what the generator covers (named).
+        SpinError: SPIN or the compiler is missing or failed, pan stopped early (search depth or memory),
+            or the trail does not replay on the model.
+        ValueError: an unknown ``search``.
+    """
+    if search not in ("bfs", "dfs"):
+        raise ValueError(f"search={search!r}: use 'bfs' or 'dfs'")
+    t0 = time.perf_counter()
+    text = PromelaModel(model, checks=checks).text()
+    tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="weightsync-spin-")
+    d = workdir if workdir is not None else Path(tmp.name)  # type: ignore[union-attr]
+    try:
+        (d / "model.pml").write_text(text)
+        _run(["spin", "-a", "model.pml"], d, timeout)
+        flags = ["-O2", "-DSAFETY", "-DVECTORSZ=4096"]
+        flags += ["-DBFS", "-DNOREDUCE"] if search == "bfs" else ([f"-DNCORE={cores}"] if cores > 1 else [])
+        _run(["cc", *flags, "-o", "pan", "pan.c"], d, timeout)
+        pan_args = ["./pan", f"-m{max_depth}", f"-w{hash_bits}"]
+        if not checks:
+            pan_args += ["-A", "-E"]
+        out = _run(pan_args, d, timeout)
+        figs = {k: rx.search(out) for k, rx in _FIGURES.items()}
+        if figs["states"] is None or figs["errors"] is None:
+            raise SpinError(f"pan gave no report: {out[-2000:]}")
+        if "max search depth too small" in out or "out of memory" in out.lower():
+            raise SpinError(f"pan stopped before the end (search depth or memory): {out[-1500:]}")
+        errors = int(figs["errors"].group(1))
+        res = SpinResult(
+            verdict="counterexample" if errors else "verified",
+            states=int(figs["states"].group(1)),
+            transitions=int(figs["transitions"].group(1)) if figs["transitions"] else 0,
+            depth=int(figs["depth"].group(1)) if figs["depth"] else 0,
+            seconds=0.0,
+            memory_mb=float(figs["memory_mb"].group(1)) if figs["memory_mb"] else 0.0,
+            pan_output=out,
+        )
+        if errors:
+            trail = _run(["spin", "-t", "model.pml"], d, timeout)
+            res.labels, res.violation = parse_trail(trail)
+            res.path = replay(model, res.labels, res.violation)
+        res.seconds = time.perf_counter() - t0
+        return res
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def parse_trail(out: str) -> tuple[list[Label], str]:
+    """The model labels of a trail's ``MOVE`` lines and the property of its ``VIOLATION`` line.
+
+    Raises:
+        SpinError: no VIOLATION line (pan failed an assertion the model does not name, e.g. a FIFO over
+            the generator's capacity)."""
+    labels: list[Label] = []
+    violation = None
+    for line in out.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] == "MOVE":
+            labels.append(_label(words[1:]))
+        elif len(words) == 2 and words[0] == "VIOLATION":
+            violation = words[1]
+    if violation is None:
+        raise SpinError(f"SPIN's trail names no property (an assertion of the generator failed): {out[-1500:]}")
+    return labels, violation
+
+
+def _label(words: list[str]) -> Label:
+    def val(w: str) -> Any:
+        return int(w) if re.fullmatch(r"-?\d+", w) else w
+
+    return tuple(val(w) for w in words)
+
+
+def replay(model: Model, labels: list[Label], violation: str) -> list[tuple[G, Label, G]]:
+    """SPIN's trail as a path of ``model`` (each label must be one of :meth:`Model.successors`), ending
+    where the model itself finds ``violation`` (in the last state, on the last edge, or, for a terminal
+    property, in a state without successors).
+
+    Raises:
+        SpinError: a label the model does not offer (the step and what it offers), or a violation the
+            model does not confirm."""
+    s = model.initial()
+    path: list[tuple[G, Label, G]] = []
+    for k, lab in enumerate(labels, start=1):
+        succ = model.successors(s)
+        nxt = [t for label, t in succ if tuple(label) == lab]
+        if not nxt:
+            offered = ", ".join(" ".join(map(str, label)) for label, _ in succ)
+            raise SpinError(f"SPIN's trail is no path of the model: step {k} {lab!r}; the model offers {offered}")
+        path.append((s, lab, nxt[0]))
+        s = nxt[0]
+    found = list(model.invariant(s))
+    if path:
+        a, lab, b = path[-1]
+        found += model.edge_check(a, lab, b)
+    if not model.successors(s):
+        found += model.terminal_check(s)
+    if violation not in found:
+        raise SpinError(
+            f"SPIN reports {violation} after {len(labels)} steps; the model finds {found or 'nothing'} there"
+        )
+    return path
+
+
+def steps_text(model: Model, path: list[tuple[G, Label, G]]) -> list[str]:
+    """The replayed path as numbered step texts (:func:`weightsync.model.system.describe`)."""
+    return [f"{k}. {describe(model, a, lab, b).text}" for k, (a, lab, b) in enumerate(path, start=1)]
+
+
+__all__ = ["SpinError", "SpinResult", "parse_trail", "replay", "spin_available", "spin_check", "steps_text"]
