@@ -194,6 +194,7 @@ class Build:
             "bit ct_stray_resume_used; bit ct_repeat_resume_used; byte ct_failures_used; bit ct_recovering;",
             "byte ct_extra_used;",
             "byte t_blocked; byte t_status;",
+            "bit inv_bad; /* (checks off) the state violates an invariant: not expanded, as the explorer */",
             # scratch: not hidden (SPIN's BFS refuses hidden variables), so every move zeroes it again
             # (:meth:`reset`) and it adds nothing to the state space
             f"short tmp[{TEMPS}]; short m_k, m_a, m_b, m_c; byte k;",

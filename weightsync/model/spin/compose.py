@@ -48,7 +48,7 @@ class PromelaModel(Props, Moves, Build):
             + self.declarations()
             + "\ninit {\n  d_step { "
             + self.initial()
-            + (f"; {self.check_state()}" if self.checks else "")
+            + f"; {self.check_state()}"
             + " };\n  do\n"
             + body
             + "\n"

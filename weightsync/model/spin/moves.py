@@ -52,7 +52,9 @@ class Moves(Build):
     def option(self, guard: str, body: str, label: str) -> str:
         """One move: ``guard`` enables it; ``body`` changes the state; ``label`` is printed for replay."""
         pre = self.snapshot(label) + "; " if self.checks else ""
-        post = f"; {self.check_edge(label)}; {self.check_state()}" if self.checks else ""
+        post = f"; {self.check_edge(label)}; {self.check_state()}" if self.checks else f"; {self.check_state()}"
+        if not self.checks:
+            guard = f"!inv_bad && ({guard})"
         return f"  :: d_step {{ ({guard}) -> {pre}{body}; printf(\"MOVE {label}\\n\"){post}; {self.reset()} }}"
 
     def options(self) -> list[str]:

@@ -42,16 +42,24 @@ class Props(Build):
     # ------------------------------------------------------------------ state invariants
 
     def check_state(self) -> str:
-        """:meth:`Properties.invariant`."""
+        """:meth:`Properties.invariant`: with the checks on, a violation fails the run; with them off, the
+        state is marked (``inv_bad``) and not expanded, as the explorer leaves such states unexpanded."""
+        conds = self.invariant_conditions()
+        if self.checks:
+            return "; ".join(fail(p, cond) for p, cond in conds)
+        return "inv_bad = (" + " || ".join(f"({cond} -> 1 : 0)" for _, cond in conds) + ")"
+
+    def invariant_conditions(self) -> list[tuple[str, str]]:
+        """Each state invariant with the Promela condition that ``s`` violates it."""
         c, n = self.c, self.n
-        out = []
+        out: list[tuple[str, str]] = []
         none = c("")
         blocked = [f"r_blocked[{i}]" for i in range(n)]
         two_kinds = _any(
             [f"({a} != {none} && {b} != {none} && {a} != {b})" for x, a in enumerate(blocked) for b in blocked[x + 1 :]]
         )
         mismatch = _any([f"r_collective[{i}] != r_blocked[{i}]" for i in range(n)])
-        out.append(fail("collectives_match", f"({two_kinds} || {mismatch})"))
+        out.append(("collectives_match", f"({two_kinds} || {mismatch})"))
         bracket = _any(
             [
                 f"(r_state[{i}] == {c(RankState.ERROR)} || r_status[{i}] == {SPURIOUS} || "
@@ -60,11 +68,11 @@ class Props(Build):
             ]
             + [f"t_status == {SPURIOUS}"]
         )
-        out.append(fail("phase_bracketing", bracket))
-        out.append(fail("request_conservation", f"!{self.conserved()}"))
-        out.append(fail("version_agreement", self.version_disagrees()))
-        out.append(fail("coordinator_belief", f"!{self.coordinator_belief()}"))
-        out.append(fail("front_end_belief", f"!{self.front_end_belief()}"))
+        out.append(("phase_bracketing", bracket))
+        out.append(("request_conservation", f"!{self.conserved()}"))
+        out.append(("version_agreement", self.version_disagrees()))
+        out.append(("coordinator_belief", f"!{self.coordinator_belief()}"))
+        out.append(("front_end_belief", f"!{self.front_end_belief()}"))
         if self.mode is PauseMode.ABORT:
             runs = _any(
                 [
@@ -73,8 +81,8 @@ class Props(Build):
                     for i in range(n)
                 ]
             )
-            out.append(fail("mode_semantics", runs))
-        return "; ".join(out)
+            out.append(("mode_semantics", runs))
+        return out
 
     def conserved(self) -> str:
         """``_conserved``: every request sent is in exactly one place, and (keep, wait) only the client
