@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from weightsync.bench.reach import ROW_BUDGET_S
-from weightsync.model.check import DEFAULT_ENGINE, ENGINES
+from weightsync.model.check import CHECK_ENGINES, DEFAULT_ENGINE, ENGINES
 from weightsync.model.properties import PROPERTIES
 from weightsync.spec.states import PauseMode
 
@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="report this property's shortest counterexample where it is violated (default: the most "
         "specific violation: mismatched collectives, one-sided collective, deadlock, ...)",
     )
-    _engine_argument(c)
+    _engine_argument(c, spin=True)
     c.add_argument(
         "--workers",
         type=POSITIVE,
@@ -347,15 +347,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _engine_argument(p: argparse.ArgumentParser) -> None:
-    """``--engine`` of ``check`` and ``prove`` (:data:`~weightsync.model.engines.ENGINES`)."""
+def _engine_argument(p: argparse.ArgumentParser, spin: bool = False) -> None:
+    """``--engine`` of ``check`` (``spin`` too: :data:`~weightsync.model.check.CHECK_ENGINES`) and ``prove``
+    (:data:`~weightsync.model.engines.ENGINES`)."""
     p.add_argument(
         "--engine",
-        choices=list(ENGINES),
+        choices=list(CHECK_ENGINES if spin else ENGINES),
         default=DEFAULT_ENGINE,
         help="exploration engine: compact (states as ints, transitions memoised per part; the default) or "
         "baseline (the model's successor function on state tuples); both give the same states, counts and "
-        "verdicts",
+        "verdicts"
+        + (
+            "; spin: SPIN on Promela generated from the same tables (safety and deadlock only; its trail is "
+            "replayed on the model)"
+            if spin
+            else ""
+        ),
     )
 
 

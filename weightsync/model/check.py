@@ -296,12 +296,65 @@ def default_symmetry(ranks: int) -> bool:
     return ranks >= 3
 
 
+#: The engines of ``weightsync check``: the explorer's (:data:`ENGINES`) and SPIN on the Promela model
+#: generated from the same tables (:mod:`weightsync.model.spin`; safety and deadlock only).
+CHECK_ENGINES = (*ENGINES, "spin")
+
+
+def spin_mode(model: Model) -> ModeResult:
+    """Check one mode with SPIN (:func:`weightsync.model.spin.run.spin_check`): safety and deadlock; the
+    progress properties and the non-vacuity witnesses are not checked. SPIN stops at its first violation,
+    so the other safety properties are then "not checked". The counterexample is SPIN's trail replayed on
+    the model (:func:`weightsync.model.spin.run.replay`).
+
+    Raises:
+        UnsupportedModel: a configuration the generator does not cover; SpinError: see ``spin_check``."""
+    from weightsync.model.spin.run import spin_check, steps_text
+
+    res = spin_check(model)
+    props: dict[str, str] = {}
+    for name in SAFETY:
+        if name == res.violation:
+            props[name] = VIOLATED
+        else:
+            props[name] = NOT_CHECKED if res.violation else HOLDS
+    for name in (*PROGRESS, *SOMETIMES):
+        props[name] = NOT_CHECKED
+    cx = None
+    if res.violation is not None:
+        final = res.path[-1][2] if res.path else model.initial()
+        texts = steps_text(model, res.path)
+        texts.append(f"{len(texts) + 1}. => {violation_text(model, res.violation, final)}")
+        cx = {
+            "property": res.violation,
+            "mode": model.mode.value,
+            "statement": PROPERTIES[res.violation][0],
+            "steps": texts,
+            "labels": [list(lab) for lab in res.labels],
+            "engine": "spin",
+        }
+    return ModeResult(
+        model.mode,
+        res.states - 1,  # SPIN also stores its state before init's first step
+        res.transitions - 1,
+        res.depth - 1,
+        res.seconds,
+        props,
+        cx,
+        True,
+        violation_depths={res.violation: len(res.path)} if res.violation else {},
+        peak_rss_mb=res.memory_mb,
+    )
+
+
 def _check_one(
     args: tuple[str, int, ModeSetting, str, Bounds, bool, int, bool, bool, str | None, str, float | None],
 ) -> ModeResult:
     variant, ranks, mode, channels, bounds, symmetry, max_states, progress, stalls, of, engine, deadline = (
         args
     )
+    if engine == "spin":
+        return spin_mode(build_model(variant, ranks, mode, channels, bounds))
     return check_mode(
         build_model(variant, ranks, mode, channels, bounds),
         symmetry=symmetry,
@@ -358,8 +411,10 @@ def check(
         raise ValueError(
             f"counterexample_of={counterexample_of!r}: no such property; known: {', '.join(PROPERTIES)}"
         )
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r}: known engines are {', '.join(ENGINES)}")
+    if engine not in CHECK_ENGINES:
+        raise ValueError(f"engine={engine!r}: known engines are {', '.join(CHECK_ENGINES)}")
+    if engine == "spin":
+        sym = False  # SPIN explores the full product (its partial-order reduction, no symmetry)
     jobs = [
         (
             variant,
@@ -416,6 +471,7 @@ def check(
         "depth": max(r.depth for r in results),
         "seconds": round(time.perf_counter() - t0, 3),
         "symmetry": sym,
+        "engine": engine,
         "workers": n_workers,
         "properties": props,
         "bounds": b._asdict(),

@@ -11,6 +11,13 @@ from weightsync.model.spin.translate import Codes, Expr, Registry, Translator, V
 from weightsync.model.system import Model
 from weightsync.model.system.state import (
     ANY_MODE,
+    FAIL_PHASE,
+    FAILABLE_EFFECTS,
+    GHOST_MODES,
+    OWE_PAUSE,
+    OWE_RESUME,
+    PAUSE,
+    RETRY,
     CALL_EVENT,
     DONE_EVENT,
     ENTER_EFFECT,
@@ -81,29 +88,12 @@ class Build:
 
     def __init__(self, model: Model, checks: bool) -> None:
         b = model.config.bounds
-        unsupported = [
-            name
-            for name, on in (
-                ("failures", b.failures > 0),
-                ("stray_resume", b.stray_resume),
-                ("repeat_resume", b.repeat_resume),
-                ("pause_during_update", b.pause_during_update),
-                ("resume_during_update", b.resume_during_update),
-                ("repeat_pause", b.repeat_pause),
-                ("init_while_serving", b.init_while_serving),
-                ("mode any", model.mode is ANY_MODE),
-            )
-            if on
-        ]
-        if unsupported:
-            raise UnsupportedModel(
-                f"the Promela generator does not cover {', '.join(unsupported)} yet; "
-                "use the Python explorer (weightsync check --engine compact)"
-            )
         self.m = model
         self.n = model.n
         self.checks = checks
-        self.mode = PauseMode(model.mode.value)
+        self.any_mode = model.any_mode
+        #: the model's one pause mode (None under ANY_MODE: each pause message names its own)
+        self.mode: PauseMode | None = None if model.any_mode else model.pause_modes[0]
         self.codes = Codes()
         self.nf = model.n_fifos
         self.R = model.requests
@@ -173,7 +163,7 @@ class Build:
         cfg = m.config
         return (
             f"/* weightsync: generated from weightsync/spec for variant {cfg.variant}, N={self.n}, "
-            f"mode {self.mode.value}, channels {cfg.channels}, bounds {dict(cfg.bounds._asdict())}.\n"
+            f"mode {cfg.mode.value}, channels {cfg.channels}, bounds {dict(cfg.bounds._asdict())}.\n"
             "   Do not edit: `weightsync check --engine spin` regenerates it from the tables. */\n"
         )
 
@@ -188,6 +178,7 @@ class Build:
             f"byte o_len[{n}]; byte o_k[{n * CAP}]; short o_a[{n * CAP}]; short o_b[{n * CAP}];",
             f"byte cq_len; byte cq_k[{CAP}]; short cq_a[{CAP}]; short cq_b[{CAP}]; short cq_c[{CAP}];",
             f"byte rq_where[{r}]; byte rq_rank[{r}]; byte rq_left[{r}]; short rq_kv[{r}];",
+            f"byte r_nw[{n}]; byte r_nr[{n}]; /* requests waiting, running on each rank */",
             "byte co_state; short co_wave; bit co_pub;",
             "byte f_state; short f_wave; byte f_next; bit f_gated; byte f_cab;",
             "byte ct_state; byte ct_cycles_started; byte ct_update_rounds; bit ct_transfer_initialised;",
@@ -198,7 +189,7 @@ class Build:
             # scratch: not hidden (SPIN's BFS refuses hidden variables), so every move zeroes it again
             # (:meth:`reset`) and it adds nothing to the state space
             f"short tmp[{TEMPS}]; short m_k, m_a, m_b, m_c; byte k;",
-            "short h_a, h_b, h_hw, h_w;",
+            "short h_a, h_b, h_hw, h_w, u_retry;",
             f"byte b_where[{r}]; byte b_rank[{r}]; byte b_left[{r}]; short b_kv[{r}];",
             f"byte b_blocked[{n}]; byte b_ghost[{n}]; byte b_state; byte b_ps;",
             "short b_wv; byte b_wstate; byte b_partial;",
@@ -209,7 +200,7 @@ class Build:
         """Zero the scratch variables (end of every move)."""
         n, r = self.n, max(self.R, 1)
         out = [f"tmp[{x}] = 0" for x in range(TEMPS)]
-        out += ["m_k = 0; m_a = 0; m_b = 0; m_c = 0; k = 0; h_a = 0; h_b = 0; h_hw = 0; h_w = 0"]
+        out += ["m_k = 0; m_a = 0; m_b = 0; m_c = 0; k = 0; h_a = 0; h_b = 0; h_hw = 0; h_w = 0; u_retry = 0"]
         out += [f"b_where[{x}] = 0; b_rank[{x}] = 0; b_left[{x}] = 0; b_kv[{x}] = 0" for x in range(r)]
         out += [f"b_blocked[{x}] = 0; b_ghost[{x}] = 0" for x in range(n)]
         out += ["b_state = 0; b_ps = 0; b_wv = 0; b_wstate = 0; b_partial = 0"]
@@ -302,18 +293,13 @@ class Build:
 
     # ------------------------------------------------------------------ requests
 
-    def count(self, i: int, where: int, before: bool = False) -> str:
-        """Requests on rank ``i`` at ``where`` (an int expression)."""
-        w, rk = ("b_where", "b_rank") if before else ("rq_where", "rq_rank")
-        if not self.R:
-            return "0"
-        return "(" + " + ".join(f"(({w}[{r}] == {where} && {rk}[{r}] == {i}) -> 1 : 0)" for r in range(self.R)) + ")"
+    def count(self, i: int, where: int) -> str:
+        """Requests waiting (``where`` WAITING) or running on rank ``i``: the counters ``r_nw``/``r_nr``, kept
+        by every effect that moves a request (a function of the request arrays, so no state of its own)."""
+        return f"r_nw[{i}]" if where == WAITING else f"r_nr[{i}]"
 
-    def any_at(self, i: int, where: int, before: bool = False) -> str:
-        w, rk = ("b_where", "b_rank") if before else ("rq_where", "rq_rank")
-        if not self.R:
-            return "false"
-        return "(" + " || ".join(f"({w}[{r}] == {where} && {rk}[{r}] == {i})" for r in range(self.R)) + ")"
+    def any_at(self, i: int, where: int) -> str:
+        return f"({self.count(i, where)} > 0)"
 
     def has_work(self, i: int) -> Value:
         """``_has_work``: :func:`weightsync.spec.states.schedulable` on rank ``i``'s queues."""
@@ -326,12 +312,13 @@ class Build:
     def base_args(self, i: int) -> dict[str, Value]:
         return {"rank": i, "dp_size": self.n, "sync_interval": self.m.sync_interval}
 
-    def call_args(self, i: int, ev: RankEvent) -> dict[str, Value]:
-        """``call_extra``: a controller call's table arguments on rank ``i``."""
+    def call_args(self, i: int, ev: RankEvent, mode: Value = None) -> dict[str, Value]:
+        """``call_extra``: a controller call's table arguments on rank ``i``; ``mode``: the pause's mode
+        (a constant, or a Promela code under ANY_MODE), None: the model's."""
         args = self.base_args(i)
         if ev is RankEvent.PAUSE:
             args.update(
-                mode=self.mode,
+                mode=self.mode if mode is None else mode,
                 clear_cache=self.m.clear_cache,
                 running=Expr(self.count(i, RUNNING_Q)),
                 waiting=Expr(self.count(i, WAITING)),
@@ -340,23 +327,39 @@ class Build:
             args.update(worker=Expr(f"w_state[{i}]"), worker_initialized=Expr(f"w_initialized[{i}]"))
         return args
 
-    def fire_rank(self, i: int, ev: RankEvent, args: Mapping[str, Value], req: str = "-1", arg: str = "0",
-                  top: bool = True) -> str:
-        """``_rank_event`` (``top``) or ``_nested``: fire ``ev`` on rank ``i`` and run the row's effects."""
+    def fire_rank(
+        self,
+        i: int,
+        ev: RankEvent,
+        args: Mapping[str, Value],
+        req: str = "-1",
+        arg: str = "0",
+        top: bool = True,
+        untracked: str = "0",
+        fail: bool = False,
+    ) -> str:
+        """``_rank_event`` (``top``) or ``_nested``: fire ``ev`` on rank ``i`` and run the row's effects.
+        ``untracked``: a Promela condition, the call's replies are not counted; ``fail``: the first failable
+        worker operation among the effects raises (TRANSFER_FAILED fires instead of the rest)."""
         t = self.rank_tables[i]
 
         def on_row(row: Transition) -> str:
             out = []
             for eff in row.effects:
-                out.append(self.effect(i, eff, req))
+                out.append(self.effect(i, eff, req, untracked))
+                if top and eff in FAILABLE_EFFECTS and fail:
+                    failed = {**self.base_args(i), "phase": FAIL_PHASE[eff]}
+                    out.append("ct_failures_used++")
+                    out.append(self.fire_rank(i, RankEvent.TRANSFER_FAILED, failed, top=False, untracked=untracked))
+                    break
                 if top and eff in WORKER_OUTCOME:
                     oev, oargs = worker_outcome(eff, {"weight_version": Expr(arg)})
-                    out.append(self.fire_rank(i, oev, {**self.base_args(i), **oargs}, top=False))
+                    out.append(self.fire_rank(i, oev, {**self.base_args(i), **oargs}, top=False, untracked=untracked))
             return "; ".join(o for o in out if o)
 
         return t.fire(ev, args, on_row, f"r_state[{i}] = {self.c(RankState.ERROR)}")
 
-    def effect(self, i: int, eff: str, req: str) -> str:
+    def effect(self, i: int, eff: str, req: str, untracked: str = "0") -> str:
         """``_effect``: the model's interpretation of rank ``i``'s effect ``eff``."""
         c = self.c
         if eff in EFFECT_RANKS and not effect_acts_on(eff, i):
@@ -365,12 +368,12 @@ class Build:
         if eff == "queue_request":
             return (
                 f"rq_where[{req}] = {WAITING}; rq_rank[{req}] = {i}; rq_left[{req}] = {self.m.tokens}; "
-                f"rq_kv[{req}] = 0"
+                f"rq_kv[{req}] = 0; r_nw[{i}]++"
             )
         if eff == "admit_waiting":
             return "; ".join(
                 f"if :: rq_where[{r}] == {WAITING} && rq_rank[{r}] == {i} -> rq_where[{r}] = {RUNNING_Q}; "
-                f"rq_kv[{r}] = r_weight_version[{i}] :: else -> skip fi"
+                f"rq_kv[{r}] = r_weight_version[{i}]; r_nw[{i}]--; r_nr[{i}]++ :: else -> skip fi"
                 for r in range(R)
             )
         if eff == "execute_step":
@@ -380,14 +383,15 @@ class Build:
             if admits is not False:
                 out += [
                     f"if :: {text(self.codes, admits)} && rq_where[{r}] == {WAITING} && rq_rank[{r}] == {i} -> "
-                    f"rq_where[{r}] = {RUNNING_Q}; rq_kv[{r}] = r_weight_version[{i}] :: else -> skip fi"
+                    f"rq_where[{r}] = {RUNNING_Q}; rq_kv[{r}] = r_weight_version[{i}]; r_nw[{i}]--; r_nr[{i}]++ "
+                    ":: else -> skip fi"
                     for r in range(R)
                 ]
             if advances is not False:
                 out += [
                     f"if :: {text(self.codes, advances)} && rq_where[{r}] == {RUNNING_Q} && rq_rank[{r}] == {i} -> "
                     f"if :: rq_left[{r}] > 1 -> rq_left[{r}]-- :: else -> rq_where[{r}] = {DONE}; rq_rank[{r}] = 0; "
-                    f"rq_left[{r}] = 0; rq_kv[{r}] = 0 fi :: else -> skip fi"
+                    f"rq_left[{r}] = 0; rq_kv[{r}] = 0; r_nr[{i}]-- fi :: else -> skip fi"
                     for r in range(R)
                 ]
             return "; ".join(out)
@@ -402,30 +406,38 @@ class Build:
                 )
             return "; ".join(out)
         if eff in ("reply", "reply_pause", "reply_resume"):
-            out = []
-            if eff == "reply_pause":
-                out.append(self.ghost_replied(i))
-            out.append(f"r_status[{i}] = (r_status[{i}] == {SENT} -> {REPLIED} : {SPURIOUS})")
+            out = [self.ghost_replied(i)] if eff == "reply_pause" else []
+            counted = f"r_status[{i}] = (r_status[{i}] == {SENT} -> {REPLIED} : {SPURIOUS})"
+            if self.m.track_owed and eff != "reply":
+                counted = self.owed_reply(i, eff, counted)
+            out.append(f"if :: {untracked} -> skip :: else -> {counted} fi")
             return "; ".join(out)
         if eff in ("reply_failure", "refuse"):
-            return f"r_status[{i}] = (r_status[{i}] == {SENT} -> {FAILED_REPLY} : {SPURIOUS})"
+            return (
+                f"if :: {untracked} -> skip :: else -> "
+                f"r_status[{i}] = (r_status[{i}] == {SENT} -> {FAILED_REPLY} : {SPURIOUS}) fi"
+            )
         if eff == "abort_requests":
             return "; ".join(
-                f"if :: (rq_where[{r}] == {WAITING} || rq_where[{r}] == {RUNNING_Q}) && rq_rank[{r}] == {i} -> "
-                f"rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; rq_kv[{r}] = 0 :: else -> skip fi"
-                for r in range(R)
+                [
+                    f"if :: (rq_where[{r}] == {WAITING} || rq_where[{r}] == {RUNNING_Q}) && rq_rank[{r}] == {i} -> "
+                    f"rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; rq_kv[{r}] = 0 :: else -> skip fi"
+                    for r in range(R)
+                ]
+                + [f"r_nw[{i}] = 0; r_nr[{i}] = 0"]
             )
         if eff == "abort_request":
             return "; ".join(
-                f"if :: {req} == {r} && (rq_where[{r}] == {WAITING} || rq_where[{r}] == {RUNNING_Q}) && "
-                f"rq_rank[{r}] == {i} -> rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; "
-                f"rq_kv[{r}] = 0 :: else -> skip fi"
+                f"if :: {req} == {r} && rq_where[{r}] == {WAITING} && rq_rank[{r}] == {i} -> r_nw[{i}]--; "
+                f"rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; rq_kv[{r}] = 0 "
+                f":: {req} == {r} && rq_where[{r}] == {RUNNING_Q} && rq_rank[{r}] == {i} -> r_nr[{i}]--; "
+                f"rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; rq_kv[{r}] = 0 :: else -> skip fi"
                 for r in range(R)
             )
         if eff == "clear_cache":
             return "; ".join(
                 f"if :: r_clear_cache[{i}] && rq_where[{r}] == {RUNNING_Q} && rq_rank[{r}] == {i} -> "
-                f"rq_where[{r}] = {WAITING}; rq_kv[{r}] = 0 :: else -> skip fi"
+                f"rq_where[{r}] = {WAITING}; rq_kv[{r}] = 0; r_nr[{i}]--; r_nw[{i}]++ :: else -> skip fi"
                 for r in range(R)
             )
         if eff == "emit_wave_complete":
@@ -444,16 +456,55 @@ class Build:
         )
         return f"if {branches} :: else -> skip fi"
 
-    def received_ghost(self, i: int, row_admits: Value) -> str:
-        """``_received_ghost`` for a pause in the model's mode; ``row_admits``: the row the pause takes is
-        none or admits waiting requests (a Promela condition)."""
-        if self.mode not in DRAINS_BEFORE_RETURN:
-            return f"r_ghost[{i}] = {GHOST_RECEIVED}"
-        waiting = self.any_at(i, WAITING)
-        return (
-            f"if :: !{waiting} -> r_ghost[{i}] = {GHOST_RECEIVED} "
-            f":: else -> r_ghost[{i}] = ({text(self.codes, row_admits)} -> {GHOST_RECEIVED} : {GHOST_QUEUED}) fi"
+    def owed_reply(self, i: int, eff: str, counted: str) -> str:
+        """``_owed_reply``: a deferred pause or resume reply (``untracked_replies`` variants)."""
+        if eff == "reply_resume":
+            return (
+                f"if :: (r_owed[{i}] & {OWE_RESUME}) -> r_owed[{i}] = r_owed[{i}] & {~OWE_RESUME & 255} "
+                f":: else -> {counted} fi"
+            )
+        b = self.qbase(i, self.m.f_ctrl)
+        queued = " || ".join(
+            f"(q_k[{b + p}] == {kind('U')} && q_a[{b + p}] == {self.c('pause')} && q_b[{b + p}] != {RETRY})"
+            for p in range(CAP)
         )
+        tracked = f"(r_status[{i}] == {SENT} && ct_state == {PAUSE} && !({queued}))"
+        return (
+            f"if :: (r_owed[{i}] & {OWE_PAUSE}) -> r_owed[{i}] = r_owed[{i}] & {~OWE_PAUSE & 255}; "
+            f"r_status[{i}] = ({tracked} -> {REPLIED} : r_status[{i}]) :: else -> {counted} fi"
+        )
+
+    def mode_index(self, mode: str) -> str:
+        """The index in ``GHOST_MODES`` of the pause mode whose code is ``mode`` (a Promela expression)."""
+        out = str(len(GHOST_MODES) - 1)
+        for k, pm in reversed(list(enumerate(GHOST_MODES[:-1]))):
+            out = f"(({mode} == {self.c(pm)}) -> {k} : {out})"
+        return out
+
+    def tagged(self, base: str, mode: str | None) -> str:
+        """``ghost_with_mode(base, mode)``: ``mode`` a Promela mode code (None: a model with one mode)."""
+        if mode is None:
+            return base
+        return f"({base} + {GHOST_STRIDE} * (1 + {self.mode_index(mode)}))"
+
+    def ghost_mode_is(self, ghost: str, mode: PauseMode) -> str:
+        """The pause a ghost records has ``mode`` (a model with one mode: whether it is that mode)."""
+        if self.mode is not None:
+            return "true" if mode is self.mode else "false"
+        return f"(({ghost} / {GHOST_STRIDE}) - 1 == {GHOST_MODES.index(mode)})"
+
+    def received_ghost(self, i: int, row_admits: Value, mode: str | None) -> str:
+        """``_received_ghost`` as a Promela expression: the ghost of a pause of ``mode`` (a Promela mode
+        code; None: the model's one mode) taken by a row that is none or admits waiting requests when
+        ``row_admits``."""
+        received = self.tagged(str(GHOST_RECEIVED), mode)
+        queued = self.tagged(str(GHOST_QUEUED), mode)
+        drains = " || ".join(f"{mode} == {self.c(d)}" for d in DRAINS_BEFORE_RETURN) if mode else ""
+        if mode is None and self.mode is not None and self.mode not in DRAINS_BEFORE_RETURN:
+            return received
+        waiting = self.any_at(i, WAITING)
+        cond = f"({waiting} && !{text(self.codes, row_admits)}" + (f" && ({drains}))" if drains else ")")
+        return f"({cond} -> {queued} : {received})"
 
     def row_condition(self, i: int, ev: RankEvent, args: Mapping[str, Value], pred: object) -> Value:
         """A Promela condition: the row ``ev`` takes on rank ``i`` satisfies ``pred(row)`` (no row: ``pred(None)``)."""

@@ -39,16 +39,31 @@ class PromelaModel(Props, Moves, Build):
         Build.__init__(self, model, checks)
 
     def text(self) -> str:
-        """The whole Promela model."""
+        """The whole Promela model. With the checks on, the state invariants are one monitor process whose
+        only move is enabled in a state that violates one (so it adds no state), the edge checks end each
+        move, and the terminal check is the ``else`` of the moves; with them off, a state that violates an
+        invariant is marked and not expanded."""
         opts = self.options()
         body = "\n".join(opts)
         terminal = f"  :: else -> {self.terminal_check()}; break\n" if self.checks else ""
+        monitor = ""
+        init = self.initial()
+        if self.checks:
+            bad = " || ".join(f"({cond})" for _, cond in self.invariant_conditions())
+            monitor = (
+                "bit started;\n"
+                f"active proctype invariant() {{\nend: do\n  :: d_step {{ started && ({bad}) -> {self.check_state()} }}\n"
+                "  od\n}\n"
+            )
+            init += "; started = 1"
+        else:
+            init += f"; {self.check_state()}"
         return (
             self.header()
             + self.declarations()
+            + monitor
             + "\ninit {\n  d_step { "
-            + self.initial()
-            + f"; {self.check_state()}"
+            + init
             + " };\n  do\n"
             + body
             + "\n"

@@ -19,6 +19,11 @@ from weightsync.model.spin.translate import Expr, Value, text
 from weightsync.model.system.environment import MODE_CALLS
 from weightsync.model.system.state import (
     CALL_EVENT,
+    FAILABLE_CALLS,
+    GHOST_STRIDE,
+    OWE_PAUSE,
+    OWE_RESUME,
+    RETRY,
     DONE_EVENT,
     DP_KINDS,
     FAILED_REPLY,
@@ -40,10 +45,12 @@ from weightsync.spec.collectives import (
 from weightsync.spec.controller import CtrlEvent, Policy
 from weightsync.spec.coordinator import BROADCASTS, MESSAGE_FIELDS, PUBLISH, CoordEvent, CoordState
 from weightsync.spec.front_end import FrontEvent, FrontState
-from weightsync.spec.states import Collective, RankEvent, RankState
+from weightsync.model.system.state import GHOST_RECEIVED
+from weightsync.spec.states import Collective, PauseMode, RankEvent, RankState
 from weightsync.spec.table import ALWAYS
 
-_REPLIES = frozenset({"reply", "reply_resume"})
+from weightsync.model.system.effects import _IMMEDIATE_REPLIES  # noqa: E402
+from weightsync.model.system.environment import _REPLIES, _UNTRACKED  # noqa: E402
 
 
 class Moves(Build):
@@ -51,8 +58,11 @@ class Moves(Build):
 
     def option(self, guard: str, body: str, label: str) -> str:
         """One move: ``guard`` enables it; ``body`` changes the state; ``label`` is printed for replay."""
+        settle = self.settle()
+        if settle:
+            body = f"{body}; {settle}"
         pre = self.snapshot(label) + "; " if self.checks else ""
-        post = f"; {self.check_edge(label)}; {self.check_state()}" if self.checks else f"; {self.check_state()}"
+        post = f"; {self.check_edge(label)}" if self.checks else f"; {self.check_state()}"
         if not self.checks:
             guard = f"!inv_bad && ({guard})"
         return f"  :: d_step {{ ({guard}) -> {pre}{body}; printf(\"MOVE {label}\\n\"){post}; {self.reset()} }}"
@@ -75,10 +85,21 @@ class Moves(Build):
         c = self.c
         live = f"r_blocked[{i}] == {c('')} && r_state[{i}] != {c(RankState.ERROR)}"
         out = []
+        failable = " || ".join(f"q_a[{{b}}] == {c(call)}" for call in FAILABLE_CALLS)
+        in_transfer = " || ".join(
+            f"r_state[{i}] == {c(s)}" for s in (RankState.VERIFIED, RankState.FAILED, RankState.UPDATING)
+        )
         for f in range(self.nf):
             q = i * self.nf + f
             body = self.pop(i, f) + "; " + self.receive(i, f)
             out.append(self.option(f"{live} && q_len[{q}] > 0", body, f"recv {i} {f}"))
+            if self.m.failures and f == self.m.f_ctrl and FAILABLE_CALLS:
+                b = self.qbase(i, f)
+                may = f"ct_failures_used < {self.m.failures} && q_k[{b}] == {kind('U')} && ({failable.format(b=b)})"
+                if not self.m.worker_args:
+                    may += f" && ({in_transfer})"
+                body = self.pop(i, f) + "; " + self.receive(i, f, fail=True)
+                out.append(self.option(f"{live} && q_len[{q}] > 0 && {may}", body, f"recv {i} {f} fail"))
         args = {**self.base_args(i), "has_work": self.has_work(i)}
         t = self.rank_tables[i]
         # a step is a move unless its row changes nothing (no effects, variables unchanged): Model._step
@@ -95,11 +116,12 @@ class Moves(Build):
         out.append(self.option(guard, body, f"step {i}"))
         return out
 
-    def receive(self, i: int, f: int) -> str:
-        """``_recv``: the message in ``m_k, m_a, m_b, m_c`` reaches rank ``i``."""
+    def receive(self, i: int, f: int, fail: bool = False) -> str:
+        """``_recv``: the message in ``m_k, m_a, m_b, m_c`` reaches rank ``i`` (``fail``: the failing variant
+        of a weight-transfer call)."""
         m = self.m
         kinds = []
-        if f == m.f_add:
+        if f == m.f_add and not fail:
             kinds += [
                 (
                     "ADD",
@@ -107,36 +129,74 @@ class Moves(Build):
                 ),
                 ("ABORT", self.fire_rank(i, RankEvent.ABORT, self.base_args(i), req="m_a")),
             ]
-        if f == m.f_wave:
+        if f == m.f_wave and not fail:
             wave_args = {**self.base_args(i), "exclude": Expr("m_b"), "wave": Expr("m_a")}
             kinds.append(("W", self.fire_rank(i, RankEvent.START_DP_WAVE, wave_args)))
         if f == m.f_ctrl:
             calls = " ".join(
-                f":: m_a == {self.c(call)} -> {self.call(i, ev)}" for call, ev in CALL_EVENT.items()
+                f":: m_a == {self.c(call)} -> {self.call(i, ev, fail)}"
+                for call, ev in CALL_EVENT.items()
+                if not fail or call in FAILABLE_CALLS
             )
             kinds.append(("U", f"if {calls} fi"))
         return "if " + " ".join(f":: m_k == {kind(k)} -> {code}" for k, code in kinds) + " fi"
 
-    def call(self, i: int, ev: RankEvent) -> str:
-        """A controller call ``ev`` (its version in ``m_b``) received by rank ``i``: the pause ghost
-        (``_owe`` / ``_received_ghost``), then ``_rank_event``."""
-        args = self.call_args(i, ev)
+    def call(self, i: int, ev: RankEvent, fail: bool = False) -> str:
+        """A controller call ``ev`` (its version or RETRY in ``m_b``, its mode in ``m_c`` under ANY_MODE)
+        received by rank ``i``: the pause ghost and the owed replies (``_owe`` / ``_received_ghost``), then
+        ``_rank_event``."""
+        mode = "m_c" if self.any_mode else None
+        args = self.call_args(i, ev, Expr(mode) if mode else None)
+        untracked = f"(m_b == {RETRY})"
         pre = ""
         if ev is RankEvent.PAUSE:
             admits = self.row_condition(i, ev, args, lambda row: row is None or "admit_waiting" in row.effects)
-            ghost = self.received_ghost(i, admits)
+            ghost = self.received_ghost(i, admits, mode)
             if self.m.track_owed:
-                refused = self.row_condition(i, ev, args, lambda row: row is None or "refuse" in row.effects)
-                pre = f"if :: {text(self.codes, refused)} -> skip :: else -> {ghost} fi; "
+                pre = self.owe(i, ev, args, ghost, untracked)
             else:
-                pre = ghost + "; "
+                pre = f"r_ghost[{i}] = {ghost}; "
         elif ev is RankEvent.RESUME:
-            if self.m.track_owed:
-                refused = self.row_condition(i, ev, args, lambda row: row is None or "refuse" in row.effects)
-                pre = f"if :: {text(self.codes, refused)} -> skip :: else -> r_ghost[{i}] = 0 fi; "
-            else:
-                pre = f"r_ghost[{i}] = 0; "
-        return pre + self.fire_rank(i, ev, args, arg="m_b")
+            pre = self.owe(i, ev, args, "0", untracked) if self.m.track_owed else f"r_ghost[{i}] = 0; "
+        return pre + self.fire_rank(i, ev, args, arg="m_b", untracked=untracked, fail=fail)
+
+    def owe(self, i: int, ev: RankEvent, args: dict[str, Value], ghost: str, untracked: str) -> str:
+        """``_owe``: an accepted pause starts the pause ghost (an untracked one keeps a pause in effect, unless
+        under ANY_MODE it is in another mode and the rank takes it up), an accepted resume ends it; an
+        untracked pause or resume whose reply is deferred is owed."""
+        refused = self.row_condition(i, ev, args, lambda row: row is None or "refuse" in row.effects)
+        deferred = self.row_condition(
+            i, ev, args, lambda row: row is not None and not _IMMEDIATE_REPLIES & set(row.effects)
+        )
+        bit = OWE_PAUSE if ev is RankEvent.PAUSE else OWE_RESUME
+        if ev is RankEvent.PAUSE:
+            keeps = f"!{untracked} || r_ghost[{i}] == 0"
+            if self.any_mode:
+                changes = self.row_changes(i, ev, args)
+                other = f"!{self.mode_matches(f'r_ghost[{i}]', 'm_c')}"
+                keeps += f" || ({other} && {text(self.codes, changes)})"
+            take = f"if :: {keeps} -> r_ghost[{i}] = {ghost} :: else -> skip fi"
+        else:
+            take = f"r_ghost[{i}] = 0"
+        owe = f"if :: {untracked} && {text(self.codes, deferred)} -> r_owed[{i}] = r_owed[{i}] | {bit} :: else -> skip fi"
+        return f"if :: {text(self.codes, refused)} -> skip :: else -> {take}; {owe} fi; "
+
+    def mode_matches(self, ghost: str, mode: str) -> str:
+        """The ghost's pause mode is the mode whose code is ``mode`` (ANY_MODE)."""
+        return f"((({ghost} / {GHOST_STRIDE}) - 1) == {self.mode_index(mode)})"
+
+    def row_changes(self, i: int, ev: RankEvent, args: dict[str, Value]) -> Value:
+        """The row ``ev`` takes on rank ``i`` changes its variables (no row: it moves to ``error``)."""
+        t = self.rank_tables[i]
+        out: Value = False
+        none: Value = True
+        for s in t.states_for(ev):
+            in_s = Expr(f"(r_state[{i}] == {self.c(s)})")
+            for row, cond in t.selected(t.table[(s, ev)], args):
+                sel = _and(in_s, cond)
+                out = _or(out, _and(sel, _not(t.noop(row, args))))
+                none = _and(none, _not(sel))
+        return _or(out, none)
 
     # ------------------------------------------------------------------ collectives
 
@@ -148,13 +208,26 @@ class Moves(Build):
             all_in = " && ".join(f"r_blocked[{i}] == {c(kd)}" for i in range(self.n))
             guard = all_in if kd in DP_KINDS else f"{all_in} && t_blocked == {c(kd)}"
             out.append(self.option(guard, self.complete(k), f"done {kd}"))
+            if kd in TRANSFER_KINDS and self.m.failures:
+                fguard = f"{guard} && ct_failures_used < {self.m.failures}"
+                out.append(self.option(fguard, self.complete(k, fail=True), f"done {kd} fail"))
         out += self.timeouts()
         return out
 
-    def complete(self, k: Collective) -> str:
-        """``_complete``: the outcome from every member's contribution, then each member's completion."""
+    def complete(self, k: Collective, fail: bool = False) -> str:
+        """``_complete``: the outcome from every member's contribution, then each member's completion;
+        ``fail``: a transfer collective that fails on every member and the trainer."""
         spec = COLLECTIVES[k]
         kd = str(k.value)
+        if fail:
+            body = []
+            for i in range(self.n):
+                args = {**self.base_args(i), "phase": FAIL_PHASE[kd]}
+                body.append(f"r_blocked[{i}] = {self.c('')}")
+                body.append(self.fire_rank(i, RankEvent.TRANSFER_FAILED, args, top=False))
+            body.append(f"t_status = (t_status == {SENT} -> {FAILED_REPLY} : {SPURIOUS}); t_blocked = {self.c('')}")
+            body.append("ct_failures_used++")
+            return "; ".join(body)
         pre = []
         outcome: dict[str, Value] = {}
         for pos, name in enumerate(spec.contributes):
@@ -384,37 +457,80 @@ class Moves(Build):
                 guard = _and(_and(Expr(f"(ct_state == {int(phase)})"), is_ev), g)
                 update = t.updates(row, args)
                 label_call = PHASE_CALL.get(target, "")
-                if eff == "fan_out":
-                    body = update + "; " + self.fan_out(target)
-                    label = f"fan {label_call} -1"
-                elif eff == "front_end_call":
-                    body = update + "; " + self.front_end_call(target)
-                    label = f"fe {label_call}"
-                elif eff in ("retry_resume", "extra_pause", "extra_resume"):
-                    raise UnsupportedModel(f"controller effect {eff!r} is not covered by the Promela generator")
-                else:  # the controller stops (Environment._controller's "end" move)
-                    body = update
-                    label = f"end {eff}"
-                out.append(self.option(text(self.codes, guard), body, label))
+                modes: list[PauseMode | None] = [None]
+                if self.any_mode and (label_call in MODE_CALLS or _UNTRACKED.get(eff) in MODE_CALLS):
+                    modes = list(m.pause_modes)
+                for mode in modes:
+                    tag = f" {mode.value}" if mode is not None else ""
+                    if eff == "fan_out":
+                        body = update + "; " + self.fan_out(target, mode)
+                        label = f"fan {label_call} -1{tag}"
+                    elif eff == "front_end_call":
+                        body = update + "; " + self.front_end_call(target, mode)
+                        label = f"fe {label_call}{tag}"
+                    elif eff == "retry_resume":
+                        body = update + "; " + self.retry(label_call, None)
+                        label = f"retry {label_call}"
+                    elif eff in _UNTRACKED:
+                        body = update + "; " + self.retry(_UNTRACKED[eff], mode)
+                        label = f"extra {_UNTRACKED[eff]}{tag}"
+                    else:  # the controller stops (Environment._controller's "end" move)
+                        body = update
+                        label = f"end {eff}"
+                    out.append(self.option(text(self.codes, guard), body, label))
         return out
 
-    def fan_out(self, phase: Phase) -> str:
-        """``_fan_out`` of ``phase``'s call to every rank (the controller's variables already updated)."""
+    def fan_out(self, phase: Phase, mode: PauseMode | None = None) -> str:
+        """``_fan_out`` of ``phase``'s call to every rank (the controller's variables already updated); a
+        pause under ANY_MODE names its ``mode``."""
         call = PHASE_CALL[phase]
         out = [f"r_status[{i}] = {NOT_SENT}" for i in range(self.n)]
         out.append(f"t_blocked = {self.c('')}; t_status = {NOT_SENT}")
         version = "(ct_update_rounds + 1)" if call_version(phase, 0) else "0"
+        cc = str(self.c(mode)) if mode is not None else "0"
         for i in range(self.n):
             out.append(f"r_status[{i}] = {SENT}")
-            push = self.push(i, self.m.f_ctrl, "U", str(self.c(call)), version)
+            push = self.push(i, self.m.f_ctrl, "U", str(self.c(call)), version, cc)
             deliver = self.deliver_now(i, call)
             out.append(f"if :: {deliver[0]} -> {deliver[1]} :: else -> {push} fi" if deliver else push)
         if phase in TRAINER_COLLECTIVE:
             out.append(f"t_blocked = {self.c(str(TRAINER_COLLECTIVE[phase].value))}; t_status = {SENT}")
         return "; ".join(out)
 
-    def deliver_now(self, i: int, call: str) -> tuple[str, str] | None:
-        """``_deliver_now``: (condition, code) for a resume that rank ``i`` takes at once as a no-op."""
+    def retry(self, call: str, mode: PauseMode | None) -> str:
+        """``_retry``: ``call`` to every rank again, untracked (behind whatever each controller FIFO holds)."""
+        out = []
+        cc = str(self.c(mode)) if mode is not None else "0"
+        for i in range(self.n):
+            push = self.push(i, self.m.f_ctrl, "U", str(self.c(call)), str(RETRY), cc)
+            deliver = self.deliver_now(i, call, untracked="1")
+            out.append(f"if :: {deliver[0]} -> {deliver[1]} :: else -> {push} fi" if deliver else push)
+        return "; ".join(out)
+
+    def settle(self) -> str:
+        """``Model._settle`` (stray or repeated resumes): a resume at the head of a rank's controller FIFO
+        that the rank takes as a no-op is received at once, as often as one is there."""
+        if not (self.m.stray_resume or self.m.repeat_resume):
+            return ""
+        out = []
+        for i in range(self.n):
+            b = self.qbase(i, self.m.f_ctrl)
+            head = f"q_len[{i * self.nf + self.m.f_ctrl}] > 0 && q_k[{b}] == {kind('U')} && q_a[{b}] == {self.c('resume')}"
+            deliver = self.deliver_now(i, "resume", untracked="u_retry", queued=True)
+            if deliver is None:
+                continue
+            cond, code = deliver
+            out.append(
+                f"do :: {head} && {cond} -> u_retry = (q_b[{b}] == {RETRY}); {self.pop(i, self.m.f_ctrl)}; {code} "
+                f":: else -> break od"
+            )
+        return "; ".join(out)
+
+    def deliver_now(
+        self, i: int, call: str, untracked: str = "0", queued: bool = False
+    ) -> tuple[str, str] | None:
+        """``_deliver_now``: (condition, code) for a resume that rank ``i`` takes at once as a no-op (its
+        controller FIFO empty unless ``queued``); None where no state of the table allows it."""
         if call != "resume":
             return None
         c = self.c
@@ -429,20 +545,23 @@ class Moves(Build):
         if not states:
             return None
         in_states = " || ".join(f"r_state[{i}] == {c(s)}" for s in states)
-        cond = f"r_blocked[{i}] == {c('')} && q_len[{i * self.nf + self.m.f_ctrl}] == 0 && ({in_states})"
-        code = f"r_ghost[{i}] = 0; " + self.fire_rank(i, RankEvent.RESUME, self.base_args(i), top=False)
+        empty = "" if queued else f" && q_len[{i * self.nf + self.m.f_ctrl}] == 0"
+        cond = f"r_blocked[{i}] == {c('')}{empty} && ({in_states})"
+        code = f"r_ghost[{i}] = 0; " + self.fire_rank(
+            i, RankEvent.RESUME, self.base_args(i), top=False, untracked=untracked
+        )
         return cond, code
 
-    def front_end_call(self, phase: Phase) -> str:
-        """``_front_end_call``: the front-end applies pause or resume to every rank machine."""
+    def front_end_call(self, phase: Phase, mode: PauseMode | None = None) -> str:
+        """``_front_end_call``: the front-end applies pause or resume to every rank machine (a pause under
+        ANY_MODE in ``mode``)."""
         ev = CALL_EVENT[PHASE_CALL[phase]]
-        from weightsync.model.system.state import GHOST_RECEIVED
-
         out = [f"t_blocked = {self.c('')}; t_status = {NOT_SENT}"]
         for i in range(self.n):
-            ghost = GHOST_RECEIVED if ev is RankEvent.PAUSE else 0
+            tag = str(self.c(mode)) if mode is not None else None
+            ghost = self.tagged(str(GHOST_RECEIVED), tag) if ev is RankEvent.PAUSE else "0"
             out.append(f"r_status[{i}] = {SENT}; r_ghost[{i}] = {ghost}")
-            out.append(self.fire_rank(i, ev, self.call_args(i, ev), top=False))
+            out.append(self.fire_rank(i, ev, self.call_args(i, ev, mode), top=False))
         return "; ".join(out)
 
 

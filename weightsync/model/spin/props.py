@@ -73,11 +73,11 @@ class Props(Build):
         out.append(("version_agreement", self.version_disagrees()))
         out.append(("coordinator_belief", f"!{self.coordinator_belief()}"))
         out.append(("front_end_belief", f"!{self.front_end_belief()}"))
-        if self.mode is PauseMode.ABORT:
+        if self.any_mode or self.mode is PauseMode.ABORT:
             runs = _any(
                 [
                     f"(({' || '.join(f'(r_ghost[{i}] % {GHOST_STRIDE}) == {g}' for g in GHOSTS_REPLIED)}) && "
-                    f"{self.any_at(i, RUNNING_Q)})"
+                    f"{self.any_at(i, RUNNING_Q)} && {self.ghost_mode_is(f'r_ghost[{i}]', PauseMode.ABORT)})"
                     for i in range(n)
                 ]
             )
@@ -94,7 +94,7 @@ class Props(Build):
                 f"((q_k[{p}] == {kind('ADD')} && q_a[{p}] == {r}) -> 1 : 0)" for p in range(self.n * self.nf * 8)
             )
             terms.append(f"(({placed} + {in_fifos}) == (({r} < f_next) -> 1 : 0))")
-            if self.mode is not PauseMode.ABORT:
+            if not self.any_mode and self.mode is not PauseMode.ABORT:
                 terms.append(f"(rq_where[{r}] != {ABORTED} || ((f_cab >> {r}) & 1))")
         return _all(terms)
 
@@ -157,7 +157,7 @@ class Props(Build):
     def check_edge(self, label: str) -> str:
         """:meth:`Properties.edge_check` of the move ``label`` just made."""
         out = []
-        if self.mode in DRAINS_BEFORE_RETURN:
+        if self.m.drains_before_return:
             out.append(fail("wait_drains", self.undrained()))
         parts = label.split()
         if parts[0] == "step":
@@ -187,7 +187,8 @@ class Props(Build):
             base = f"(r_ghost[{i}] % {GHOST_STRIDE})"
             replied = " || ".join(f"{base} == {g}" for g in GHOSTS_REPLIED)
             left = f"({self.any_at(i, RUNNING_Q)} || ({base} == {GHOST_QUEUED_REPLIED} && {self.any_at(i, WAITING)}))"
-            terms.append(f"(b_ghost[{i}] != r_ghost[{i}] && ({replied}) && {left})")
+            drains = " || ".join(self.ghost_mode_is(f"r_ghost[{i}]", d) for d in DRAINS_BEFORE_RETURN)
+            terms.append(f"(b_ghost[{i}] != r_ghost[{i}] && ({replied}) && ({drains}) && {left})")
         return _any(terms)
 
     def step_check(self, i: int) -> str:
@@ -222,13 +223,15 @@ class Props(Build):
         adv_any = _any(advanced)
         base = f"(b_ghost[{i}] % {GHOST_STRIDE})"
         replied = " || ".join(f"{base} == {g}" for g in GHOSTS_REPLIED)
-        frozen = f"({replied})" if self.mode is not PauseMode.KEEP else f"({replied} || {base} == {GHOST_RECEIVED})"
+        keep = self.ghost_mode_is(f"b_ghost[{i}]", PauseMode.KEEP)
+        frozen = f"({replied} || ({base} == {GHOST_RECEIVED} && {keep}))"
         checks = [
             fail("tokens_exactly_once", _any(tokens)),
             fail("pause_gating", f"((b_ghost[{i}] != 0 && {_any(started)}) || ({adv_any} && {frozen}))"),
         ]
-        if self.mode is PauseMode.ABORT:
-            checks.append(fail("mode_semantics", f"({adv_any} && b_ghost[{i}] != 0)"))
+        if self.any_mode or self.mode is PauseMode.ABORT:
+            abort = self.ghost_mode_is(f"b_ghost[{i}]", PauseMode.ABORT)
+            checks.append(fail("mode_semantics", f"({adv_any} && b_ghost[{i}] != 0 && {abort})"))
         if self.m.clear_cache:
             checks.append(fail("no_stale_kv", _any(stale)))
         checks.append(
