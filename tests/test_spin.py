@@ -1,0 +1,233 @@
+"""SPIN on the Promela model generated from the spec tables (:mod:`weightsync.model.spin`).
+
+- The translator against Python: every rank guard and update evaluated on sampled variables and arguments by
+  SPIN's simulator and by the spec's own functions.
+- The generated successor function against the model's: with the checks off, SPIN stores exactly the
+  model's states (plus its pre-init state).
+- Verdicts against ``proofs/``: SPIN's verdict (safety and deadlock) is the explorer's, and its trail is a
+  path of the model that ends in the violation SPIN names. The full comparison over every ``proofs/`` row is
+  ``slow`` and ``ci``.
+
+Skipped without ``spin`` and ``cc`` on PATH, unless ``WEIGHTSYNC_REQUIRE_SPIN=1`` (``make test`` installs SPIN
+and sets it): then a missing SPIN fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from weightsync.model.check import build_model
+from weightsync.model.engines import explore_model
+from weightsync.model.properties import SAFETY
+from weightsync.model.spin.run import SpinError, replay, spin_available, spin_check
+from weightsync.model.spin.translate import Codes, Expr, Registry, TranslateError, Translator, text
+from weightsync.model.system import Bounds
+from weightsync.spec.rank_vars import GUARDS, UPDATES, RankVars
+from weightsync.spec.states import Collective, PauseMode, PauseState, RankState
+from weightsync.spec.worker import WorkerState
+
+ROOT = Path(__file__).resolve().parent.parent
+
+if not spin_available():
+    if os.environ.get("WEIGHTSYNC_REQUIRE_SPIN") == "1":
+        raise RuntimeError("WEIGHTSYNC_REQUIRE_SPIN=1 but spin or cc is not on PATH (apt-get install spin gcc)")
+    pytest.skip("spin or cc is not on PATH (apt-get install spin gcc)", allow_module_level=True)
+
+
+# ---------------------------------------------------------------------------------------------- translator
+
+_FIELDS = {
+    "state": list(RankState),
+    "pause_state": list(PauseState),
+    "engines_running": [False, True],
+    "current_wave": [0, 1, 2, 3],
+    "step_counter": [0, 1],
+    "pending_pause": [False, True],
+    "ignore_start_dp_wave": [False, True],
+    "collective": ["", *(c.value for c in Collective)],
+    "weight_version": [0, 1, 2],
+    "clear_cache": [False, True],
+    "wave_started": [False, True],
+    "first_synced": [False, True],
+    "was_running": [False, True],
+}
+_ARGS: dict[str, list[Any]] = {
+    "rank": [0, 1, 2],
+    "has_work": [False, True],
+    "wave": [0, 1, 2, 3],
+    "exclude": [-1, 0, 1, 2],
+    "mode": list(PauseMode),
+    "running": [0, 1, 2],
+    "waiting": [0, 1, 2],
+    "sum_unfinished": [0, 1, 2, 3],
+    "sum_pending_pause": [0, 1, 2, 3],
+    "max_unfinished": [0, 1],
+    "max_wave": [0, 1, 2, 3],
+    "weight_version": [None, 1, 2],
+    "worker": [s.value for s in WorkerState],
+    "worker_initialized": [False, True],
+    "phase": ["init", "start", "update", "finish"],
+}
+#: Constants of the generated model (the translator folds them).
+_CONST = {"dp_size": 3, "sync_interval": 2, "clear_cache": True}
+
+
+def _spin_simulate(program: str, tmp: Path) -> str:
+    (tmp / "t.pml").write_text(program)
+    p = subprocess.run(["spin", "t.pml"], cwd=tmp, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def test_translated_guards_and_updates_match_the_spec_functions(tmp_path: Path) -> None:
+    """Every rank guard and update, translated, agrees with its Python function on 60 sampled inputs
+    (one SPIN simulation run for all of them)."""
+    rng = random.Random(7)
+    codes = Codes()
+    tr = Translator(
+        Registry("weightsync.spec.rank_vars", "GUARDS", "UPDATES"), codes, lambda f: f"v_{f}", RankVars._fields
+    )
+    args_p: dict[str, Any] = {k: Expr(f"a_{k}") for k in _ARGS}
+    args_p.update(_CONST)
+    samples = []
+    for _ in range(60):
+        v = RankVars(**{f: rng.choice(vals) for f, vals in _FIELDS.items()})
+        a = {k: rng.choice(vals) for k, vals in _ARGS.items()} | _CONST
+        samples.append((v, a))
+    guards = {g: text(codes, tr.guard(g, args_p)) for g in GUARDS}
+    updates = {u: tr.update(u, args_p) for u in UPDATES}
+    decl = " ".join(f"int v_{f};" for f in RankVars._fields) + " " + " ".join(f"int a_{k};" for k in _ARGS)
+    decl += " int t_0, t_1, t_2, t_3, t_4, t_5;"
+    lines = []
+    expected = []
+    for n, (v, a) in enumerate(samples):
+        setv = "; ".join(f"v_{f} = {codes.value(getattr(v, f))}" for f in RankVars._fields)
+        seta = "; ".join(f"a_{k} = {codes.value(a[k])}" for k in _ARGS)
+        for g, expr in guards.items():
+            lines.append(f'{setv}; {seta}; printf("G {n} {g} %d\\n", (({expr}) -> 1 : 0))')
+            expected.append(f"G {n} {g} {int(GUARDS[g](v, a))}")
+        for u, cases in updates.items():
+            branches = []
+            for cond, assigns in cases:
+                temps = [f"t_{k} = {text(codes, val)}" for k, val in enumerate(assigns.values())]
+                sets = [f"v_{f} = t_{k}" for k, f in enumerate(assigns)]
+                guard = "else" if cond is True else text(codes, cond)
+                branches.append(f":: {guard} -> {'; '.join(temps + sets) or 'skip'}")
+            out = ", ".join(f"v_{f}" for f in RankVars._fields)
+            fmt = " ".join("%d" for _ in RankVars._fields)
+            lines.append(f'{setv}; {seta}; if {" ".join(branches)} fi; printf("U {n} {u} {fmt}\\n", {out})')
+            after = UPDATES[u](v, a)
+            expected.append(f"U {n} {u} " + " ".join(str(codes.value(getattr(after, f))) for f in RankVars._fields))
+    chunks = [lines[k : k + 400] for k in range(0, len(lines), 400)]
+    got: list[str] = []
+    for chunk in chunks:
+        out = _spin_simulate(f"{decl}\ninit {{\n" + ";\n".join(chunk) + "\n}\n", tmp_path)
+        got += [line.strip() for line in out.splitlines() if line.strip()[:2] in ("G ", "U ")]
+    assert got == expected
+
+
+def test_the_translator_names_what_it_cannot_translate() -> None:
+    """A guard that reads an argument the call site does not pass is refused by name, before any Promela."""
+    tr = Translator(
+        Registry("weightsync.spec.rank_vars", "GUARDS", "UPDATES"), Codes(), lambda f: f"v_{f}", RankVars._fields
+    )
+    with pytest.raises(TranslateError, match="reads argument 'wave'"):
+        tr.guard("add_newer_wave", {"rank": 0, "dp_size": 2, "sync_interval": 2})
+    with pytest.raises(TranslateError, match="not in weightsync.spec.rank_vars"):
+        tr.guard("no_such_guard", {})
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+_COUNTED = [
+    ("two-phase", "keep", "per-socket", Bounds()),
+    ("vllm-0.32-epoch", "abort", "ordered", Bounds()),
+    ("front-end-pause", "wait", "per-socket", Bounds()),
+    ("vllm-0.32", "keep", "one-api-server", Bounds()),
+    ("two-phase-epoch", "any", "per-socket", Bounds(stray_resume=True, repeat_resume=True)),
+    ("vllm-0.32-epoch", "keep", "per-socket", Bounds(failures=1, pause_during_update=True)),
+]
+
+
+@pytest.mark.parametrize(("variant", "mode", "channels", "bounds"), _COUNTED)
+def test_spin_stores_the_models_states(variant: str, mode: str, channels: str, bounds: Bounds) -> None:
+    """With the checks off (a state violating an invariant is not expanded, as the explorer does), SPIN's
+    stored states are the model's states plus SPIN's own state before ``init`` runs."""
+    model = build_model(variant, 2, mode, channels, bounds)
+    ex = explore_model(model)
+    res = spin_check(build_model(variant, 2, mode, channels, bounds), checks=False)
+    assert res.states == len(ex.states) + 1
+
+
+def _row(name: str) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads((ROOT / "proofs" / name).read_text())
+    return out
+
+
+def _agree(name: str, mode: str) -> None:
+    """SPIN's verdict on one mode of ``proofs/`` row ``name`` is the explorer's (safety and deadlock), and
+    a violation it names is one the explorer found, reached by its trail replayed on the model."""
+    row = _row(name)
+    model = build_model(row["variant"], row["ranks"], mode, row["channels"], Bounds(**row["bounds"]))
+    res = spin_check(model)
+    found = [p for p in row.get("violations", {}).get(mode, {}) if p in SAFETY]
+    assert res.verdict == ("counterexample" if found else "verified"), (name, mode, res.violation, found)
+    if found:
+        assert res.violation in found
+        assert res.path and tuple(res.path[-1][1]) == res.labels[-1]
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [
+        ("two-phase__per-socket__n2.json", "wait"),
+        ("two-phase-epoch__per-socket__n2.json", "keep"),
+        ("vllm-0.32__per-socket__n2__any-mode.json", "any"),
+    ],
+)
+def test_spin_verdicts_match_the_proofs(name: str, mode: str) -> None:
+    _agree(name, mode)
+
+
+def test_a_trail_the_model_does_not_take_is_refused() -> None:
+    """Replay checks SPIN: a label the model does not offer, or a violation it does not find, is an error."""
+    model = build_model("two-phase", 2, "keep", "per-socket")
+    with pytest.raises(SpinError, match="step 1"):
+        replay(model, [("step", 7)], "no_deadlock")
+    with pytest.raises(SpinError, match="the model finds"):
+        replay(model, [("send", 0)], "no_deadlock")
+
+
+def _rows() -> list[tuple[str, str]]:
+    out = []
+    for path in sorted((ROOT / "proofs").glob("*__n*.json")):
+        row = _row(path.name)
+        out += [(path.name, mode) for mode in row["per_mode"]]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_spin_agrees_with_every_proofs_row() -> None:
+    """Issue 19 item 6: SPIN and the explorer agree on the verdict (safety and deadlock) of every mode of
+    every ``proofs/`` row; two SPIN runs at a time (the machine's two cores)."""
+    rows = _rows()
+    failures: list[str] = []
+
+    def one(nm: tuple[str, str]) -> None:
+        try:
+            _agree(*nm)
+        except (AssertionError, SpinError) as exc:
+            failures.append(f"{nm}: {exc}")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(one, rows))
+    assert not failures, "\n".join(failures)
