@@ -17,6 +17,12 @@ export VLLM_CPU_OMP_THREADS_BIND ?= nobind
 export VLLM_TARGET_DEVICE ?= cpu
 endif
 
+# SPIN (Debian package `spin`) and a C compiler, for `weightsync check --engine spin` and tests/test_spin.py:
+# `apt` (default) installs them with apt-get where they are missing (as root, else through sudo); `none`
+# leaves them out (the SPIN tests then skip, saying why). CI uses the default and so runs them.
+SPIN ?= apt
+SPIN_STAMP := $(VENV)/.weightsync-spin-$(SPIN)
+
 .PHONY: venv demo demo-reference test test-slow-ci lint prove-check ci clean
 
 $(STAMP): pyproject.toml
@@ -45,7 +51,18 @@ ifneq ($(VLLM),none)
 endif
 	touch $(VLLM_STAMP)
 
-venv: $(VLLM_STAMP)
+$(SPIN_STAMP): $(STAMP)
+ifeq ($(SPIN),apt)
+	command -v spin >/dev/null && command -v cc >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then AS=; else AS=sudo; fi; \
+	  $$AS apt-get update -q && $$AS apt-get install -y -q spin gcc; }
+	spin -V
+else ifneq ($(SPIN),none)
+	$(error SPIN must be apt or none, not '$(SPIN)')
+endif
+	touch $(SPIN_STAMP)
+
+venv: $(VLLM_STAMP) $(SPIN_STAMP)
 
 # the main job on the real vLLM: the RL loop into AsyncLLM(data_parallel_size=2) of a tiny MoE (lockstep DP
 # engines, vLLM's waves and two-phase pause, the plugin's resume-epoch fix on by default); installs the
@@ -58,15 +75,17 @@ demo-reference: $(STAMP)
 	$(BIN)/weightsync demo --engine reference
 
 # with vLLM installed its tests must run: a broken `import vllm` fails them instead of skipping
-test: $(VLLM_STAMP)
-	WEIGHTSYNC_REQUIRE_VLLM=$(if $(filter none,$(VLLM)),0,1) $(BIN)/python -m pytest -q -m "not slow and not gpu"
+test: $(VLLM_STAMP) $(SPIN_STAMP)
+	WEIGHTSYNC_REQUIRE_VLLM=$(if $(filter none,$(VLLM)),0,1) WEIGHTSYNC_REQUIRE_SPIN=$(if $(filter none,$(SPIN)),0,1) \
+	  $(BIN)/python -m pytest -q -m "not slow and not gpu"
 
 # The slow runs CI still runs once, after the default suite (marker `ci`, tests/*.py): the real-vLLM race
 # and demo runs (each starts a DP=2 AsyncLLM, 1-2 minutes apiece on 2 cores), the netns round, the trace
 # walker's self-test and the mutation run's classifier and checkpoint. `make test` leaves them out to stay
 # under 15 minutes on 2 cores.
-test-slow-ci: $(VLLM_STAMP)
-	WEIGHTSYNC_REQUIRE_VLLM=$(if $(filter none,$(VLLM)),0,1) $(BIN)/python -m pytest -q -m "slow and ci"
+test-slow-ci: $(VLLM_STAMP) $(SPIN_STAMP)
+	WEIGHTSYNC_REQUIRE_VLLM=$(if $(filter none,$(VLLM)),0,1) WEIGHTSYNC_REQUIRE_SPIN=$(if $(filter none,$(SPIN)),0,1) \
+	  $(BIN)/python -m pytest -q -m "slow and ci"
 
 lint: $(STAMP)
 	$(BIN)/mypy --strict weightsync

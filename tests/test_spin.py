@@ -38,7 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 if not spin_available():
     if os.environ.get("WEIGHTSYNC_REQUIRE_SPIN") == "1":
-        raise RuntimeError("WEIGHTSYNC_REQUIRE_SPIN=1 but spin or cc is not on PATH (apt-get install spin gcc)")
+        raise RuntimeError(
+            "WEIGHTSYNC_REQUIRE_SPIN=1 but spin or cc is not on PATH (apt-get install spin gcc)"
+        )
     pytest.skip("spin or cc is not on PATH (apt-get install spin gcc)", allow_module_level=True)
 
 
@@ -93,7 +95,10 @@ def test_translated_guards_and_updates_match_the_spec_functions(tmp_path: Path) 
     rng = random.Random(7)
     codes = Codes()
     tr = Translator(
-        Registry("weightsync.spec.rank_vars", "GUARDS", "UPDATES"), codes, lambda f: f"v_{f}", RankVars._fields
+        Registry("weightsync.spec.rank_vars", "GUARDS", "UPDATES"),
+        codes,
+        lambda f: f"v_{f}",
+        RankVars._fields,
     )
     args_p: dict[str, Any] = {k: Expr(f"a_{k}") for k in _ARGS}
     args_p.update(_CONST)
@@ -125,7 +130,9 @@ def test_translated_guards_and_updates_match_the_spec_functions(tmp_path: Path) 
             fmt = " ".join("%d" for _ in RankVars._fields)
             lines.append(f'{setv}; {seta}; if {" ".join(branches)} fi; printf("U {n} {u} {fmt}\\n", {out})')
             after = UPDATES[u](v, a)
-            expected.append(f"U {n} {u} " + " ".join(str(codes.value(getattr(after, f))) for f in RankVars._fields))
+            expected.append(
+                f"U {n} {u} " + " ".join(str(codes.value(getattr(after, f))) for f in RankVars._fields)
+            )
     chunks = [lines[k : k + 400] for k in range(0, len(lines), 400)]
     got: list[str] = []
     for chunk in chunks:
@@ -137,11 +144,14 @@ def test_translated_guards_and_updates_match_the_spec_functions(tmp_path: Path) 
 def test_the_translator_names_what_it_cannot_translate() -> None:
     """A guard that reads an argument the call site does not pass is refused by name, before any Promela."""
     tr = Translator(
-        Registry("weightsync.spec.rank_vars", "GUARDS", "UPDATES"), Codes(), lambda f: f"v_{f}", RankVars._fields
+        Registry("weightsync.spec.rank_vars", "GUARDS", "UPDATES"),
+        Codes(),
+        lambda f: f"v_{f}",
+        RankVars._fields,
     )
     with pytest.raises(TranslateError, match="reads argument 'wave'"):
         tr.guard("add_newer_wave", {"rank": 0, "dp_size": 2, "sync_interval": 2})
-    with pytest.raises(TranslateError, match="not in weightsync.spec.rank_vars"):
+    with pytest.raises(TranslateError, match=r"not in weightsync\.spec\.rank_vars"):
         tr.guard("no_such_guard", {})
 
 

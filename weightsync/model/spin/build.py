@@ -4,46 +4,25 @@ effects`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 
-from weightsync.model.spin.tables import TEMPS, TableCode, _and, _not
-from weightsync.model.spin.translate import Codes, Expr, Registry, Translator, Value, text
+from weightsync.model.spin.tables import TEMPS, TableCode
+from weightsync.model.spin.translate import Codes, Expr, Registry, Translator, Value
 from weightsync.model.system import Model
-from weightsync.model.system.state import (
-    ANY_MODE,
-    FAIL_PHASE,
-    FAILABLE_EFFECTS,
-    GHOST_MODES,
-    OWE_PAUSE,
-    OWE_RESUME,
-    PAUSE,
-    RETRY,
-    CALL_EVENT,
-    DONE_EVENT,
-    ENTER_EFFECT,
-    FAILED_REPLY,
-    GHOST_QUEUED,
-    GHOST_RECEIVED,
-    GHOST_REPLY,
-    GHOST_STRIDE,
-    REPLIED,
-    SENT,
-    SPURIOUS,
-)
-from weightsync.spec.calls import WORKER_OUTCOME, worker_outcome
+from weightsync.spec.calls import Phase
 from weightsync.spec.collectives import CALL_FAIL_PHASE
 from weightsync.spec.controller import CtrlVars
 from weightsync.spec.coordinator import CoordVars
-from weightsync.spec.front_end import RANK_EFFECT_EVENT, FrontEvent, FrontVars
-from weightsync.spec.rank import EFFECT_RANKS, RankVars, effect_acts_on
-from weightsync.spec.states import DRAINS_BEFORE_RETURN, PauseMode, RankEvent, RankState
-from weightsync.spec.table import Transition
-from weightsync.spec.worker import WORKER_TABLE, WORKER_EVENT_OF_EFFECT, WorkerVars, WorkerState
+from weightsync.spec.front_end import FrontVars
+from weightsync.spec.rank import RankVars
+from weightsync.spec.states import PauseMode, RankEvent
+from weightsync.spec.worker import WORKER_TABLE, WorkerVars
 
 #: Request places (``rq_where``): not at a rank's scheduler (unsent, or an ADD in a FIFO), waiting, running,
 #: finished, aborted.
 NOWHERE, WAITING, RUNNING_Q, DONE, ABORTED = 0, 1, 2, 3, 4
-#: FIFO capacity (a send past it fails the run with ``fifo_capacity``; no bound of the model comes near).
+#: Default FIFO capacity (the model's FIFOs are unbounded; a send past the capacity stops SPIN with a
+#: :class:`~weightsync.model.spin.run.SpinError` naming it, never with a verdict).
 CAP = 8
 #: Message kinds in FIFOs (0: an empty slot).
 KINDS = ("ADD", "ABORT", "W", "U", "FIRST_REQ", "wave_complete", "start_wave")
@@ -74,6 +53,15 @@ _WORKER_TYPES = {
 }
 
 
+def _indexed(prefix: str, i: int) -> Callable[[str], str]:
+    """The Promela lvalue of field ``f`` of element ``i`` of a per-rank array: ``<prefix><f>[i]``."""
+
+    def var(f: str) -> str:
+        return f"{prefix}{f}[{i}]"
+
+    return var
+
+
 class UnsupportedModel(ValueError):
     """The Promela generator does not cover a bound, mode or channel semantics of the model (named)."""
 
@@ -86,9 +74,9 @@ def kind(name: str) -> int:
 class Build:
     """Declarations, initial state and building blocks (see the module docstring)."""
 
-    def __init__(self, model: Model, checks: bool) -> None:
-        b = model.config.bounds
+    def __init__(self, model: Model, checks: bool, cap: int = CAP) -> None:
         self.m = model
+        self.cap = cap
         self.n = model.n
         self.checks = checks
         self.any_mode = model.any_mode
@@ -97,24 +85,15 @@ class Build:
         self.codes = Codes()
         self.nf = model.n_fifos
         self.R = model.requests
+        ranks = Registry("weightsync.spec.rank_vars", "GUARDS", "UPDATES")
+        workers = Registry("weightsync.spec.worker", "WORKER_GUARDS", "WORKER_UPDATES")
+        #: each rank's table, its variables named ``r_<field>[i]`` (so ``rank`` folds to a constant)
         self.rank_tables = [
-            TableCode(
-                model.table,
-                Registry("weightsync.spec.rank_vars", "GUARDS", "UPDATES"),
-                self.codes,
-                lambda f, i=i: f"r_{f}[{i}]",
-                RankVars._fields,
-            )
+            TableCode(model.table, ranks, self.codes, _indexed("r_", i), RankVars._fields)
             for i in range(self.n)
         ]
         self.worker_tables = [
-            TableCode(
-                WORKER_TABLE,
-                Registry("weightsync.spec.worker", "WORKER_GUARDS", "WORKER_UPDATES"),
-                self.codes,
-                lambda f, i=i: f"w_{f}[{i}]",
-                WorkerVars._fields,
-            )
+            TableCode(WORKER_TABLE, workers, self.codes, _indexed("w_", i), WorkerVars._fields)
             for i in range(self.n)
         ]
         self.coord_table = TableCode(
@@ -153,7 +132,10 @@ class Build:
     def check_state(self) -> str:  # pragma: no cover - Props overrides
         raise NotImplementedError
 
-    def all_replied_expr(self, phase: object) -> Expr:  # pragma: no cover - Moves overrides
+    def all_replied_expr(self, phase: Phase | None) -> Expr:  # pragma: no cover - Moves overrides
+        raise NotImplementedError
+
+    def phase_failed_expr(self) -> str:  # pragma: no cover - Moves overrides
         raise NotImplementedError
 
     # ------------------------------------------------------------------ declarations
@@ -173,10 +155,10 @@ class Build:
         lines += [f"{t} w_{f}[{n}];" for f, t in _WORKER_TYPES.items()]
         lines += [
             f"byte r_blocked[{n}]; byte r_status[{n}]; byte r_ghost[{n}]; byte r_owed[{n}];",
-            f"byte q_len[{n * nf}]; byte q_k[{n * nf * CAP}]; short q_a[{n * nf * CAP}]; "
-            f"short q_b[{n * nf * CAP}]; short q_c[{n * nf * CAP}];",
-            f"byte o_len[{n}]; byte o_k[{n * CAP}]; short o_a[{n * CAP}]; short o_b[{n * CAP}];",
-            f"byte cq_len; byte cq_k[{CAP}]; short cq_a[{CAP}]; short cq_b[{CAP}]; short cq_c[{CAP}];",
+            f"byte q_len[{n * nf}]; byte q_k[{n * nf * self.cap}]; short q_a[{n * nf * self.cap}]; "
+            f"short q_b[{n * nf * self.cap}]; short q_c[{n * nf * self.cap}];",
+            f"byte o_len[{n}]; byte o_k[{n * self.cap}]; short o_a[{n * self.cap}]; short o_b[{n * self.cap}];",
+            f"byte cq_len; byte cq_k[{self.cap}]; short cq_a[{self.cap}]; short cq_b[{self.cap}]; short cq_c[{self.cap}];",
             f"byte rq_where[{r}]; byte rq_rank[{r}]; byte rq_left[{r}]; short rq_kv[{r}];",
             f"byte r_nw[{n}]; byte r_nr[{n}]; /* requests waiting, running on each rank */",
             "byte co_state; short co_wave; bit co_pub;",
@@ -218,8 +200,12 @@ class Build:
             for f, v in rank.worker._asdict().items():
                 out.append(f"w_{f}[{i}] = {c(v)}")
             out.append(f"r_blocked[{i}] = {c(rank.blocked)}; r_status[{i}] = {rank.status}")
-        out.append(f"co_state = {c(self.coord_state(s.coord.engines_running))}; co_wave = {s.coord.current_wave}")
-        out.append(f"f_state = {c(self.front_state(s.front.believed_running))}; f_wave = {s.front.believed_wave}")
+        out.append(
+            f"co_state = {c(self.coord_state(s.coord.engines_running))}; co_wave = {s.coord.current_wave}"
+        )
+        out.append(
+            f"f_state = {c(self.front_state(s.front.believed_running))}; f_wave = {s.front.believed_wave}"
+        )
         ctrl = s.ctrl
         out.append(
             f"ct_state = {ctrl.phase}; ct_cycles_started = {ctrl.cycles_started}; "
@@ -242,8 +228,12 @@ class Build:
 
     # ------------------------------------------------------------------ FIFOs
 
+    def full(self, length: str) -> str:
+        """Stop the run (not a verdict: ``CAPACITY``) when a FIFO of length ``length`` is full."""
+        return f'if :: {length} >= {self.cap} -> printf("CAPACITY {self.cap}\\n"); assert(false) :: else -> skip fi'
+
     def qbase(self, i: int, f: int) -> int:
-        return (i * self.nf + f) * CAP
+        return (i * self.nf + f) * self.cap
 
     def push(self, i: int, f: int, kd: str, a: str, b: str = "0", cc: str = "0") -> str:
         """Append a message to rank ``i``'s input FIFO ``f``."""
@@ -251,7 +241,7 @@ class Build:
         base = self.qbase(i, f)
         at = f"{base} + q_len[{q}]"
         return (
-            f"assert(q_len[{q}] < {CAP} /* fifo_capacity */); q_k[{at}] = {kind(kd)}; q_a[{at}] = {a}; "
+            f"{self.full(f'q_len[{q}]')}; q_k[{at}] = {kind(kd)}; q_a[{at}] = {a}; "
             f"q_b[{at}] = {b}; q_c[{at}] = {cc}; q_len[{q}]++"
         )
 
@@ -272,19 +262,19 @@ class Build:
         """``_to_coord``: rank ``i``'s message to the coordinator (its FIFO, or the one ordered FIFO)."""
         if self.m.ordered:
             return (
-                f"assert(cq_len < {CAP} /* fifo_capacity */); cq_k[cq_len] = {kind(kd)}; cq_a[cq_len] = {wave}; "
+                f"{self.full('cq_len')}; cq_k[cq_len] = {kind(kd)}; cq_a[cq_len] = {wave}; "
                 f"cq_b[cq_len] = {i}; cq_c[cq_len] = 0; cq_len++"
             )
         return (
-            f"assert(o_len[{i}] < {CAP} /* fifo_capacity */); o_k[{i * CAP} + o_len[{i}]] = {kind(kd)}; "
-            f"o_a[{i * CAP} + o_len[{i}]] = {wave}; o_b[{i * CAP} + o_len[{i}]] = {i}; o_len[{i}]++"
+            f"{self.full(f'o_len[{i}]')}; o_k[{i * self.cap} + o_len[{i}]] = {kind(kd)}; "
+            f"o_a[{i * self.cap} + o_len[{i}]] = {wave}; o_b[{i * self.cap} + o_len[{i}]] = {i}; o_len[{i}]++"
         )
 
     def fifo_has(self, i: int, kinds: tuple[str, ...], f: int | None = None) -> str:
         """Some FIFO of rank ``i`` (or FIFO ``f``) holds a message of one of ``kinds`` (unrolled)."""
         fs = range(self.nf) if f is None else (f,)
         terms = [
-            f"q_k[{self.qbase(i, g) + p}] == {kind(kd)}" for g in fs for p in range(CAP) for kd in kinds
+            f"q_k[{self.qbase(i, g) + p}] == {kind(kd)}" for g in fs for p in range(self.cap) for kd in kinds
         ]
         return "(" + " || ".join(terms) + ")" if terms else "false"
 
@@ -304,7 +294,10 @@ class Build:
     def has_work(self, i: int) -> Value:
         """``_has_work``: :func:`weightsync.spec.states.schedulable` on rank ``i``'s queues."""
         return self.states_fn.call(
-            "schedulable", Expr(f"r_pause_state[{i}]"), Expr(self.count(i, WAITING)), Expr(self.count(i, RUNNING_Q))
+            "schedulable",
+            Expr(f"r_pause_state[{i}]"),
+            Expr(self.count(i, WAITING)),
+            Expr(self.count(i, RUNNING_Q)),
         )
 
     # ------------------------------------------------------------------ the rank table with effects
@@ -326,206 +319,6 @@ class Build:
         elif self.m.worker_args and ev in CALL_FAIL_PHASE:
             args.update(worker=Expr(f"w_state[{i}]"), worker_initialized=Expr(f"w_initialized[{i}]"))
         return args
-
-    def fire_rank(
-        self,
-        i: int,
-        ev: RankEvent,
-        args: Mapping[str, Value],
-        req: str = "-1",
-        arg: str = "0",
-        top: bool = True,
-        untracked: str = "0",
-        fail: bool = False,
-    ) -> str:
-        """``_rank_event`` (``top``) or ``_nested``: fire ``ev`` on rank ``i`` and run the row's effects.
-        ``untracked``: a Promela condition, the call's replies are not counted; ``fail``: the first failable
-        worker operation among the effects raises (TRANSFER_FAILED fires instead of the rest)."""
-        t = self.rank_tables[i]
-
-        def on_row(row: Transition) -> str:
-            out = []
-            for eff in row.effects:
-                out.append(self.effect(i, eff, req, untracked))
-                if top and eff in FAILABLE_EFFECTS and fail:
-                    failed = {**self.base_args(i), "phase": FAIL_PHASE[eff]}
-                    out.append("ct_failures_used++")
-                    out.append(self.fire_rank(i, RankEvent.TRANSFER_FAILED, failed, top=False, untracked=untracked))
-                    break
-                if top and eff in WORKER_OUTCOME:
-                    oev, oargs = worker_outcome(eff, {"weight_version": Expr(arg)})
-                    out.append(self.fire_rank(i, oev, {**self.base_args(i), **oargs}, top=False, untracked=untracked))
-            return "; ".join(o for o in out if o)
-
-        return t.fire(ev, args, on_row, f"r_state[{i}] = {self.c(RankState.ERROR)}")
-
-    def effect(self, i: int, eff: str, req: str, untracked: str = "0") -> str:
-        """``_effect``: the model's interpretation of rank ``i``'s effect ``eff``."""
-        c = self.c
-        if eff in EFFECT_RANKS and not effect_acts_on(eff, i):
-            return ""
-        R = self.R
-        if eff == "queue_request":
-            return (
-                f"rq_where[{req}] = {WAITING}; rq_rank[{req}] = {i}; rq_left[{req}] = {self.m.tokens}; "
-                f"rq_kv[{req}] = 0; r_nw[{i}]++"
-            )
-        if eff == "admit_waiting":
-            return "; ".join(
-                f"if :: rq_where[{r}] == {WAITING} && rq_rank[{r}] == {i} -> rq_where[{r}] = {RUNNING_Q}; "
-                f"rq_kv[{r}] = r_weight_version[{i}]; r_nw[{i}]--; r_nr[{i}]++ :: else -> skip fi"
-                for r in range(R)
-            )
-        if eff == "execute_step":
-            admits = self.states_fn.call("admits_waiting", Expr(f"r_pause_state[{i}]"))
-            advances = self.states_fn.call("advances_running", Expr(f"r_pause_state[{i}]"))
-            out = []
-            if admits is not False:
-                out += [
-                    f"if :: {text(self.codes, admits)} && rq_where[{r}] == {WAITING} && rq_rank[{r}] == {i} -> "
-                    f"rq_where[{r}] = {RUNNING_Q}; rq_kv[{r}] = r_weight_version[{i}]; r_nw[{i}]--; r_nr[{i}]++ "
-                    ":: else -> skip fi"
-                    for r in range(R)
-                ]
-            if advances is not False:
-                out += [
-                    f"if :: {text(self.codes, advances)} && rq_where[{r}] == {RUNNING_Q} && rq_rank[{r}] == {i} -> "
-                    f"if :: rq_left[{r}] > 1 -> rq_left[{r}]-- :: else -> rq_where[{r}] = {DONE}; rq_rank[{r}] = 0; "
-                    f"rq_left[{r}] = 0; rq_kv[{r}] = 0; r_nr[{i}]-- fi :: else -> skip fi"
-                    for r in range(R)
-                ]
-            return "; ".join(out)
-        if eff in ENTER_EFFECT or eff in WORKER_EVENT_OF_EFFECT:
-            out = []
-            if eff in ENTER_EFFECT:
-                out.append(f"r_blocked[{i}] = {c(ENTER_EFFECT[eff])}")
-            if eff in WORKER_EVENT_OF_EFFECT:
-                w = self.worker_tables[i]
-                out.append(
-                    w.fire(WORKER_EVENT_OF_EFFECT[eff], {}, lambda row: "", f"w_state[{i}] = {c(WorkerState.ERROR)}")
-                )
-            return "; ".join(out)
-        if eff in ("reply", "reply_pause", "reply_resume"):
-            out = [self.ghost_replied(i)] if eff == "reply_pause" else []
-            counted = f"r_status[{i}] = (r_status[{i}] == {SENT} -> {REPLIED} : {SPURIOUS})"
-            if self.m.track_owed and eff != "reply":
-                counted = self.owed_reply(i, eff, counted)
-            out.append(f"if :: {untracked} -> skip :: else -> {counted} fi")
-            return "; ".join(out)
-        if eff in ("reply_failure", "refuse"):
-            return (
-                f"if :: {untracked} -> skip :: else -> "
-                f"r_status[{i}] = (r_status[{i}] == {SENT} -> {FAILED_REPLY} : {SPURIOUS}) fi"
-            )
-        if eff == "abort_requests":
-            return "; ".join(
-                [
-                    f"if :: (rq_where[{r}] == {WAITING} || rq_where[{r}] == {RUNNING_Q}) && rq_rank[{r}] == {i} -> "
-                    f"rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; rq_kv[{r}] = 0 :: else -> skip fi"
-                    for r in range(R)
-                ]
-                + [f"r_nw[{i}] = 0; r_nr[{i}] = 0"]
-            )
-        if eff == "abort_request":
-            return "; ".join(
-                f"if :: {req} == {r} && rq_where[{r}] == {WAITING} && rq_rank[{r}] == {i} -> r_nw[{i}]--; "
-                f"rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; rq_kv[{r}] = 0 "
-                f":: {req} == {r} && rq_where[{r}] == {RUNNING_Q} && rq_rank[{r}] == {i} -> r_nr[{i}]--; "
-                f"rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; rq_kv[{r}] = 0 :: else -> skip fi"
-                for r in range(R)
-            )
-        if eff == "clear_cache":
-            return "; ".join(
-                f"if :: r_clear_cache[{i}] && rq_where[{r}] == {RUNNING_Q} && rq_rank[{r}] == {i} -> "
-                f"rq_where[{r}] = {WAITING}; rq_kv[{r}] = 0; r_nr[{i}]--; r_nw[{i}]++ :: else -> skip fi"
-                for r in range(R)
-            )
-        if eff == "emit_wave_complete":
-            return self.to_coord(i, "wave_complete", f"(r_current_wave[{i}] - 1)")
-        if eff == "emit_start_wave":
-            return self.to_coord(i, "start_wave", f"r_current_wave[{i}]")
-        if eff in RANK_EFFECT_EVENT:
-            return self.front_table.fire(RANK_EFFECT_EVENT[eff], {}, lambda row: "", "assert(false)")
-        raise UnsupportedModel(f"effect {eff!r} is not known to the Promela generator")
-
-    def ghost_replied(self, i: int) -> str:
-        """``ghost_replied``: the ghost after its pause's reply, its mode field kept."""
-        branches = " ".join(
-            f":: (r_ghost[{i}] % {GHOST_STRIDE}) == {b} -> r_ghost[{i}] = r_ghost[{i}] - {b} + {a}"
-            for b, a in GHOST_REPLY.items()
-        )
-        return f"if {branches} :: else -> skip fi"
-
-    def owed_reply(self, i: int, eff: str, counted: str) -> str:
-        """``_owed_reply``: a deferred pause or resume reply (``untracked_replies`` variants)."""
-        if eff == "reply_resume":
-            return (
-                f"if :: (r_owed[{i}] & {OWE_RESUME}) -> r_owed[{i}] = r_owed[{i}] & {~OWE_RESUME & 255} "
-                f":: else -> {counted} fi"
-            )
-        b = self.qbase(i, self.m.f_ctrl)
-        queued = " || ".join(
-            f"(q_k[{b + p}] == {kind('U')} && q_a[{b + p}] == {self.c('pause')} && q_b[{b + p}] != {RETRY})"
-            for p in range(CAP)
-        )
-        tracked = f"(r_status[{i}] == {SENT} && ct_state == {PAUSE} && !({queued}))"
-        return (
-            f"if :: (r_owed[{i}] & {OWE_PAUSE}) -> r_owed[{i}] = r_owed[{i}] & {~OWE_PAUSE & 255}; "
-            f"r_status[{i}] = ({tracked} -> {REPLIED} : r_status[{i}]) :: else -> {counted} fi"
-        )
-
-    def mode_index(self, mode: str) -> str:
-        """The index in ``GHOST_MODES`` of the pause mode whose code is ``mode`` (a Promela expression)."""
-        out = str(len(GHOST_MODES) - 1)
-        for k, pm in reversed(list(enumerate(GHOST_MODES[:-1]))):
-            out = f"(({mode} == {self.c(pm)}) -> {k} : {out})"
-        return out
-
-    def tagged(self, base: str, mode: str | None) -> str:
-        """``ghost_with_mode(base, mode)``: ``mode`` a Promela mode code (None: a model with one mode)."""
-        if mode is None:
-            return base
-        return f"({base} + {GHOST_STRIDE} * (1 + {self.mode_index(mode)}))"
-
-    def ghost_mode_is(self, ghost: str, mode: PauseMode) -> str:
-        """The pause a ghost records has ``mode`` (a model with one mode: whether it is that mode)."""
-        if self.mode is not None:
-            return "true" if mode is self.mode else "false"
-        return f"(({ghost} / {GHOST_STRIDE}) - 1 == {GHOST_MODES.index(mode)})"
-
-    def received_ghost(self, i: int, row_admits: Value, mode: str | None) -> str:
-        """``_received_ghost`` as a Promela expression: the ghost of a pause of ``mode`` (a Promela mode
-        code; None: the model's one mode) taken by a row that is none or admits waiting requests when
-        ``row_admits``."""
-        received = self.tagged(str(GHOST_RECEIVED), mode)
-        queued = self.tagged(str(GHOST_QUEUED), mode)
-        drains = " || ".join(f"{mode} == {self.c(d)}" for d in DRAINS_BEFORE_RETURN) if mode else ""
-        if mode is None and self.mode is not None and self.mode not in DRAINS_BEFORE_RETURN:
-            return received
-        waiting = self.any_at(i, WAITING)
-        cond = f"({waiting} && !{text(self.codes, row_admits)}" + (f" && ({drains}))" if drains else ")")
-        return f"({cond} -> {queued} : {received})"
-
-    def row_condition(self, i: int, ev: RankEvent, args: Mapping[str, Value], pred: object) -> Value:
-        """A Promela condition: the row ``ev`` takes on rank ``i`` satisfies ``pred(row)`` (no row: ``pred(None)``)."""
-        t = self.rank_tables[i]
-        out: Value = False
-        none_legal: Value = True
-        for s in t.states_for(ev):
-            in_s = Expr(f"(r_state[{i}] == {self.c(s)})")
-            for row, cond in t.selected(t.table[(s, ev)], args):
-                if pred(row):  # type: ignore[operator]
-                    out = _or_(out, _and(in_s, cond))
-                none_legal = _and(none_legal, _not(_and(in_s, cond)))
-        if pred(None):  # type: ignore[operator]
-            out = _or_(out, none_legal)
-        return out
-
-
-def _or_(a: Value, b: Value) -> Value:
-    from weightsync.model.spin.tables import _or
-
-    return _or(a, b)
 
 
 __all__ = ["CAP", "KINDS", "Build", "UnsupportedModel", "kind"]

@@ -18,7 +18,7 @@ Properties` and the terminal check (deadlock, one-sided collective); not the pro
 
 from __future__ import annotations
 
-from weightsync.model.spin.build import Build, UnsupportedModel
+from weightsync.model.spin.build import CAP, Build, UnsupportedModel
 from weightsync.model.spin.moves import Moves
 from weightsync.model.spin.props import Props
 from weightsync.model.system import Model
@@ -30,13 +30,15 @@ class PromelaModel(Props, Moves, Build):
     Args:
         model: the model (its variant, N, mode, channels and bounds).
         checks: generate the property checks (False: the bare successor function, to count states).
+        fifo_capacity: slots of each FIFO (the model's are unbounded; a run that fills one stops with an
+            error naming the capacity, never with a verdict).
 
     Raises:
         UnsupportedModel: the model uses a bound the generator does not cover yet (named).
     """
 
-    def __init__(self, model: Model, checks: bool = True) -> None:
-        Build.__init__(self, model, checks)
+    def __init__(self, model: Model, checks: bool = True, fifo_capacity: int = CAP) -> None:
+        Build.__init__(self, model, checks, fifo_capacity)
 
     def text(self) -> str:
         """The whole Promela model. With the checks on, the state invariants are one monitor process whose
@@ -72,4 +74,4 @@ class PromelaModel(Props, Moves, Build):
         )
 
 
-__all__ = ["PromelaModel", "UnsupportedModel"]
+__all__ = ["CAP", "PromelaModel", "UnsupportedModel"]

@@ -5,37 +5,34 @@ from __future__ import annotations
 
 from weightsync.model.spin.build import (
     ABORTED,
-    CAP,
     DONE,
     NOWHERE,
     RUNNING_Q,
     WAITING,
-    Build,
-    UnsupportedModel,
     kind,
 )
+from weightsync.model.spin.ctrl import ControllerCode
 from weightsync.model.spin.tables import _and, _not, _or
 from weightsync.model.spin.translate import Expr, Value, text
+from weightsync.model.system.effects import _IMMEDIATE_REPLIES
 from weightsync.model.system.environment import MODE_CALLS
 from weightsync.model.system.state import (
     CALL_EVENT,
+    DONE_EVENT,
+    DP_KINDS,
+    FAIL_PHASE,
     FAILABLE_CALLS,
+    FAILED_REPLY,
     GHOST_STRIDE,
     OWE_PAUSE,
     OWE_RESUME,
-    RETRY,
-    DONE_EVENT,
-    DP_KINDS,
-    FAILED_REPLY,
-    FAIL_PHASE,
-    NOT_SENT,
-    PHASE_CALL,
     REPLIED,
+    RETRY,
     SENT,
     SPURIOUS,
     TRANSFER_KINDS,
 )
-from weightsync.spec.calls import TRAINER_COLLECTIVE, Phase, call_version
+from weightsync.spec.calls import Phase
 from weightsync.spec.collectives import (
     ABANDONED_ON_REFUSAL,
     COLLECTIVES,
@@ -45,27 +42,11 @@ from weightsync.spec.collectives import (
 from weightsync.spec.controller import CtrlEvent, Policy
 from weightsync.spec.coordinator import BROADCASTS, MESSAGE_FIELDS, PUBLISH, CoordEvent, CoordState
 from weightsync.spec.front_end import FrontEvent, FrontState
-from weightsync.model.system.state import GHOST_RECEIVED
-from weightsync.spec.states import Collective, PauseMode, RankEvent, RankState
-from weightsync.spec.table import ALWAYS
-
-from weightsync.model.system.effects import _IMMEDIATE_REPLIES  # noqa: E402
-from weightsync.model.system.environment import _REPLIES, _UNTRACKED  # noqa: E402
+from weightsync.spec.states import Collective, RankEvent, RankState
 
 
-class Moves(Build):
+class Moves(ControllerCode):
     """Every move of :meth:`Model.successors` as a Promela ``do`` option."""
-
-    def option(self, guard: str, body: str, label: str) -> str:
-        """One move: ``guard`` enables it; ``body`` changes the state; ``label`` is printed for replay."""
-        settle = self.settle()
-        if settle:
-            body = f"{body}; {settle}"
-        pre = self.snapshot(label) + "; " if self.checks else ""
-        post = f"; {self.check_edge(label)}" if self.checks else f"; {self.check_state()}"
-        if not self.checks:
-            guard = f"!inv_bad && ({guard})"
-        return f"  :: d_step {{ ({guard}) -> {pre}{body}; printf(\"MOVE {label}\\n\"){post}; {self.reset()} }}"
 
     def options(self) -> list[str]:
         out: list[str] = []
@@ -150,7 +131,9 @@ class Moves(Build):
         untracked = f"(m_b == {RETRY})"
         pre = ""
         if ev is RankEvent.PAUSE:
-            admits = self.row_condition(i, ev, args, lambda row: row is None or "admit_waiting" in row.effects)
+            admits = self.row_condition(
+                i, ev, args, lambda row: row is None or "admit_waiting" in row.effects
+            )
             ghost = self.received_ghost(i, admits, mode)
             if self.m.track_owed:
                 pre = self.owe(i, ev, args, ghost, untracked)
@@ -225,7 +208,9 @@ class Moves(Build):
                 args = {**self.base_args(i), "phase": FAIL_PHASE[kd]}
                 body.append(f"r_blocked[{i}] = {self.c('')}")
                 body.append(self.fire_rank(i, RankEvent.TRANSFER_FAILED, args, top=False))
-            body.append(f"t_status = (t_status == {SENT} -> {FAILED_REPLY} : {SPURIOUS}); t_blocked = {self.c('')}")
+            body.append(
+                f"t_status = (t_status == {SENT} -> {FAILED_REPLY} : {SPURIOUS}); t_blocked = {self.c('')}"
+            )
             body.append("ct_failures_used++")
             return "; ".join(body)
         pre = []
@@ -261,7 +246,9 @@ class Moves(Build):
                 args["has_work"] = Expr("h_hw")
             body.append(self.fire_rank(i, DONE_EVENT[kd], args, top=False))
         if kd in TRANSFER_KINDS:
-            body.append(f"t_status = (t_status == {SENT} -> {REPLIED} : {SPURIOUS}); t_blocked = {self.c('')}")
+            body.append(
+                f"t_status = (t_status == {SENT} -> {REPLIED} : {SPURIOUS}); t_blocked = {self.c('')}"
+            )
         return "; ".join(body)
 
     def timeouts(self) -> list[str]:
@@ -280,7 +267,9 @@ class Moves(Build):
                 stuck += f" || {refused}"
             for i in range(self.n):
                 args = {**self.base_args(i), "phase": FAIL_PHASE[kd]}
-                body = f"r_blocked[{i}] = {c('')}; " + self.fire_rank(i, RankEvent.TRANSFER_FAILED, args, top=False)
+                body = f"r_blocked[{i}] = {c('')}; " + self.fire_rank(
+                    i, RankEvent.TRANSFER_FAILED, args, top=False
+                )
                 out.append(self.option(f"r_blocked[{i}] == {c(kd)} && ({stuck})", body, f"timeout {i} {kd}"))
             out.append(
                 self.option(
@@ -310,7 +299,7 @@ class Moves(Build):
         return pop + "; " + self.coord_fire()
 
     def coord_take_rank(self, i: int) -> str:
-        b = i * CAP
+        b = i * self.cap
         pop = (
             f"m_k = o_k[{b}]; m_a = o_a[{b}]; m_b = o_b[{b}]; k = 0; "
             f"do :: k + 1 < o_len[{i}] -> o_k[{b} + k] = o_k[{b} + k + 1]; o_a[{b} + k] = o_a[{b} + k + 1]; "
@@ -362,7 +351,9 @@ class Moves(Build):
         holds = ""
         if self.m.init_transfer:
             answered = self.all_replied_expr(Phase.INIT)
-            h = self.ctrl_fn.call("init_holds_requests", Expr("ct_state"), Expr("ct_cycles_started"), answered)
+            h = self.ctrl_fn.call(
+                "init_holds_requests", Expr("ct_state"), Expr("ct_cycles_started"), answered
+            )
             holds = f" && !{text(self.codes, h)}" if h is not False else ""
         for i in range(self.n):
             args = {"target": i}
@@ -380,12 +371,16 @@ class Moves(Build):
                         out.append(self.push(i, self.m.f_add, "ADD", "f_next", "h_w"))
                     elif eff == "send_first_req":
                         out.append(
-                            f"assert(cq_len < {CAP} /* fifo_capacity */); cq_k[cq_len] = {kind('FIRST_REQ')}; "
+                            f"{self.full('cq_len')}; cq_k[cq_len] = {kind('FIRST_REQ')}; "
                             f"cq_a[cq_len] = {i}; cq_b[cq_len] = h_w; cq_c[cq_len] = 0; cq_len++"
                         )
                 return "; ".join(out) or "skip"
 
-            body = "h_w = f_wave; " + t.fire(FrontEvent.SEND_REQUEST, args, on_row, "assert(false)") + "; f_next++"
+            body = (
+                "h_w = f_wave; "
+                + t.fire(FrontEvent.SEND_REQUEST, args, on_row, "assert(false)")
+                + "; f_next++"
+            )
             out.append(self.option(guard, body, f"send {i}"))
         return out
 
@@ -407,7 +402,7 @@ class Moves(Build):
                 held_q = " || ".join(
                     f"(q_k[{self.qbase(i, g) + p}] == {kind('ADD')} && q_a[{self.qbase(i, g) + p}] == {r})"
                     for g in range(self.nf)
-                    for p in range(CAP)
+                    for p in range(self.cap)
                 )
                 held = f"((rq_where[{r}] == {WAITING} || rq_where[{r}] == {RUNNING_Q}) && rq_rank[{r}] == {i}) || {held_q}"
                 nab = " + ".join(f"((f_cab >> {x}) & 1)" for x in range(self.R))
@@ -421,148 +416,5 @@ class Moves(Build):
 
     # ------------------------------------------------------------------ controller
 
-    def all_replied_expr(self, phase: Phase | None) -> Value:
-        """``_all_replied`` for ``phase`` (None: the controller's current phase)."""
-        ranks = " && ".join(
-            f"(r_status[{i}] == {REPLIED} || r_status[{i}] == {FAILED_REPLY})" for i in range(self.n)
-        )
-        trainer = f"(t_status == {REPLIED} || t_status == {FAILED_REPLY})"
-        if phase is None:
-            joins = " || ".join(f"ct_state == {int(p)}" for p in TRAINER_COLLECTIVE)
-            return Expr(f"({ranks} && (!({joins}) || {trainer}))")
-        return Expr(f"({ranks} && {trainer})" if phase in TRAINER_COLLECTIVE else f"({ranks})")
 
-    def phase_failed_expr(self) -> str:
-        ranks = " || ".join(f"r_status[{i}] == {FAILED_REPLY}" for i in range(self.n))
-        return f"({ranks} || t_status == {FAILED_REPLY})"
-
-    def controller_moves(self) -> list[str]:
-        """``_controller``: every enabled row of the controller table is a move (``enabled_transitions``)."""
-        m = self.m
-        answered = self.all_replied_expr(None)
-        ev_expr = self.ctrl_fn.call(
-            "controller_event", Expr("ct_state"), answered, _and(answered, Expr(self.phase_failed_expr()))
-        )
-        args = {**m._ctrl_args(0), "requests_sent": Expr("f_next")}
-        out = []
-        t = self.ctrl_table
-        for (phase, ev), rows in t.table.items():
-            is_ev = Expr(f"({text(self.codes, ev_expr)} == {self.c(ev)})")
-            for row in rows:
-                g = t.guard(row, args)
-                if g is False:
-                    continue
-                (eff,) = row.effects
-                target = Phase(row.target) if row.target is not None else Phase(phase)
-                guard = _and(_and(Expr(f"(ct_state == {int(phase)})"), is_ev), g)
-                update = t.updates(row, args)
-                label_call = PHASE_CALL.get(target, "")
-                modes: list[PauseMode | None] = [None]
-                if self.any_mode and (label_call in MODE_CALLS or _UNTRACKED.get(eff) in MODE_CALLS):
-                    modes = list(m.pause_modes)
-                for mode in modes:
-                    tag = f" {mode.value}" if mode is not None else ""
-                    if eff == "fan_out":
-                        body = update + "; " + self.fan_out(target, mode)
-                        label = f"fan {label_call} -1{tag}"
-                    elif eff == "front_end_call":
-                        body = update + "; " + self.front_end_call(target, mode)
-                        label = f"fe {label_call}{tag}"
-                    elif eff == "retry_resume":
-                        body = update + "; " + self.retry(label_call, None)
-                        label = f"retry {label_call}"
-                    elif eff in _UNTRACKED:
-                        body = update + "; " + self.retry(_UNTRACKED[eff], mode)
-                        label = f"extra {_UNTRACKED[eff]}{tag}"
-                    else:  # the controller stops (Environment._controller's "end" move)
-                        body = update
-                        label = f"end {eff}"
-                    out.append(self.option(text(self.codes, guard), body, label))
-        return out
-
-    def fan_out(self, phase: Phase, mode: PauseMode | None = None) -> str:
-        """``_fan_out`` of ``phase``'s call to every rank (the controller's variables already updated); a
-        pause under ANY_MODE names its ``mode``."""
-        call = PHASE_CALL[phase]
-        out = [f"r_status[{i}] = {NOT_SENT}" for i in range(self.n)]
-        out.append(f"t_blocked = {self.c('')}; t_status = {NOT_SENT}")
-        version = "(ct_update_rounds + 1)" if call_version(phase, 0) else "0"
-        cc = str(self.c(mode)) if mode is not None else "0"
-        for i in range(self.n):
-            out.append(f"r_status[{i}] = {SENT}")
-            push = self.push(i, self.m.f_ctrl, "U", str(self.c(call)), version, cc)
-            deliver = self.deliver_now(i, call)
-            out.append(f"if :: {deliver[0]} -> {deliver[1]} :: else -> {push} fi" if deliver else push)
-        if phase in TRAINER_COLLECTIVE:
-            out.append(f"t_blocked = {self.c(str(TRAINER_COLLECTIVE[phase].value))}; t_status = {SENT}")
-        return "; ".join(out)
-
-    def retry(self, call: str, mode: PauseMode | None) -> str:
-        """``_retry``: ``call`` to every rank again, untracked (behind whatever each controller FIFO holds)."""
-        out = []
-        cc = str(self.c(mode)) if mode is not None else "0"
-        for i in range(self.n):
-            push = self.push(i, self.m.f_ctrl, "U", str(self.c(call)), str(RETRY), cc)
-            deliver = self.deliver_now(i, call, untracked="1")
-            out.append(f"if :: {deliver[0]} -> {deliver[1]} :: else -> {push} fi" if deliver else push)
-        return "; ".join(out)
-
-    def settle(self) -> str:
-        """``Model._settle`` (stray or repeated resumes): a resume at the head of a rank's controller FIFO
-        that the rank takes as a no-op is received at once, as often as one is there."""
-        if not (self.m.stray_resume or self.m.repeat_resume):
-            return ""
-        out = []
-        for i in range(self.n):
-            b = self.qbase(i, self.m.f_ctrl)
-            head = f"q_len[{i * self.nf + self.m.f_ctrl}] > 0 && q_k[{b}] == {kind('U')} && q_a[{b}] == {self.c('resume')}"
-            deliver = self.deliver_now(i, "resume", untracked="u_retry", queued=True)
-            if deliver is None:
-                continue
-            cond, code = deliver
-            out.append(
-                f"do :: {head} && {cond} -> u_retry = (q_b[{b}] == {RETRY}); {self.pop(i, self.m.f_ctrl)}; {code} "
-                f":: else -> break od"
-            )
-        return "; ".join(out)
-
-    def deliver_now(
-        self, i: int, call: str, untracked: str = "0", queued: bool = False
-    ) -> tuple[str, str] | None:
-        """``_deliver_now``: (condition, code) for a resume that rank ``i`` takes at once as a no-op (its
-        controller FIFO empty unless ``queued``); None where no state of the table allows it."""
-        if call != "resume":
-            return None
-        c = self.c
-        states = []
-        for (s, ev), rows in self.m.table.items():
-            if ev is not RankEvent.RESUME or len(rows) != 1:
-                continue
-            row = rows[0]
-            if row.guard != ALWAYS or row.target != s or not set(row.effects) <= _REPLIES or row.updates:
-                continue
-            states.append(s)
-        if not states:
-            return None
-        in_states = " || ".join(f"r_state[{i}] == {c(s)}" for s in states)
-        empty = "" if queued else f" && q_len[{i * self.nf + self.m.f_ctrl}] == 0"
-        cond = f"r_blocked[{i}] == {c('')}{empty} && ({in_states})"
-        code = f"r_ghost[{i}] = 0; " + self.fire_rank(
-            i, RankEvent.RESUME, self.base_args(i), top=False, untracked=untracked
-        )
-        return cond, code
-
-    def front_end_call(self, phase: Phase, mode: PauseMode | None = None) -> str:
-        """``_front_end_call``: the front-end applies pause or resume to every rank machine (a pause under
-        ANY_MODE in ``mode``)."""
-        ev = CALL_EVENT[PHASE_CALL[phase]]
-        out = [f"t_blocked = {self.c('')}; t_status = {NOT_SENT}"]
-        for i in range(self.n):
-            tag = str(self.c(mode)) if mode is not None else None
-            ghost = self.tagged(str(GHOST_RECEIVED), tag) if ev is RankEvent.PAUSE else "0"
-            out.append(f"r_status[{i}] = {SENT}; r_ghost[{i}] = {ghost}")
-            out.append(self.fire_rank(i, ev, self.call_args(i, ev, mode), top=False))
-        return "; ".join(out)
-
-
-__all__ = ["Moves", "MODE_CALLS", "NOWHERE", "Policy", "CtrlEvent", "_not"]
+__all__ = ["MODE_CALLS", "NOWHERE", "CtrlEvent", "Moves", "Policy", "_not"]

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from weightsync.model.spin.build import ABORTED, DONE, RUNNING_Q, WAITING, Build, kind
+from weightsync.model.spin.build import ABORTED, DONE, RUNNING_Q, WAITING, kind
+from weightsync.model.spin.ranks import RankCode
 from weightsync.model.system.state import (
     DP_KINDS,
     FAILED_REPLY,
@@ -36,7 +37,7 @@ def fail(prop: str, cond: str) -> str:
     return f'if :: {cond} -> printf("VIOLATION {prop}\\n"); assert(false) :: else -> skip fi'
 
 
-class Props(Build):
+class Props(RankCode):
     """The checks (see the module docstring)."""
 
     # ------------------------------------------------------------------ state invariants
@@ -56,7 +57,11 @@ class Props(Build):
         none = c("")
         blocked = [f"r_blocked[{i}]" for i in range(n)]
         two_kinds = _any(
-            [f"({a} != {none} && {b} != {none} && {a} != {b})" for x, a in enumerate(blocked) for b in blocked[x + 1 :]]
+            [
+                f"({a} != {none} && {b} != {none} && {a} != {b})"
+                for x, a in enumerate(blocked)
+                for b in blocked[x + 1 :]
+            ]
         )
         mismatch = _any([f"r_collective[{i}] != r_blocked[{i}]" for i in range(n)])
         out.append(("collectives_match", f"({two_kinds} || {mismatch})"))
@@ -91,7 +96,8 @@ class Props(Build):
         for r in range(self.R):
             placed = f"((rq_where[{r}] != 0) -> 1 : 0)"
             in_fifos = " + ".join(
-                f"((q_k[{p}] == {kind('ADD')} && q_a[{p}] == {r}) -> 1 : 0)" for p in range(self.n * self.nf * 8)
+                f"((q_k[{p}] == {kind('ADD')} && q_a[{p}] == {r}) -> 1 : 0)"
+                for p in range(self.n * self.nf * self.cap)
             )
             terms.append(f"(({placed} + {in_fifos}) == (({r} < f_next) -> 1 : 0))")
             if not self.any_mode and self.mode is not PauseMode.ABORT:
@@ -113,7 +119,12 @@ class Props(Build):
         n = self.n
         agrees = f"(!{self.coord_running()} && {_all([f'r_current_wave[{i}] == co_wave' for i in range(n)])})"
         in_flight = f"(cq_len > 0 || t_blocked != {self.c('')})"
-        unsettled = _any([f"({self.coordinator_unsettled(i)} || r_current_wave[{i}] != r_current_wave[0])" for i in range(n)])
+        unsettled = _any(
+            [
+                f"({self.coordinator_unsettled(i)} || r_current_wave[{i}] != r_current_wave[0])"
+                for i in range(n)
+            ]
+        )
         return f"({agrees} || {in_flight} || {unsettled})"
 
     def coordinator_unsettled(self, i: int) -> str:
@@ -163,7 +174,9 @@ class Props(Build):
         if parts[0] == "step":
             i = int(parts[1])
             c = self.c
-            transfer = _any([f"b_blocked[{x}] == {c(k)}" for x in range(self.n) for k in sorted(TRANSFER_KINDS)])
+            transfer = _any(
+                [f"b_blocked[{x}] == {c(k)}" for x in range(self.n) for k in sorted(TRANSFER_KINDS)]
+            )
             dp = _any([f"r_blocked[{i}] == {c(k)}" for k in sorted(DP_KINDS)])
             out.append(fail("quiescence", f"({dp} && {transfer})"))
             out.append(self.step_check(i))
@@ -194,7 +207,12 @@ class Props(Build):
     def step_check(self, i: int) -> str:
         """``_step_check`` of rank ``i``'s step (read off the request arrays before and after)."""
         c = self.c
-        had = _any([f"((b_where[{r}] == {WAITING} || b_where[{r}] == {RUNNING_Q}) && b_rank[{r}] == {i})" for r in range(self.R)])
+        had = _any(
+            [
+                f"((b_where[{r}] == {WAITING} || b_where[{r}] == {RUNNING_Q}) && b_rank[{r}] == {i})"
+                for r in range(self.R)
+            ]
+        )
         ran = _any([f"r_blocked[{i}] == {c(k)}" for k in sorted(DP_KINDS)])
         ps = "b_ps"
         admits = self.states_fn.call("admits_waiting", _E(ps))
@@ -209,7 +227,9 @@ class Props(Build):
                 f"(b_where[{r}] == {RUNNING_Q} && {text(self.codes, advances)}))"
             )
             newdone = f"(rq_where[{r}] == {DONE} && b_where[{r}] != {DONE})"
-            on_after = f"((rq_where[{r}] == {WAITING} || rq_where[{r}] == {RUNNING_Q}) && rq_rank[{r}] == {i})"
+            on_after = (
+                f"((rq_where[{r}] == {WAITING} || rq_where[{r}] == {RUNNING_Q}) && rq_rank[{r}] == {i})"
+            )
             left1 = f"({on_after} -> rq_left[{r}] : ({newdone} -> 0 : 255))"
             want = f"(({ran} && {sched}) -> b_left[{r}] - 1 : b_left[{r}])"
             tokens.append(f"({on_before} && {left1} != {want})")
@@ -256,7 +276,12 @@ class Props(Build):
         c = self.c
         phase_ok = f"(ct_state == {IDLE} || ct_state == {RESUME})"
         answered = self.all_replied_expr(None).text
-        done = " + ".join(f"((rq_where[{r}] == {DONE} || rq_where[{r}] == {ABORTED}) -> 1 : 0)" for r in range(self.R)) or "0"
+        done = (
+            " + ".join(
+                f"((rq_where[{r}] == {DONE} || rq_where[{r}] == {ABORTED}) -> 1 : 0)" for r in range(self.R)
+            )
+            or "0"
+        )
         goal_run = (
             f"(ct_cycles_started == {self.m.cycles} && (ct_state == {IDLE} || {answered}) && f_next == {self.R} && "
             f"({done}) == {self.R})"
@@ -284,4 +309,4 @@ def _E(s: str) -> object:
     return Expr(s)
 
 
-__all__ = ["Props", "FAILED_REPLY"]
+__all__ = ["FAILED_REPLY", "Props"]

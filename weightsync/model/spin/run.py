@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightsync.model.spin.compose import PromelaModel
+from weightsync.model.spin.compose import CAP, PromelaModel
 from weightsync.model.system import G, Label, Model, describe
 
 #: pan's figures, parsed from its report.
@@ -91,6 +91,7 @@ def spin_check(
     max_depth: int = 10_000_000,
     hash_bits: int = 22,
     cores: int = 1,
+    fifo_capacity: int = CAP,
     timeout: float = 3600.0,
     workdir: Path | None = None,
 ) -> SpinResult:
@@ -104,6 +105,7 @@ def spin_check(
         max_depth: pan's ``-m`` (search depth bound; DFS stack).
         hash_bits: pan's ``-w`` (log2 of the hash table's slots).
         cores: DFS worker processes (``-DNCORE``; 1: none).
+        fifo_capacity: slots of each FIFO in the Promela model.
         timeout: seconds for each of SPIN, the compiler and pan.
         workdir: keep the files there (default: a temporary directory, removed).
 
@@ -116,7 +118,7 @@ def spin_check(
     if search not in ("bfs", "dfs"):
         raise ValueError(f"search={search!r}: use 'bfs' or 'dfs'")
     t0 = time.perf_counter()
-    text = PromelaModel(model, checks=checks).text()
+    text = PromelaModel(model, checks=checks, fifo_capacity=fifo_capacity).text()
     tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="weightsync-spin-")
     d = workdir if workdir is not None else Path(tmp.name)  # type: ignore[union-attr]
     try:
@@ -130,7 +132,7 @@ def spin_check(
         _run(["cc", *flags, "-o", "pan", "pan.c"], d, timeout)
         pan_args = ["./pan", f"-m{max_depth}", f"-w{hash_bits}"]
         if not checks:
-            pan_args += ["-A", "-E"]
+            pan_args.append("-E")  # terminal states are not checked there (no else branch)
         out = _run(pan_args, d, timeout)
         figs = {k: rx.search(out) for k, rx in _FIGURES.items()}
         if figs["states"] is None or figs["errors"] is None:
@@ -149,7 +151,11 @@ def spin_check(
         )
         if errors:
             trail = _run(["spin", "-t", "model.pml"], d, timeout)
-            res.labels, res.violation = parse_trail(trail)
+            why = next((ln for ln in out.splitlines() if ln.startswith("pan:") and "wrote" not in ln), "")
+            try:
+                res.labels, res.violation = parse_trail(trail)
+            except SpinError as exc:
+                raise SpinError(f"{exc} [{why}]") from None
             res.path = replay(model, res.labels, res.violation)
         res.seconds = time.perf_counter() - t0
         return res
@@ -172,8 +178,13 @@ def parse_trail(out: str) -> tuple[list[Label], str]:
             labels.append(_label(words[1:]))
         elif len(words) == 2 and words[0] == "VIOLATION":
             violation = words[1]
+        elif len(words) == 2 and words[0] == "CAPACITY":
+            raise SpinError(
+                f"a FIFO outgrew the Promela model's capacity of {words[1]} messages after {len(labels)} moves "
+                "(the model's FIFOs are unbounded): no verdict; rerun with a larger fifo_capacity"
+            )
     if violation is None:
-        raise SpinError(f"SPIN's trail names no property (an assertion of the generator failed): {out[-1500:]}")
+        raise SpinError(f"SPIN stopped after {len(labels)} moves on an error that names no property")
     return labels, violation
 
 
@@ -199,7 +210,9 @@ def replay(model: Model, labels: list[Label], violation: str) -> list[tuple[G, L
         nxt = [t for label, t in succ if tuple(label) == lab]
         if not nxt:
             offered = ", ".join(" ".join(map(str, label)) for label, _ in succ)
-            raise SpinError(f"SPIN's trail is no path of the model: step {k} {lab!r}; the model offers {offered}")
+            raise SpinError(
+                f"SPIN's trail is no path of the model: step {k} {lab!r}; the model offers {offered}"
+            )
         path.append((s, lab, nxt[0]))
         s = nxt[0]
     found = list(model.invariant(s))

@@ -47,7 +47,9 @@ class TableCode:
         """Row ``row``'s guard as a Promela value (True for ``always``)."""
         return True if row.guard == ALWAYS else self.tr.guard(row.guard, args)
 
-    def selected(self, rows: Sequence[Transition], args: Mapping[str, Value]) -> list[tuple[Transition, Value]]:
+    def selected(
+        self, rows: Sequence[Transition], args: Mapping[str, Value]
+    ) -> list[tuple[Transition, Value]]:
         """Each row with the condition that it is the one selected (its guard holds and no earlier one's),
         rows that can never be selected left out."""
         out: list[tuple[Transition, Value]] = []
@@ -89,7 +91,9 @@ class TableCode:
         if len(items) == 1 or all(not isinstance(v, Expr) for _, v in items):
             return "; ".join(f"{self.var(f)} = {text(self.codes, v)}" for f, v in items)
         if len(items) > TEMPS:
-            raise ValueError(f"an update assigns {len(items)} fields; the composition has {TEMPS} temporaries")
+            raise ValueError(
+                f"an update assigns {len(items)} fields; the composition has {TEMPS} temporaries"
+            )
         first = [f"tmp[{k}] = {text(self.codes, v)}" for k, (_, v) in enumerate(items)]
         then = [f"{self.var(f)} = tmp[{k}]" for k, (f, _) in enumerate(items)]
         return "; ".join(first + then)

@@ -131,7 +131,9 @@ class Registry:
             if not isinstance(d, ast.Dict):
                 raise TranslateError(f"{module_name}.{name} is not a dict literal at the top level")
             self.entries[kind] = {
-                k.value: v for k, v in zip(d.keys, d.values, strict=True) if isinstance(k, ast.Constant)
+                k.value: v
+                for k, v in zip(d.keys, d.values, strict=True)
+                if isinstance(k, ast.Constant) and isinstance(k.value, str)
             }
 
 
@@ -206,7 +208,11 @@ class Translator:
         for stmt in fn.body:
             if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
                 continue  # docstring
-            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            if (
+                isinstance(stmt, ast.Assign)
+                and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name)
+            ):
                 env[stmt.targets[0].id] = self.value(stmt.value, env, where)
                 continue
             if (
@@ -266,8 +272,9 @@ class Translator:
                     raise TranslateError(f"{where}: _replace of unknown field {kw.arg!r}")
                 out[kw.arg] = self.value(kw.value, env, where)
             return [(True, out)]
-        raise TranslateError(f"{where}: an update must return v, v._replace(...) or a conditional of them: "
-                             f"{ast.unparse(body)}")
+        raise TranslateError(
+            f"{where}: an update must return v, v._replace(...) or a conditional of them: {ast.unparse(body)}"
+        )
 
     # ------------------------------------------------------------------ expressions
 
@@ -363,7 +370,9 @@ class Translator:
             return self._call(node, env, where)
         raise TranslateError(f"{where}: construct {type(node).__name__}: {ast.unparse(node)}")
 
-    def _arg(self, args: Mapping[str, Value], key: Value, where: str, required: bool, default: Value = None) -> Value:
+    def _arg(
+        self, args: Mapping[str, Value], key: Value, where: str, required: bool, default: Value = None
+    ) -> Value:
         if isinstance(key, Expr):
             raise TranslateError(f"{where}: an argument named by a Promela value")
         if key in args:
