@@ -224,8 +224,23 @@ def _rows() -> list[tuple[str, str]]:
     return out
 
 
+def test_a_full_fifo_is_no_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's FIFOs are unbounded, the Promela model's are not: a run that fills one stops with an error
+    naming the capacity; by default the capacity doubles until no FIFO overflows, and only that run's
+    verdict counts."""
+    import weightsync.model.spin.run as run
+
+    model = build_model("vllm-0.32-epoch", 2, "keep", "ordered")
+    with pytest.raises(run.CapacityError, match="capacity of 1 messages"):
+        spin_check(model, fifo_capacity=1)
+    monkeypatch.setattr(run, "CAP", 1)
+    res = spin_check(model)
+    assert res.fifo_capacity >= 2 and res.verdict == "verified"
+
+
 @pytest.mark.slow
 @pytest.mark.ci
+@pytest.mark.timeout(5400)
 def test_spin_agrees_with_every_proofs_row() -> None:
     """Issue 19 item 6: SPIN and the explorer agree on the verdict (safety and deadlock) of every mode of
     every ``proofs/`` row; two SPIN runs at a time (the machine's two cores)."""

@@ -52,6 +52,7 @@ def check(args: argparse.Namespace) -> int:
         stalls=args.stalls,
         counterexample_of=args.counterexample_of,
         engine=args.engine,
+        spin={"search": args.spin_search, "cores": args.spin_cores, "fifo_capacity": args.fifo_capacity},
         deadline=None if args.max_seconds is None else time.time() + args.max_seconds,
     )
     emit(out, args.json, lambda: print_human(out))

@@ -143,6 +143,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _engine_argument(c, spin=True)
     c.add_argument(
+        "--spin-search",
+        choices=["bfs", "dfs"],
+        default="bfs",
+        help="(--engine spin) bfs: breadth-first, a shortest counterexample; dfs: depth-first with SPIN's "
+        "partial-order reduction (a one-process model gives it nothing to reduce) and --spin-cores workers",
+    )
+    c.add_argument(
+        "--spin-cores",
+        type=POSITIVE,
+        default=1,
+        help="(--engine spin --spin-search dfs) pan's -DNCORE workers",
+    )
+    c.add_argument(
+        "--fifo-capacity",
+        type=POSITIVE,
+        default=None,
+        help="(--engine spin) slots of each FIFO in the Promela model (the model's are unbounded: a run that "
+        "fills one stops with an error naming it, never with a verdict); default: 8, doubled after each run "
+        "a full FIFO stopped, up to 64",
+    )
+    c.add_argument(
         "--workers",
         type=POSITIVE,
         default=None,

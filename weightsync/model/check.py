@@ -301,17 +301,17 @@ def default_symmetry(ranks: int) -> bool:
 CHECK_ENGINES = (*ENGINES, "spin")
 
 
-def spin_mode(model: Model) -> ModeResult:
+def spin_mode(model: Model, options: dict[str, Any] | None = None) -> ModeResult:
     """Check one mode with SPIN (:func:`weightsync.model.spin.run.spin_check`): safety and deadlock; the
     progress properties and the non-vacuity witnesses are not checked. SPIN stops at its first violation,
     so the other safety properties are then "not checked". The counterexample is SPIN's trail replayed on
     the model (:func:`weightsync.model.spin.run.replay`).
 
     Raises:
-        UnsupportedModel: a configuration the generator does not cover; SpinError: see ``spin_check``."""
+        SpinError: see ``spin_check`` (``options`` are its keyword arguments)."""
     from weightsync.model.spin.run import spin_check, steps_text
 
-    res = spin_check(model)
+    res = spin_check(model, **(options or {}))
     props: dict[str, str] = {}
     for name in SAFETY:
         if name == res.violation:
@@ -348,13 +348,39 @@ def spin_mode(model: Model) -> ModeResult:
 
 
 def _check_one(
-    args: tuple[str, int, ModeSetting, str, Bounds, bool, int, bool, bool, str | None, str, float | None],
+    args: tuple[
+        str,
+        int,
+        ModeSetting,
+        str,
+        Bounds,
+        bool,
+        int,
+        bool,
+        bool,
+        str | None,
+        str,
+        float | None,
+        dict[str, Any],
+    ],
 ) -> ModeResult:
-    variant, ranks, mode, channels, bounds, symmetry, max_states, progress, stalls, of, engine, deadline = (
-        args
-    )
+    (
+        variant,
+        ranks,
+        mode,
+        channels,
+        bounds,
+        symmetry,
+        max_states,
+        progress,
+        stalls,
+        of,
+        engine,
+        deadline,
+        spin,
+    ) = args
     if engine == "spin":
-        return spin_mode(build_model(variant, ranks, mode, channels, bounds))
+        return spin_mode(build_model(variant, ranks, mode, channels, bounds), spin)
     return check_mode(
         build_model(variant, ranks, mode, channels, bounds),
         symmetry=symmetry,
@@ -382,6 +408,7 @@ def check(
     counterexample_of: str | None = None,
     engine: str = DEFAULT_ENGINE,
     deadline: float | None = None,
+    spin: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run ``weightsync check`` and return its JSON object (the keys below).
 
@@ -390,7 +417,8 @@ def check(
     ``deadline``: one per mode).
     ``counterexample_of``: the property whose counterexample to report where it is violated (default: the
     most specific violation, ``PRIORITY``). ``engine``: the exploration engine (:func:`explore_model`; both
-    give the same figures and verdicts). ``deadline``: every mode stops exploring once ``time.time()``
+    give the same figures and verdicts), or ``"spin"`` (:func:`spin_mode`: safety and deadlock, no symmetry;
+    ``spin``: keyword arguments of :func:`weightsync.model.spin.run.spin_check`). ``deadline``: every mode stops exploring once ``time.time()``
     passes it (epoch seconds).
 
     Raises:
@@ -429,6 +457,7 @@ def check(
             counterexample_of,
             engine,
             deadline,
+            spin or {},
         )
         for m in modes
     ]

@@ -64,6 +64,7 @@ class SpinResult:
     labels: list[Label] = field(default_factory=list)
     path: list[tuple[G, Label, G]] = field(default_factory=list)
     pan_output: str = ""
+    fifo_capacity: int = CAP
 
 
 def spin_available() -> bool:
@@ -83,7 +84,43 @@ def _run(cmd: list[str], cwd: Path, timeout: float) -> str:
     return p.stdout + p.stderr
 
 
-def spin_check(
+class CapacityError(SpinError):
+    """A FIFO of the Promela model outgrew its capacity (the model's FIFOs are unbounded): no verdict."""
+
+    def __init__(self, capacity: int, moves: int) -> None:
+        super().__init__(
+            f"a FIFO outgrew the Promela model's capacity of {capacity} messages after {moves} moves (the "
+            "model's FIFOs are unbounded): no verdict; rerun with a larger fifo_capacity"
+        )
+        self.capacity = capacity
+
+
+#: The largest FIFO capacity :func:`spin_check` doubles up to.
+MAX_CAPACITY = 64
+
+
+def spin_check(model: Model, *, fifo_capacity: int | None = None, **kwargs: Any) -> SpinResult:
+    """:func:`spin_once` with FIFOs of ``fifo_capacity`` slots, or (None) of 8 slots doubled after each run a
+    full FIFO stopped, up to :data:`MAX_CAPACITY`: a verdict only ever comes from a run in which no FIFO
+    overflowed, so it is the unbounded model's. ``kwargs``: :func:`spin_once`'s.
+
+    Raises:
+        CapacityError: a FIFO outgrew ``fifo_capacity`` (or :data:`MAX_CAPACITY`); others as
+            :func:`spin_once`."""
+    cap = CAP if fifo_capacity is None else fifo_capacity
+    while True:
+        try:
+            res = spin_once(model, fifo_capacity=cap, **kwargs)
+        except CapacityError:
+            if fifo_capacity is not None or cap * 2 > MAX_CAPACITY:
+                raise
+            cap *= 2
+            continue
+        res.fifo_capacity = cap
+        return res
+
+
+def spin_once(
     model: Model,
     *,
     search: str = "bfs",
@@ -154,6 +191,8 @@ def spin_check(
             why = next((ln for ln in out.splitlines() if ln.startswith("pan:") and "wrote" not in ln), "")
             try:
                 res.labels, res.violation = parse_trail(trail)
+            except CapacityError:
+                raise
             except SpinError as exc:
                 raise SpinError(f"{exc} [{why}]") from None
             res.path = replay(model, res.labels, res.violation)
@@ -179,10 +218,7 @@ def parse_trail(out: str) -> tuple[list[Label], str]:
         elif len(words) == 2 and words[0] == "VIOLATION":
             violation = words[1]
         elif len(words) == 2 and words[0] == "CAPACITY":
-            raise SpinError(
-                f"a FIFO outgrew the Promela model's capacity of {words[1]} messages after {len(labels)} moves "
-                "(the model's FIFOs are unbounded): no verdict; rerun with a larger fifo_capacity"
-            )
+            raise CapacityError(int(words[1]), len(labels))
     if violation is None:
         raise SpinError(f"SPIN stopped after {len(labels)} moves on an error that names no property")
     return labels, violation
@@ -233,4 +269,15 @@ def steps_text(model: Model, path: list[tuple[G, Label, G]]) -> list[str]:
     return [f"{k}. {describe(model, a, lab, b).text}" for k, (a, lab, b) in enumerate(path, start=1)]
 
 
-__all__ = ["SpinError", "SpinResult", "parse_trail", "replay", "spin_available", "spin_check", "steps_text"]
+__all__ = [
+    "MAX_CAPACITY",
+    "CapacityError",
+    "SpinError",
+    "SpinResult",
+    "parse_trail",
+    "replay",
+    "spin_available",
+    "spin_check",
+    "spin_once",
+    "steps_text",
+]
