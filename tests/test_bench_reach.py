@@ -70,6 +70,8 @@ def test_the_quick_bench_prints_the_issue_fields() -> None:
     assert [r["ranks"] for r in out["rows"]] == [2, 3]
     n3 = out["rows"][1]
     assert out["n3_seconds"] == n3["seconds"] and out["n3_states_per_second"] > 0
+    sv = out["spin_vs_compact"][0]  # the explorer against SPIN on the generated Promela, N=2 keep
+    assert not sv["available"] or sv["spin_verdict"] == sv["compact_verdict"] == "verified"
     for r in out["rows"]:
         assert {
             "ranks",

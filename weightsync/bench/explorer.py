@@ -7,7 +7,9 @@ same-process ratios: the compact engine (:mod:`weightsync.model.compact`) agains
 model's successor function on state tuples) on two-phase-epoch N=3 without reductions, every pause mode
 (``speedup_vs_baseline``: keep's ratio of states per second; the two explore the same states in the same
 order); at N=2, the dict parent-pointer explorer against a networkx ``DiGraph`` BFS of the same model (an
-approach measured 3-5x slower and ~10x heavier); and plain vs symmetry-reduced exploration at N=3.
+approach measured 3-5x slower and ~10x heavier); plain vs symmetry-reduced exploration at N=3; and the
+explorer against SPIN on the Promela model generated from the same tables (``spin_vs_compact``: N=2 and
+N=3 keep, no reductions, :func:`spin_ratio`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,39 @@ def engine_ratio(n: int, mode: PauseMode) -> dict[str, Any]:
             figures["compact"]["states_per_second"] / figures["baseline"]["states_per_second"], 2
         ),
         "compact_memo": stats,
+    }
+
+
+def spin_ratio(n: int, mode: PauseMode) -> dict[str, Any]:
+    """The compact explorer against SPIN on the Promela model generated from the same tables
+    (:mod:`weightsync.model.spin`), two-phase-epoch with ``n`` ranks in ``mode``, safety and deadlock, no
+    reductions on either side (SPIN's BFS), in this process one after the other: seconds (SPIN's: generating,
+    compiling and searching; and its search alone), states, and the ratio of the explorer's seconds to SPIN's.
+    ``{"available": False}`` without ``spin`` and ``cc`` on PATH."""
+    from weightsync.model.spin.run import spin_available, spin_check
+
+    if not spin_available():
+        return {"available": False, "ranks": n, "mode": mode.value}
+    gc.collect()
+    m = _model(n, mode=mode)
+    t0 = time.perf_counter()
+    ex = explore_model(m)
+    dt = time.perf_counter() - t0
+    res = spin_check(_model(n, mode=mode))
+    return {
+        "available": True,
+        "variant": "two-phase-epoch",
+        "ranks": n,
+        "mode": mode.value,
+        "compact_states": len(ex.states),
+        "compact_seconds": round(dt, 3),
+        "spin_states": res.states,
+        "spin_seconds": round(res.seconds, 3),
+        "spin_search_seconds": res.search_seconds,
+        "spin_verdict": res.verdict,
+        "compact_verdict": "counterexample" if ex.violations else "verified",
+        "compact_over_spin_seconds": round(dt / res.seconds, 2),
+        "compact_over_spin_search_seconds": round(dt / max(res.search_seconds, 1e-3), 2),
     }
 
 
@@ -171,6 +206,11 @@ def run_explorer_bench(quick: bool = False, budget_s: float = ROW_BUDGET_S) -> d
             "seconds_plain_over_symmetric": round(plain3["seconds"] / sym3["seconds"], 2),
         }
     rows = reach_rows(budget_s, quick=quick)
+    spin_rows = (
+        [spin_ratio(2, PauseMode.KEEP)]
+        if quick
+        else [spin_ratio(2, PauseMode.KEEP), spin_ratio(3, PauseMode.KEEP)]
+    )
     n3 = next(r for r in rows if r["ranks"] == 3)
     n3_done = n3["verdict"] not in ("timeout", "incomplete")
     return {
@@ -188,8 +228,10 @@ def run_explorer_bench(quick: bool = False, budget_s: float = ROW_BUDGET_S) -> d
         "runs": runs,
         "baseline_networkx": baseline,
         "symmetry_ratio_n3": sym_ratio,
+        "spin_vs_compact": spin_rows,
         "peak_rss_mb": round(_rss_mb(), 1),
         "ok": all(not r["violations"] for r in runs)
         and all(r["verdict"] == "verified" for r in rows)
-        and all(r["same_exploration"] and not r["violations"] for r in ratio_rows),
+        and all(r["same_exploration"] and not r["violations"] for r in ratio_rows)
+        and all(not r["available"] or r["spin_verdict"] == r["compact_verdict"] for r in spin_rows),
     }

@@ -30,6 +30,7 @@ _FIGURES = {
     "depth": re.compile(r"depth reached (\d+)"),
     "errors": re.compile(r"errors: (\d+)"),
     "memory_mb": re.compile(r"^\s*([\d.]+)\s+total actual memory usage", re.M),
+    "search_seconds": re.compile(r"pan: elapsed time ([\d.e+]+) seconds"),
 }
 
 
@@ -48,6 +49,7 @@ class SpinResult:
             model's count + 1).
         seconds: generation, compilation and search, wall clock.
         memory_mb: pan's total memory.
+        search_seconds: pan's search alone (its ``elapsed time``).
         violation: the property SPIN reports violated (None when verified).
         labels: the trail as the model's labels.
         path: the trail replayed on the model, ``(state, label, next_state)``.
@@ -65,6 +67,7 @@ class SpinResult:
     path: list[tuple[G, Label, G]] = field(default_factory=list)
     pan_output: str = ""
     fifo_capacity: int = CAP
+    search_seconds: float = 0.0
 
 
 def spin_available() -> bool:
@@ -184,6 +187,7 @@ def spin_once(
             depth=int(figs["depth"].group(1)) if figs["depth"] else 0,
             seconds=0.0,
             memory_mb=float(figs["memory_mb"].group(1)) if figs["memory_mb"] else 0.0,
+            search_seconds=float(figs["search_seconds"].group(1)) if figs["search_seconds"] else 0.0,
             pan_output=out,
         )
         if errors:
