@@ -132,6 +132,21 @@ def table_digest(rows: Iterable[tuple[Any, Any, Transition]], *extra: str) -> st
 
 
 @functools.cache
+def module_code(module_name: str) -> tuple[dict[str, ast.FunctionDef], dict[str, ast.expr]]:
+    """The parsed code of a module's top level: its functions by name, and the value of each name assigned
+    at the top level (``x = ...`` or ``x: T = ...``). :func:`registry_digest` hashes registries from it;
+    the Promela generator (:mod:`weightsync.model.spin.translate`) translates them from it."""
+    tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    literals: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            literals.update((t.id, node.value) for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
+            literals[node.target.id] = node.value
+    return functions, literals
+
+
 def registry_digest(module_name: str, *registries: str) -> str:
     """A SHA-256 hex digest of the code behind named guard / update registries of one module: each entry's
     name and its value's source, and the source of every function of that module the values call, directly
@@ -149,14 +164,7 @@ def registry_digest(module_name: str, *registries: str) -> str:
     Raises:
         ValueError: a name is not assigned a dict literal at the module's top level.
     """
-    tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))
-    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-    literals: dict[str, ast.expr] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign):
-            literals.update((t.id, node.value) for t in node.targets if isinstance(t, ast.Name))
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
-            literals[node.target.id] = node.value
+    functions, literals = module_code(module_name)
     h = hashlib.sha256()
     called: set[str] = set()
 

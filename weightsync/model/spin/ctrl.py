@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from weightsync.model.spin.build import kind
 from weightsync.model.spin.ranks import RankCode
-from weightsync.model.spin.tables import _and
-from weightsync.model.spin.translate import Expr, Value, text
+from weightsync.model.spin.translate import Expr, Value, and_, text
 from weightsync.model.system.environment import _REPLIES, _UNTRACKED, MODE_CALLS
 from weightsync.model.system.state import (
     CALL_EVENT,
@@ -58,7 +57,7 @@ class ControllerCode(RankCode):
         m = self.m
         answered = self.all_replied_expr(None)
         ev_expr = self.ctrl_fn.call(
-            "controller_event", Expr("ct_state"), answered, _and(answered, Expr(self.phase_failed_expr()))
+            "controller_event", Expr("ct_state"), answered, and_(answered, Expr(self.phase_failed_expr()))
         )
         args = {**m._ctrl_args(0), "requests_sent": Expr("f_next")}
         out = []
@@ -71,7 +70,7 @@ class ControllerCode(RankCode):
                     continue
                 (eff,) = row.effects
                 target = Phase(row.target) if row.target is not None else Phase(phase)
-                guard = _and(_and(Expr(f"(ct_state == {int(phase)})"), is_ev), g)
+                guard = and_(and_(Expr(f"(ct_state == {int(phase)})"), is_ev), g)
                 update = t.updates(row, args)
                 label_call = PHASE_CALL.get(target, "")
                 modes: list[PauseMode | None] = [None]

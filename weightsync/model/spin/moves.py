@@ -6,16 +6,13 @@ from __future__ import annotations
 from weightsync.model.spin.build import (
     ABORTED,
     DONE,
-    NOWHERE,
     RUNNING_Q,
     WAITING,
     kind,
 )
 from weightsync.model.spin.ctrl import ControllerCode
-from weightsync.model.spin.tables import _and, _not, _or
-from weightsync.model.spin.translate import Expr, Value, text
+from weightsync.model.spin.translate import Expr, Value, and_, not_, or_, text
 from weightsync.model.system.effects import _IMMEDIATE_REPLIES
-from weightsync.model.system.environment import MODE_CALLS
 from weightsync.model.system.state import (
     CALL_EVENT,
     DONE_EVENT,
@@ -39,7 +36,6 @@ from weightsync.spec.collectives import (
     DONE_CARRIES_HAS_WORK,
     Reduction,
 )
-from weightsync.spec.controller import CtrlEvent, Policy
 from weightsync.spec.coordinator import BROADCASTS, MESSAGE_FIELDS, PUBLISH, CoordEvent, CoordState
 from weightsync.spec.front_end import FrontEvent, FrontState
 from weightsync.spec.states import Collective, RankEvent, RankState
@@ -89,7 +85,7 @@ class Moves(ControllerCode):
             in_s = Expr(f"(r_state[{i}] == {c(s)})")
             for row, cond in t.selected(t.table[(s, RankEvent.STEP)], args):
                 if not row.effects:
-                    idle = _or(idle, _and(_and(in_s, cond), t.noop(row, args)))
+                    idle = or_(idle, and_(and_(in_s, cond), t.noop(row, args)))
         guard = f"{live} && !{text(self.codes, idle)}" if idle is not False else live
         body = f"h_hw = {text(self.codes, args['has_work'])}; " + self.fire_rank(
             i, RankEvent.STEP, {**args, "has_work": Expr("h_hw")}
@@ -171,15 +167,7 @@ class Moves(ControllerCode):
     def row_changes(self, i: int, ev: RankEvent, args: dict[str, Value]) -> Value:
         """The row ``ev`` takes on rank ``i`` changes its variables (no row: it moves to ``error``)."""
         t = self.rank_tables[i]
-        out: Value = False
-        none: Value = True
-        for s in t.states_for(ev):
-            in_s = Expr(f"(r_state[{i}] == {self.c(s)})")
-            for row, cond in t.selected(t.table[(s, ev)], args):
-                sel = _and(in_s, cond)
-                out = _or(out, _and(sel, _not(t.noop(row, args))))
-                none = _and(none, _not(sel))
-        return _or(out, none)
+        return self.row_condition(i, ev, args, lambda row: True if row is None else not_(t.noop(row, args)))
 
     # ------------------------------------------------------------------ collectives
 
@@ -361,7 +349,7 @@ class Moves(ControllerCode):
             for s in t.states_for(FrontEvent.SEND_REQUEST):
                 for row, cond in t.selected(t.table[(s, FrontEvent.SEND_REQUEST)], args):
                     if "hold_request" not in row.effects:
-                        sends = _or(sends, _and(Expr(f"(f_state == {self.c(s)})"), cond))
+                        sends = or_(sends, and_(Expr(f"(f_state == {self.c(s)})"), cond))
             guard = f"f_next < {self.R}{holds} && {text(self.codes, sends)}"
 
             def on_row(row: object, i: int = i) -> str:
@@ -417,4 +405,4 @@ class Moves(ControllerCode):
     # ------------------------------------------------------------------ controller
 
 
-__all__ = ["MODE_CALLS", "NOWHERE", "CtrlEvent", "Moves", "Policy", "_not"]
+__all__ = ["Moves"]

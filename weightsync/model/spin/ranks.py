@@ -4,11 +4,10 @@ pause ghost's encoding (with its mode under ANY_MODE)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from weightsync.model.spin.build import ABORTED, DONE, RUNNING_Q, WAITING, Build, UnsupportedModel, kind
-from weightsync.model.spin.tables import _and, _not, _or
-from weightsync.model.spin.translate import Expr, Value, text
+from weightsync.model.spin.translate import Expr, Value, and_, not_, or_, text
 from weightsync.model.system.state import (
     ENTER_EFFECT,
     FAIL_PHASE,
@@ -226,20 +225,20 @@ class RankCode(Build):
         cond = f"({waiting} && !{text(self.codes, row_admits)}" + (f" && ({drains}))" if drains else ")")
         return f"({cond} -> {queued} : {received})"
 
-    def row_condition(self, i: int, ev: RankEvent, args: Mapping[str, Value], pred: object) -> Value:
-        """A Promela condition: the row ``ev`` takes on rank ``i`` satisfies ``pred(row)`` (no row: ``pred(None)``)."""
+    def row_condition(
+        self, i: int, ev: RankEvent, args: Mapping[str, Value], pred: Callable[[Transition | None], Value]
+    ) -> Value:
+        """A Promela condition: ``pred`` holds of the row ``ev`` takes on rank ``i`` (``pred(None)``: no row
+        is legal). ``pred`` gives a constant or a Promela condition (read before the row fires)."""
         t = self.rank_tables[i]
         out: Value = False
         none_legal: Value = True
         for s in t.states_for(ev):
             in_s = Expr(f"(r_state[{i}] == {self.c(s)})")
             for row, cond in t.selected(t.table[(s, ev)], args):
-                if pred(row):  # type: ignore[operator]
-                    out = _or(out, _and(in_s, cond))
-                none_legal = _and(none_legal, _not(_and(in_s, cond)))
-        if pred(None):  # type: ignore[operator]
-            out = _or(out, none_legal)
-        return out
+                out = or_(out, and_(and_(in_s, cond), pred(row)))
+                none_legal = and_(none_legal, not_(and_(in_s, cond)))
+        return or_(out, and_(none_legal, pred(None)))
 
 
 __all__ = ["RankCode"]

@@ -8,7 +8,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from weightsync.model.spin.translate import Codes, Expr, Registry, Translator, Value, text
+from weightsync.model.spin.translate import (
+    Codes,
+    Expr,
+    Registry,
+    Translator,
+    Value,
+    and_,
+    ite,
+    not_,
+    text,
+)
 from weightsync.spec.table import ALWAYS, Transition
 
 #: Hidden Promela temporaries for two-phase assignments (declared by the composition, never in the state).
@@ -56,10 +66,10 @@ class TableCode:
         none_before: Value = True
         for row in rows:
             g = self.guard(row, args)
-            cond = _and(none_before, g)
+            cond = and_(none_before, g)
             if cond is not False:
                 out.append((row, cond))
-            none_before = _and(none_before, _not(g))
+            none_before = and_(none_before, not_(g))
             if none_before is False:
                 break
         return out
@@ -109,9 +119,9 @@ class TableCode:
             for cond, assigns in reversed(cases):
                 unchanged: Value = True
                 for f, v in assigns.items():
-                    unchanged = _and(unchanged, Expr(f"({self.var(f)} == {text(self.codes, v)})"))
-                same = unchanged if cond is True else _ite(cond, unchanged, same)
-            out = _and(out, same)
+                    unchanged = and_(unchanged, Expr(f"({self.var(f)} == {text(self.codes, v)})"))
+                same = unchanged if cond is True else ite(cond, unchanged, same)
+            out = and_(out, same)
         return out
 
     def fire(
@@ -140,30 +150,4 @@ class TableCode:
         return " ".join(lines)
 
 
-def _not(x: Value) -> Value:
-    return Expr(f"(!{x.text})") if isinstance(x, Expr) else not x
-
-
-def _and(a: Value, b: Value) -> Value:
-    if not isinstance(a, Expr):
-        return b if a else False
-    if not isinstance(b, Expr):
-        return a if b else False
-    return Expr(f"({a.text} && {b.text})")
-
-
-def _or(a: Value, b: Value) -> Value:
-    if not isinstance(a, Expr):
-        return True if a else b
-    if not isinstance(b, Expr):
-        return True if b else a
-    return Expr(f"({a.text} || {b.text})")
-
-
-def _ite(c: Value, a: Value, b: Value) -> Value:
-    if not isinstance(c, Expr):
-        return a if c else b
-    return _or(_and(c, a), _and(_not(c), b))
-
-
-__all__ = ["TEMPS", "TableCode", "_and", "_not", "_or"]
+__all__ = ["TEMPS", "TableCode"]

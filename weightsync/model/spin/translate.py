@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import ast
 import importlib
-import inspect
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Any
+
+from weightsync.spec.table import module_code
 
 #: Promela's code of Python's None (model versions and codes are >= 0).
 NONE = -1
@@ -114,14 +115,7 @@ class Registry:
 
     def __init__(self, module_name: str, guards: str | None, updates: str | None) -> None:
         self.module = importlib.import_module(module_name)
-        tree = ast.parse(inspect.getsource(self.module))
-        self.functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-        literals: dict[str, ast.expr] = {}
-        for node in tree.body:
-            if isinstance(node, ast.Assign):
-                literals.update((t.id, node.value) for t in node.targets if isinstance(t, ast.Name))
-            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
-                literals[node.target.id] = node.value
+        self.functions, literals = module_code(module_name)
         self.entries: dict[str, dict[str, ast.expr]] = {}
         for kind, name in (("guard", guards), ("update", updates)):
             if name is None:
@@ -256,7 +250,7 @@ class Translator:
             if not isinstance(cond, Expr):
                 return self._cases(body.body if cond else body.orelse, env, where)
             then = self._cases(body.body, env, where)
-            return [(_and(cond, c), a) for c, a in then] + self._cases(body.orelse, env, where)
+            return [(and_(cond, c), a) for c, a in then] + self._cases(body.orelse, env, where)
         if isinstance(body, ast.Name) and env.get(body.id) == "v":
             return [(True, {})]
         if (
@@ -304,8 +298,8 @@ class Translator:
             for operand in node.values:
                 x = self.value(operand, env, where)
                 if not isinstance(x, Expr):
-                    if bool(x) != is_and:  # False in an and, True in an or: decided
-                        return bool(x) if not parts else _fold(parts, is_and, bool(x))
+                    if bool(x) != is_and:  # False in an and, True in an or: decided (no side effects)
+                        return bool(x)
                     continue
                 parts.append(x)
             if not parts:
@@ -412,7 +406,13 @@ class Translator:
         raise TranslateError(f"{where}: call {ast.unparse(node)}")
 
 
-def _and(a: Value, b: Value) -> Value:
+def not_(x: Value) -> Value:
+    """Promela ``!x`` (folded when ``x`` is a constant)."""
+    return Expr(f"(!{x.text})") if isinstance(x, Expr) else not x
+
+
+def and_(a: Value, b: Value) -> Value:
+    """Promela ``a && b`` (folded where either is a constant)."""
     if not isinstance(a, Expr):
         return b if a else False
     if not isinstance(b, Expr):
@@ -420,7 +420,17 @@ def _and(a: Value, b: Value) -> Value:
     return Expr(f"({a.text} && {b.text})")
 
 
-def _fold(parts: list[Value], is_and: bool, decided: bool) -> Value:
-    """An ``and`` (``or``) whose later operand is the constant False (True): decided, whatever ``parts``
-    (the earlier, Promela ones) are, since they have no side effects."""
-    return decided
+def or_(a: Value, b: Value) -> Value:
+    """Promela ``a || b`` (folded where either is a constant)."""
+    if not isinstance(a, Expr):
+        return True if a else b
+    if not isinstance(b, Expr):
+        return True if b else a
+    return Expr(f"({a.text} || {b.text})")
+
+
+def ite(c: Value, a: Value, b: Value) -> Value:
+    """``a`` if ``c`` else ``b``, as a Promela boolean (folded where ``c`` is a constant)."""
+    if not isinstance(c, Expr):
+        return a if c else b
+    return or_(and_(c, a), and_(not_(c), b))
