@@ -344,6 +344,7 @@ def spin_mode(model: Model, options: dict[str, Any] | None = None) -> ModeResult
         True,
         violation_depths={res.violation: len(res.path)} if res.violation else {},
         peak_rss_mb=res.memory_mb,
+        levels_expanded=res.depth - 1,
     )
 
 
