@@ -207,6 +207,22 @@ def test_spin_verdicts_match_the_proofs(name: str, mode: str) -> None:
     _agree(name, mode)
 
 
+def test_a_table_edit_changes_the_generated_model() -> None:
+    """The Promela comes from the table in use: with the verified variant's VERIFIED rows for START_DP_WAVE
+    removed (a late wave is then illegal there), SPIN finds the protocol error, on a trail the mutated model
+    takes."""
+    from weightsync.model.system import Config, Model
+    from weightsync.spec.rank import get_variant
+    from weightsync.spec.states import RankEvent
+
+    table = dict(get_variant("two-phase-epoch").table)
+    del table[(RankState.VERIFIED, RankEvent.START_DP_WAVE)]
+    model = Model(Config("two-phase-epoch", 2, PauseMode.KEEP, "per-socket", Bounds()), table=table)
+    res = spin_check(model)
+    assert res.verdict == "counterexample" and res.violation == "phase_bracketing"
+    assert res.path[-1][2].ranks[res.labels[-1][1]].vars.state is RankState.ERROR
+
+
 def test_a_trail_the_model_does_not_take_is_refused() -> None:
     """Replay checks SPIN: a label the model does not offer, or a violation it does not find, is an error."""
     model = build_model("two-phase", 2, "keep", "per-socket")
