@@ -301,53 +301,6 @@ def default_symmetry(ranks: int) -> bool:
 CHECK_ENGINES = (*ENGINES, "spin")
 
 
-def spin_mode(model: Model, options: dict[str, Any] | None = None) -> ModeResult:
-    """Check one mode with SPIN (:func:`weightsync.model.spin.run.spin_check`): safety and deadlock; the
-    progress properties and the non-vacuity witnesses are not checked. SPIN stops at its first violation,
-    so the other safety properties are then "not checked". The counterexample is SPIN's trail replayed on
-    the model (:func:`weightsync.model.spin.run.replay`).
-
-    Raises:
-        SpinError: see ``spin_check`` (``options`` are its keyword arguments)."""
-    from weightsync.model.spin.run import spin_check, steps_text
-
-    res = spin_check(model, **(options or {}))
-    props: dict[str, str] = {}
-    for name in SAFETY:
-        if name == res.violation:
-            props[name] = VIOLATED
-        else:
-            props[name] = NOT_CHECKED if res.violation else HOLDS
-    for name in (*PROGRESS, *SOMETIMES):
-        props[name] = NOT_CHECKED
-    cx = None
-    if res.violation is not None:
-        final = res.path[-1][2] if res.path else model.initial()
-        texts = steps_text(model, res.path)
-        texts.append(f"{len(texts) + 1}. => {violation_text(model, res.violation, final)}")
-        cx = {
-            "property": res.violation,
-            "mode": model.mode.value,
-            "statement": PROPERTIES[res.violation][0],
-            "steps": texts,
-            "labels": [list(lab) for lab in res.labels],
-            "engine": "spin",
-        }
-    return ModeResult(
-        model.mode,
-        res.states - 1,  # SPIN also stores its state before init's first step
-        res.transitions - 1,
-        res.depth - 1,
-        res.seconds,
-        props,
-        cx,
-        True,
-        violation_depths={res.violation: len(res.path)} if res.violation else {},
-        peak_rss_mb=res.memory_mb,
-        levels_expanded=res.depth - 1,
-    )
-
-
 def _check_one(
     args: tuple[
         str,
@@ -381,6 +334,8 @@ def _check_one(
         spin,
     ) = args
     if engine == "spin":
+        from weightsync.model.spin.mode import spin_mode
+
         return spin_mode(build_model(variant, ranks, mode, channels, bounds), spin)
     return check_mode(
         build_model(variant, ranks, mode, channels, bounds),
@@ -418,7 +373,7 @@ def check(
     ``deadline``: one per mode).
     ``counterexample_of``: the property whose counterexample to report where it is violated (default: the
     most specific violation, ``PRIORITY``). ``engine``: the exploration engine (:func:`explore_model`; both
-    give the same figures and verdicts), or ``"spin"`` (:func:`spin_mode`: safety and deadlock, no symmetry;
+    give the same figures and verdicts), or ``"spin"`` (:func:`weightsync.model.spin.mode.spin_mode`: safety and deadlock, no symmetry;
     ``spin``: keyword arguments of :func:`weightsync.model.spin.run.spin_check`). ``deadline``: every mode stops exploring once ``time.time()``
     passes it (epoch seconds).
 
