@@ -11,7 +11,8 @@ checked by the model (issue 19, item 4).
   moves' ``else``.
 - :mod:`~weightsync.model.spin.compose` is the whole model (:class:`PromelaModel`);
   :mod:`~weightsync.model.spin.run` compiles and runs it and replays SPIN's trail on
-  :meth:`~weightsync.model.system.Model.successors`.
+  :meth:`~weightsync.model.system.Model.successors`; :mod:`~weightsync.model.spin.mode` is one pause mode of
+  ``weightsync check --engine spin``.
 
 Nothing here is written by hand per variant: a table edit changes the generated model. The state encoding
 is one-to-one, so with the checks off SPIN stores exactly the model's states (``tests/test_spin.py``).

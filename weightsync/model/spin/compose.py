@@ -7,8 +7,9 @@ controller, trainer).
 The encoding is one-to-one: a Promela state holds exactly what a :class:`GlobalState` holds (FIFO slots past
 a FIFO's length are 0; a request's place is ``rq_where``/``rq_rank``/``rq_left``/``rq_kv``, so the sorted
 queues and the ``done``/``aborted`` sets are read off it), and each move changes what the model's move of
-the same label changes. So with the checks off, SPIN's count of stored states equals the model's count of
-states (``tests/test_spin.py`` checks it), and with them on, a SPIN trail is a path of the model
+the same label changes (the scratch variables are zeroed after every move, and the per-rank request counters
+``r_nw``/``r_nr`` are functions of the request arrays). So with the checks off, SPIN stores the model's
+states plus its own state before ``init`` runs (``tests/test_spin.py`` checks it), and with them on, a SPIN trail is a path of the model
 (:mod:`weightsync.model.spin.run` replays it on :meth:`Model.successors`).
 
 Checked in Promela: every state invariant and edge check of :class:`~weightsync.model.system.properties.
@@ -34,7 +35,7 @@ class PromelaModel(Props, Moves, Build):
             error naming the capacity, never with a verdict).
 
     Raises:
-        UnsupportedModel: the model uses a bound the generator does not cover yet (named).
+        UnsupportedModel: a table names an effect the generator does not know (named).
     """
 
     def __init__(self, model: Model, checks: bool = True, fifo_capacity: int = CAP) -> None:

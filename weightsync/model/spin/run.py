@@ -150,7 +150,7 @@ def spin_once(
         workdir: keep the files there (default: a temporary directory, removed).
 
     Raises:
-        UnsupportedModel: the model is outside what the generator covers (named).
+        UnsupportedModel: a table names an effect the generator does not know (named).
         SpinError: SPIN or the compiler is missing or failed, pan stopped early (search depth or memory),
             or the trail does not replay on the model.
         ValueError: an unknown ``search``.
