@@ -86,8 +86,7 @@ class RankCode(Build):
             )
         if eff == "admit_waiting":
             return "; ".join(
-                f"if :: rq_where[{r}] == {WAITING} && rq_rank[{r}] == {i} -> rq_where[{r}] = {RUNNING_Q}; "
-                f"rq_kv[{r}] = r_weight_version[{i}]; r_nw[{i}]--; r_nr[{i}]++ :: else -> skip fi"
+                f"if :: rq_where[{r}] == {WAITING} && rq_rank[{r}] == {i} -> {self._admit(i, r)} :: else -> skip fi"
                 for r in range(R)
             )
         if eff == "execute_step":
@@ -97,15 +96,14 @@ class RankCode(Build):
             if admits is not False:
                 out += [
                     f"if :: {text(self.codes, admits)} && rq_where[{r}] == {WAITING} && rq_rank[{r}] == {i} -> "
-                    f"rq_where[{r}] = {RUNNING_Q}; rq_kv[{r}] = r_weight_version[{i}]; r_nw[{i}]--; r_nr[{i}]++ "
-                    ":: else -> skip fi"
+                    f"{self._admit(i, r)} :: else -> skip fi"
                     for r in range(R)
                 ]
             if advances is not False:
                 out += [
                     f"if :: {text(self.codes, advances)} && rq_where[{r}] == {RUNNING_Q} && rq_rank[{r}] == {i} -> "
-                    f"if :: rq_left[{r}] > 1 -> rq_left[{r}]-- :: else -> rq_where[{r}] = {DONE}; rq_rank[{r}] = 0; "
-                    f"rq_left[{r}] = 0; rq_kv[{r}] = 0; r_nr[{i}]-- fi :: else -> skip fi"
+                    f"if :: rq_left[{r}] > 1 -> rq_left[{r}]-- :: else -> {self._retire(r, DONE)}; r_nr[{i}]-- fi "
+                    ":: else -> skip fi"
                     for r in range(R)
                 ]
             return "; ".join(out)
@@ -140,7 +138,7 @@ class RankCode(Build):
             return "; ".join(
                 [
                     f"if :: (rq_where[{r}] == {WAITING} || rq_where[{r}] == {RUNNING_Q}) && rq_rank[{r}] == {i} -> "
-                    f"rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; rq_kv[{r}] = 0 :: else -> skip fi"
+                    f"{self._retire(r, ABORTED)} :: else -> skip fi"
                     for r in range(R)
                 ]
                 + [f"r_nw[{i}] = 0; r_nr[{i}] = 0"]
@@ -148,9 +146,9 @@ class RankCode(Build):
         if eff == "abort_request":
             return "; ".join(
                 f"if :: {req} == {r} && rq_where[{r}] == {WAITING} && rq_rank[{r}] == {i} -> r_nw[{i}]--; "
-                f"rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; rq_kv[{r}] = 0 "
+                f"{self._retire(r, ABORTED)} "
                 f":: {req} == {r} && rq_where[{r}] == {RUNNING_Q} && rq_rank[{r}] == {i} -> r_nr[{i}]--; "
-                f"rq_where[{r}] = {ABORTED}; rq_rank[{r}] = 0; rq_left[{r}] = 0; rq_kv[{r}] = 0 :: else -> skip fi"
+                f"{self._retire(r, ABORTED)} :: else -> skip fi"
                 for r in range(R)
             )
         if eff == "clear_cache":
@@ -166,6 +164,16 @@ class RankCode(Build):
         if eff in RANK_EFFECT_EVENT:
             return self.front_table.fire(RANK_EFFECT_EVENT[eff], {}, lambda row: "", "assert(false)")
         raise UnsupportedModel(f"effect {eff!r} is not known to the Promela generator")
+
+    @staticmethod
+    def _admit(i: int, r: int) -> str:
+        """Request ``r``, waiting on rank ``i``, starts running under the rank's weight version."""
+        return f"rq_where[{r}] = {RUNNING_Q}; rq_kv[{r}] = r_weight_version[{i}]; r_nw[{i}]--; r_nr[{i}]++"
+
+    @staticmethod
+    def _retire(r: int, where: int) -> str:
+        """Request ``r`` leaves its rank, finished (DONE) or aborted (ABORTED): only its place is kept."""
+        return f"rq_where[{r}] = {where}; rq_rank[{r}] = 0; rq_left[{r}] = 0; rq_kv[{r}] = 0"
 
     def ghost_replied(self, i: int) -> str:
         """``ghost_replied``: the ghost after its pause's reply, its mode field kept."""
