@@ -223,6 +223,32 @@ def test_a_table_edit_changes_the_generated_model() -> None:
     assert res.path[-1][2].ranks[res.labels[-1][1]].vars.state is RankState.ERROR
 
 
+def test_the_generated_model_does_not_depend_on_the_hash_seed() -> None:
+    """The same tables give the same Promela text in every process (no set's iteration order leaks into the
+    string codes)."""
+    import sys
+
+    prog = (
+        "from weightsync.model.check import build_model\n"
+        "from weightsync.model.spin.compose import PromelaModel\n"
+        "from weightsync.model.system import Bounds\n"
+        "m = build_model('vllm-0.32-epoch', 2, 'any', 'per-socket', Bounds(failures=1, pause_during_update=True))\n"
+        "print(PromelaModel(m).text())\n"
+    )
+    texts = {
+        subprocess.run(
+            [sys.executable, "-c", prog],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(texts) == 1
+
+
 def test_a_trail_the_model_does_not_take_is_refused() -> None:
     """Replay checks SPIN: a label the model does not offer, or a violation it does not find, is an error."""
     model = build_model("two-phase", 2, "keep", "per-socket")

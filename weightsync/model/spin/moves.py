@@ -62,7 +62,7 @@ class Moves(ControllerCode):
         c = self.c
         live = f"r_blocked[{i}] == {c('')} && r_state[{i}] != {c(RankState.ERROR)}"
         out = []
-        failable = " || ".join(f"q_a[{{b}}] == {c(call)}" for call in FAILABLE_CALLS)
+        failable = " || ".join(f"q_a[{{b}}] == {c(call)}" for call in sorted(FAILABLE_CALLS))
         in_transfer = " || ".join(
             f"r_state[{i}] == {c(s)}" for s in (RankState.VERIFIED, RankState.FAILED, RankState.UPDATING)
         )

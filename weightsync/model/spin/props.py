@@ -200,7 +200,7 @@ class Props(RankCode):
             base = f"(r_ghost[{i}] % {GHOST_STRIDE})"
             replied = " || ".join(f"{base} == {g}" for g in GHOSTS_REPLIED)
             left = f"({self.any_at(i, RUNNING_Q)} || ({base} == {GHOST_QUEUED_REPLIED} && {self.any_at(i, WAITING)}))"
-            drains = " || ".join(self.ghost_mode_is(f"r_ghost[{i}]", d) for d in DRAINS_BEFORE_RETURN)
+            drains = " || ".join(self.ghost_mode_is(f"r_ghost[{i}]", d) for d in sorted(DRAINS_BEFORE_RETURN))
             terms.append(f"(b_ghost[{i}] != r_ghost[{i}] && ({replied}) && ({drains}) && {left})")
         return _any(terms)
 

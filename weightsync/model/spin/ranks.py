@@ -226,7 +226,7 @@ class RankCode(Build):
         ``row_admits``."""
         received = self.tagged(str(GHOST_RECEIVED), mode)
         queued = self.tagged(str(GHOST_QUEUED), mode)
-        drains = " || ".join(f"{mode} == {self.c(d)}" for d in DRAINS_BEFORE_RETURN) if mode else ""
+        drains = " || ".join(f"{mode} == {self.c(d)}" for d in sorted(DRAINS_BEFORE_RETURN)) if mode else ""
         if mode is None and self.mode is not None and self.mode not in DRAINS_BEFORE_RETURN:
             return received
         waiting = self.any_at(i, WAITING)
