@@ -10,16 +10,17 @@ from weightsync.cli.common import EXIT_OK, EXIT_USAGE, EXIT_VIOLATION, emit
 
 
 def check(args: argparse.Namespace) -> int:
-    """``weightsync check``: :func:`weightsync.model.check.check`; exit 1 on a counterexample."""
-    import time
-
-    from weightsync.model.check import check
+    """``weightsync check``: :func:`weightsync.model.check.check`; exit 1 on a counterexample, 2 on bad
+    input or a table that breaks a reduction's premise."""
     from weightsync.model.system import Bounds
+    from weightsync.model.system.premise import ReductionPremiseError
     from weightsync.spec.rank import VARIANTS
 
     err = None
     if args.variant not in VARIANTS:
         err = f"unknown variant {args.variant!r}; known: {', '.join(VARIANTS)}"
+    elif args.silent_waves and args.engine == "spin":
+        err = "--silent-waves: the SPIN engine explores the unreduced model; drop one of them"
     # numeric bounds are checked by the parser's types (exit 2 naming the flag)
     if err:
         msg = err
@@ -39,7 +40,23 @@ def check(args: argparse.Namespace) -> int:
         init_while_serving=args.init_while_serving,
         resume_during_update=args.resume_during_update,
     )
-    out = check(
+    try:
+        out = run_check(args, bounds)
+    except ReductionPremiseError as exc:
+        msg = f"the reduction does not apply to this table: {exc}"
+        emit({"error": msg}, args.json, lambda: print(msg, file=sys.stderr))
+        return EXIT_USAGE
+    emit(out, args.json, lambda: print_human(out))
+    return EXIT_OK if out["verdict"] == "verified" else EXIT_VIOLATION
+
+
+def run_check(args: argparse.Namespace, bounds: Any) -> dict[str, Any]:
+    """:func:`weightsync.model.check.check` with the command line's options."""
+    import time
+
+    from weightsync.model.check import check
+
+    return check(
         args.variant,
         args.ranks,
         mode=args.mode,
@@ -54,9 +71,8 @@ def check(args: argparse.Namespace) -> int:
         engine=args.engine,
         spin={"search": args.spin_search, "cores": args.spin_cores, "fifo_capacity": args.fifo_capacity},
         deadline=None if args.max_seconds is None else time.time() + args.max_seconds,
+        silent_waves=args.silent_waves,
     )
-    emit(out, args.json, lambda: print_human(out))
-    return EXIT_OK if out["verdict"] == "verified" else EXIT_VIOLATION
 
 
 def print_human(result: dict[str, Any]) -> None:
@@ -70,7 +86,8 @@ def print_human(result: dict[str, Any]) -> None:
     colour = {"verified": "green", "counterexample": "red"}.get(result["verdict"], "yellow")
     con.print(
         f"[bold]{result['variant']}[/bold]  N={result['ranks']}  mode={result['mode']}  "
-        f"channels={result['channels']}  bounds={result['bounds']}  symmetry={result['symmetry']}"
+        f"channels={result['channels']}  bounds={result['bounds']}  symmetry={result['symmetry']}  "
+        f"reductions={','.join(result['reductions']) or 'none'}"
     )
     con.print(
         f"[{colour}]{result['verdict']}[/{colour}]: {result['states']:,} states, "

@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         "every edge in memory; --no-progress checks safety and deadlock only (default: on)",
     )
     c.add_argument(
+        "--silent-waves",
+        action="store_true",
+        help="the silent-wave reduction: a START_DP_WAVE its rank drops for good (older than its wave, or "
+        "excluding it) is taken at once; safety and deadlock only (progress is then not checked), its "
+        "premises checked against the table on every state (see README, 'Reductions')",
+    )
+    c.add_argument(
         "--stalls",
         action="store_true",
         help="classify the states where a rank waits in a DP collective: transient (the peers join on "

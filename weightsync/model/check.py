@@ -19,7 +19,6 @@ import multiprocessing
 import os
 import resource
 import time
-from array import array
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +46,8 @@ from weightsync.model.properties import (
     SOMETIMES,
     VIOLATED,
 )
+from weightsync.model.stalls import CLIENT_TRAFFIC as CLIENT_TRAFFIC
+from weightsync.model.stalls import stranded_counts as stranded_counts
 from weightsync.model.system import Bounds, Config, G, Model
 from weightsync.model.system.state import ANY_MODE, ModeSetting
 from weightsync.spec.states import PauseMode
@@ -138,7 +139,8 @@ def check_mode(
     result is then incomplete and ``levels_expanded`` says how deep it was complete."""
     t0 = time.perf_counter()
     keep_labels = keep_labels or stalls
-    do_progress = progress
+    # progress (AG EF) is checked on the unreduced or the symmetry-reduced graph only (issue 19 item 2)
+    do_progress = progress and not model.silent_waves
     ex = explore_model(
         model,
         symmetry=symmetry,
@@ -167,12 +169,14 @@ def check_mode(
     else:
         for name in PROGRESS:
             props[name] = NOT_CHECKED
-    wit = {
+    wit: dict[str, bool | None] = {
         "sometimes_all_verified": model.seen_all_verified,
         "sometimes_update_with_wave_in_flight": model.seen_update_with_wave_in_flight,
     }
+    if model.silent_waves:  # the reduction removes START_DP_WAVE messages this witness looks for
+        wit["sometimes_update_with_wave_in_flight"] = wit["sometimes_update_with_wave_in_flight"] or None
     for name, seen in wit.items():
-        props[name] = HOLDS if seen else (VIOLATED if complete else NOT_CHECKED)
+        props[name] = HOLDS if seen else (VIOLATED if complete and seen is not None else NOT_CHECKED)
     cx = None
     if ex.violations:
         # The most specific diagnosis first (PRIORITY: mismatched collectives, one-sided collective,
@@ -209,37 +213,6 @@ def check_mode(
         _peak_rss_mb(),
         ex.levels_expanded,
     )
-
-
-#: Transition labels that are new client traffic (a request, a client ABORT).
-CLIENT_TRAFFIC = frozenset({"send", "abort"})
-
-
-def stranded_counts(ex: Exploration[G]) -> dict[str, int]:
-    """Liveness of the DP collectives, by reverse reachability over the explored graph: every reachable
-    state in which some rank waits in a DP collective (``dp_step``, ``dp_sync``, ``resume_barrier``) is
-    ``transient`` when the ranks can leave every DP collective without new client traffic (the peers join
-    on their own), a ``stall`` when only a new request or client ABORT can free it (vLLM 0.32's
-    non-latching coordinator re-broadcasts START_DP_WAVE on the next FIRST_REQ), and a ``hang`` when
-    nothing can (the collective's timeout is the only way out). Needs the exploration's edge labels."""
-    from weightsync.model.system import DP_KINDS
-
-    assert ex.src is not None and ex.dst is not None and ex.labels is not None
-    n = len(ex.states)
-    waiting = [any(r.blocked in DP_KINDS for r in s.ranks) for s in ex.states]
-    free = [i for i in range(n) if not waiting[i]]
-    start, rev = build_reverse_csr(n, ex.src, ex.dst)
-    anyhow = reverse_reachable_csr(n, start, rev, free)
-    quiet = [k for k, lab in enumerate(ex.labels) if lab[0] not in CLIENT_TRAFFIC]
-    qsrc = array("q", (ex.src[k] for k in quiet))
-    qdst = array("q", (ex.dst[k] for k in quiet))
-    qstart, qrev = build_reverse_csr(n, qsrc, qdst)
-    alone = reverse_reachable_csr(n, qstart, qrev, free)
-    out = {"transient": 0, "stall": 0, "hang": 0}
-    for i in range(n):
-        if waiting[i]:
-            out["transient" if alone[i] else ("stall" if anyhow[i] else "hang")] += 1
-    return out
 
 
 def _vdepth(ex: Exploration[G], v: Violation) -> int:
@@ -316,6 +289,7 @@ def _check_one(
         str,
         float | None,
         dict[str, Any],
+        bool,
     ],
 ) -> ModeResult:
     (
@@ -332,13 +306,14 @@ def _check_one(
         engine,
         deadline,
         spin,
+        silent_waves,
     ) = args
     if engine == "spin":
         from weightsync.model.spin.mode import spin_mode
 
         return spin_mode(build_model(variant, ranks, mode, channels, bounds), spin)
     return check_mode(
-        build_model(variant, ranks, mode, channels, bounds),
+        build_model(variant, ranks, mode, channels, bounds, silent_waves=silent_waves),
         symmetry=symmetry,
         max_states=max_states,
         progress=progress,
@@ -365,6 +340,7 @@ def check(
     engine: str = DEFAULT_ENGINE,
     deadline: float | None = None,
     spin: dict[str, Any] | None = None,
+    silent_waves: bool = False,
 ) -> dict[str, Any]:
     """Run ``weightsync check`` and return its JSON object (the keys below).
 
@@ -375,13 +351,15 @@ def check(
     most specific violation, ``PRIORITY``). ``engine``: the exploration engine (:func:`explore_model`; both
     give the same figures and verdicts), or ``"spin"`` (:func:`weightsync.model.spin.mode.spin_mode`: safety and deadlock, no symmetry;
     ``spin``: keyword arguments of :func:`weightsync.model.spin.run.spin_check`). ``deadline``: every mode stops exploring once ``time.time()``
-    passes it (epoch seconds).
+    passes it (epoch seconds). ``silent_waves``: the silent-wave reduction
+    (:mod:`weightsync.model.system.reduction`: safety and deadlock; progress is then not checked).
 
     Raises:
-        ValueError: ``workers`` < 1, ``counterexample_of`` names no property, or ``engine`` no engine.
+        ValueError: ``workers`` < 1, ``counterexample_of`` names no property, ``engine`` no engine, or
+            ``silent_waves`` with the SPIN engine.
 
     Keys: variant, ranks, verdict ("verified" | "counterexample" | "incomplete"), states, transitions
-    (summed over modes), depth (max), seconds, symmetry, properties, bounds, channels, mode, per_mode,
+    (summed over modes), depth (max), seconds, symmetry, reductions (names), properties, bounds, channels, mode, per_mode,
     peak_rss_mb (the largest process's peak: this one's or a worker's), and for a violation
     ``counterexample {property, mode, steps, records, labels}``. An incomplete run (``max_states`` or
     ``deadline``) also has ``levels_expanded``: the fewest BFS levels any mode explored completely, so that
@@ -399,6 +377,8 @@ def check(
         raise ValueError(f"engine={engine!r}: known engines are {', '.join(CHECK_ENGINES)}")
     if engine == "spin":
         sym = False  # SPIN explores the full product (its partial-order reduction, no symmetry)
+        if silent_waves:
+            raise ValueError("silent_waves: the SPIN engine explores the unreduced model")
     jobs = [
         (
             variant,
@@ -414,6 +394,7 @@ def check(
             engine,
             deadline,
             spin or {},
+            silent_waves,
         )
         for m in modes
     ]
@@ -456,6 +437,7 @@ def check(
         "depth": max(r.depth for r in results),
         "seconds": round(time.perf_counter() - t0, 3),
         "symmetry": sym,
+        "reductions": [*(["symmetry"] if sym else []), *(["silent-waves"] if silent_waves else [])],
         "engine": engine,
         "workers": n_workers,
         "properties": props,

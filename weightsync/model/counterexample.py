@@ -35,6 +35,46 @@ def concrete_path(model: Model, ex: Exploration[G], i: int, symmetry: bool) -> l
     return out
 
 
+def unreduced_edges(
+    model: Model, edges: list[tuple[G, Label, G]], edge_last: bool
+) -> list[tuple[G, Label, G]]:
+    """A path of ``model`` built with the silent-wave reduction (:mod:`~weightsync.model.system.reduction`)
+    as a path of the same model without it: after each step, the START_DP_WAVE receipts the reduction made
+    are put back as ``("recv", i, f)`` steps of their own (none after the last step when ``edge_last``: the
+    violation is that edge's), so every state the path reaches is the reduced path's and the labels replay
+    on the unreduced model (``weightsync repro``).
+
+    Raises:
+        RuntimeError: a step is not a move of the unreduced model, or it does not reach the reduced path's
+            state (a defect of the reduction)."""
+    full = Model(model.config, table=model.table, guards=model.guards, updates=model.updates)
+    fw = model.f_wave
+    out: list[tuple[G, Label, G]] = []
+    cur = full.initial()
+
+    def take(label: Label) -> None:
+        nonlocal cur
+        nxt = dict(full.successors(cur)).get(label)
+        if nxt is None:
+            raise RuntimeError(f"{label!r} is not a move of the unreduced model at step {len(out) + 1}")
+        out.append((cur, label, nxt))
+        cur = nxt
+
+    for k, (_, label, target) in enumerate(edges):
+        take(label)
+        if edge_last and k == len(edges) - 1:
+            break
+        while True:
+            ranks = cur.ranks
+            i = next((i for i, r in enumerate(ranks) if model.quiet_rank(i, r) is not r), -1)
+            if i < 0:
+                break
+            take(("recv", i, fw))
+        if cur != target:
+            raise RuntimeError(f"the unreduced path leaves the reduced one at step {len(out)}")
+    return out
+
+
 def counterexample_record(
     model: Model, ex: Exploration[G], v: Violation, *, symmetry: bool = False
 ) -> dict[str, Any]:
@@ -52,6 +92,9 @@ def counterexample_record(
         else:
             lab, t = v.label, v.target
         edges.append((src, lab, t))
+    if model.silent_waves:
+        edges = unreduced_edges(model, edges, v.label is not None)
+        model = Model(model.config, table=model.table, guards=model.guards, updates=model.updates)
     steps = [describe(model, a, lab, b) for a, lab, b in edges]
     texts = [f"{k}. {st.text}" for k, st in enumerate(steps, start=1)]
     final = edges[-1][2] if edges else model.initial()
@@ -85,4 +128,4 @@ def violation_text(model: Model, prop: str, s: G) -> str:
     return f"{prop} violated: {PROPERTIES[prop][0]}; {states}"
 
 
-__all__ = ["concrete_path", "counterexample_record", "violation_text"]
+__all__ = ["concrete_path", "counterexample_record", "unreduced_edges", "violation_text"]

@@ -106,6 +106,18 @@ def _wave_for_me(v: RankVars, a: Args) -> bool:
     return int(a["exclude"]) != int(a["rank"]) and int(a["wave"]) >= v.current_wave
 
 
+def wave_dropped_for_good(v: RankVars, rank: int, wave: int, exclude: int) -> bool:
+    """A START_DP_WAVE(``wave``, ``exclude``) that rank ``rank``, with variables ``v``, drops now and in every
+    later state: its wave is older than ``v.current_wave``, or it excludes the rank and its wave is not
+    newer. vLLM 0.32 acts on START_DP_WAVE only when ``exclude_eng_index != self.engine_index and new_wave >=
+    self.current_wave`` (``v1/engine/core.py:2284-2297``), and ``current_wave`` never decreases (every row
+    that moves it adopts a wave at least as new, or the resume barrier's ``MAX + 1``). Not a guard of any
+    table: the model checker's silent-wave reduction (:mod:`weightsync.model.system.reduction`) removes such
+    a message, and checks both premises against the table in use on every rank state and every transition
+    it explores."""
+    return wave < v.current_wave or (exclude == rank and wave <= v.current_wave)
+
+
 _VERSION_STEP = re.compile(r"(\d+)$")
 
 

@@ -45,13 +45,18 @@ class CompactEngine(CanonicalForm):
         super().__init__(model, verify)
         self.presort = symmetry and self.n > 3
         self.settle = model.stray_resume or model.repeat_resume
+        self.silent = model.silent_waves
+        # the model's successors are reduced (:meth:`Model.reduced`); the DP completion's fast path and the
+        # broadcasts apply the silent-wave one themselves (the settle one sends collectives to the slow path)
+        self.reduce = self.settle or self.silent
+        self._quiet_ids: dict[tuple[int, int], int] = {}
         self.ordered = model.ordered
         # the memos (see the package docstring); an entry's ``delta`` is added to the encoded state
         self._plans: dict[tuple[int, ...], _Plan] = {}
         self._coll: dict[tuple[int, ...], bool] = {}
         self._local: dict[tuple[int, int, int, bool], list[tuple[Label, int, Sequence[str]]]] = {}
         self._coord: dict[Any, list[_CoordEntry]] = {}
-        self._waves: dict[tuple[int, tuple[tuple[int, int], ...]], int] = {}
+        self._waves: dict[tuple[int, int, tuple[tuple[int, int], ...]], int] = {}
         self._refresh: dict[int, list[tuple[Label, int, Sequence[str]]]] = {}
         self._ctrl: dict[tuple[int, ...], tuple[tuple[Label, Any], ...] | bool | None] = {}
         self._ctrl_ranks: dict[Any, int] = {}
@@ -211,10 +216,17 @@ class CompactEngine(CanonicalForm):
     # ------------------------------------------------------------------ misses and slow paths
 
     def _settled(self, moves: _Moves) -> _Moves:
-        if not self.settle:
+        if not self.reduce:
             return moves
-        settle = self.model._settle
-        return [(label, settle(t)) for label, t in moves]
+        reduced = self.model.reduced
+        return [(label, reduced(t)) for label, t in moves]
+
+    def _quiet_id(self, i: int, k: int) -> int:
+        """The id of rank ``i``'s slice ``k`` after the silent-wave reduction (:meth:`SilentWaves.quiet_rank`)."""
+        q = self._quiet_ids.get((i, k))
+        if q is None:
+            q = self._quiet_ids[(i, k)] = self.rank_id(self.model.quiet_rank(i, self.ranks[k]))
+        return q
 
     def _local_miss(
         self, ids: list[int], rest: int, i: int, busy: bool
@@ -341,6 +353,8 @@ class CompactEngine(CanonicalForm):
                     raise AssertionError(f"completing {kind} on rank {i} changed another rank")
                 e = member[key] = (self.rank_id(t.ranks[i]), self.rest_id(tuple(t[1:])))
             cur[i], r = e
+        if self.silent:
+            cur = [self._quiet_id(i, k) for i, k in enumerate(cur)]
         t_c = self.pack(cur, r)
         label = ("done", kind)
         ek = (kind, *ids, *cur)
@@ -360,13 +374,13 @@ class CompactEngine(CanonicalForm):
         if bcasts:
             waves = self._waves
             for j in range(self.n):
-                k = (cur[j], bcasts)
+                k = (j, cur[j], bcasts)
                 w = waves.get(k)
                 if w is None:
                     r = self.ranks[cur[j]]
                     for wave, exclude in bcasts:
                         r = self.model.wave_to(r, wave, exclude)
-                    w = waves[k] = self.rank_id(r)
+                    w = waves[k] = self.rank_id(self.model.quiet_rank(j, r) if self.silent else r)
                 cur[j] = w
         return self.pack(cur, nrest)
 

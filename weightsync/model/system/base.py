@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from weightsync.model.system.premise import ReductionPremiseError
 from weightsync.model.system.state import (
     ANY_MODE,
     CHANNEL_FIFOS,
@@ -49,6 +50,7 @@ class ModelBase:
         table: Table | None = None,
         guards: Mapping[str, Callable[[RankVars, Mapping[str, Any]], bool]] | None = None,
         updates: Mapping[str, Callable[[RankVars, Mapping[str, Any]], RankVars]] | None = None,
+        silent_waves: bool = False,
     ) -> None:
         if config.ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {config.ranks}")
@@ -88,12 +90,17 @@ class ModelBase:
         self.repeat_pause = b.repeat_pause
         self.init_while_serving = b.init_while_serving
         self.resume_during_update = b.resume_during_update
+        #: the silent-wave reduction (:mod:`~weightsync.model.system.reduction`) is on
+        self.silent_waves = silent_waves
         self.track_owed = self.variant.untracked_replies
         self.worker_args = self.variant.worker_flags_decide
         if b.failures < 0:
             raise ValueError(f"bad bounds {b}: failures must be >= 0")
         self._cache: dict[tuple[Any, ...], tuple[Transition | None, RankVars]] = {}
         self._worker_cache: dict[tuple[WorkerVars, WorkerEvent], WorkerVars] = {}
+        # the silent-wave reduction's memos: the messages it removes from a rank's slice, the rank states checked
+        self._quiet_cache: dict[tuple[int, Rank], int] = {}
+        self._drops_checked: set[tuple[int, RankVars]] = set()
         # a controller call's table arguments by (event, requests running on the rank): spec call_args
         self._call_args_cache: dict[
             tuple[RankEvent, int, int, PauseMode | None], tuple[tuple[str, Any], ...]
@@ -152,7 +159,10 @@ class ModelBase:
         self, i: int, v: RankVars, event: RankEvent, extra: tuple[tuple[str, Any], ...]
     ) -> tuple[Transition | None, RankVars]:
         """Fire ``event`` on rank ``i`` with variables ``v`` through the table: ``(transition, new vars)``;
-        an illegal event gives ``(None, vars in ERROR)`` (the sticky error state)."""
+        an illegal event gives ``(None, vars in ERROR)`` (the sticky error state).
+
+        Raises:
+            ReductionPremiseError: with :attr:`silent_waves`, a row that lowers ``current_wave``."""
         key = (v, event, i, extra)
         r = self._cache.get(key)
         if r is None:
@@ -163,6 +173,12 @@ class ModelBase:
                 r = (None, v._replace(state=RankState.ERROR))
             else:
                 r = (tr, apply(v, tr, args, self.updates))
+                if self.silent_waves and r[1].current_wave < v.current_wave:
+                    raise ReductionPremiseError(
+                        f"rank {i}: {event.value} row {tr.guard!r} moves current_wave from {v.current_wave} to "
+                        f"{r[1].current_wave} in {v.state.value}: the silent-wave reduction needs current_wave "
+                        "never to decrease (vLLM 0.32 v1/engine/core.py:2284-2297); check without it"
+                    )
             self._cache[key] = r
         return r
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from weightsync.model.system.properties import Properties
+from weightsync.model.system.reduction import SilentWaves
 from weightsync.model.system.state import (
     DP_KINDS,
     FAILABLE_CALLS,
@@ -17,7 +18,7 @@ from weightsync.spec.front_end import FrontEvent
 from weightsync.spec.states import RankState
 
 
-class Model(Properties, Symmetry):
+class Model(Properties, Symmetry, SilentWaves):
     """The N-rank product of one :class:`Config`, with its successor function and property checks.
 
     The parts are mixins, one per concern: :class:`~weightsync.model.system.base.ModelBase` (configuration,
@@ -31,6 +32,8 @@ class Model(Properties, Symmetry):
         table: override the variant's table (mutation testing).
         guards: guard registry (default :data:`weightsync.spec.rank.GUARDS`).
         updates: update registry (default :data:`weightsync.spec.rank.UPDATES`).
+        silent_waves: the silent-wave reduction (:mod:`~weightsync.model.system.reduction`; safety and
+            deadlock only).
     """
 
     def successors(self, s: GlobalState) -> list[tuple[Label, GlobalState]]:
@@ -49,9 +52,25 @@ class Model(Properties, Symmetry):
         self.refresh_moves(s, out)
         self.abort_moves(s, out)
         self._controller(s, out)
-        if self.stray_resume or self.repeat_resume:
-            return [(label, self._settle(t)) for label, t in out]
+        if self.stray_resume or self.repeat_resume or self.silent_waves:
+            reduced = self.reduced
+            return [(label, reduced(t)) for label, t in out]
         return out
+
+    def reduced(self, s: GlobalState) -> GlobalState:
+        """``s`` after the reductions the successor function applies to every successor: the settle
+        reduction of stray/repeated resumes (:meth:`_settle`) and the silent-wave reduction
+        (:meth:`~weightsync.model.system.reduction.SilentWaves.quiet`), to their common fixpoint. Under
+        ``ordered`` channels both take from one FIFO, so one may uncover a message the other takes; otherwise
+        they take from different FIFOs, change no rank variable, and one pass suffices."""
+        settle = self.stray_resume or self.repeat_resume
+        while True:
+            t = self._settle(s) if settle else s
+            if self.silent_waves:
+                t = self.quiet(t)
+            if not self.ordered or t is s or t == s:  # (a settle that delivers nothing may copy the state)
+                return t
+            s = t
 
     def rank_moves(self, s: GlobalState, i: int, out: list[tuple[Label, GlobalState]]) -> None:
         """Rank ``i``'s inputs (the head of each FIFO, and its failing variant) and its loop step. They read
