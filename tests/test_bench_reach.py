@@ -67,8 +67,14 @@ def test_the_quick_bench_prints_the_issue_fields() -> None:
 
     out = run_explorer_bench(quick=True, budget_s=300)
     assert out["ok"] and out["speedup_vs_baseline"] > 1  # compact vs baseline engine, N=2 keep (quick)
-    assert [r["ranks"] for r in out["rows"]] == [2, 3]
-    n3 = out["rows"][1]
+    assert [(r["ranks"], r["reductions"]) for r in out["rows"]] == [
+        (2, []),
+        (3, ["symmetry"]),
+        (3, ["symmetry", "silent-waves"]),
+    ]
+    n3, n3_silent = out["rows"][1], out["rows"][2]
+    # the silent-wave reduction: the same verdict on fewer states (it is measured, not assumed)
+    assert n3_silent["verdict"] == n3["verdict"] == "verified" and n3_silent["states"] < n3["states"]
     assert out["n3_seconds"] == n3["seconds"] and out["n3_states_per_second"] > 0
     sv = out["spin_vs_compact"][0]  # the explorer against SPIN on the generated Promela, N=2 keep
     assert not sv["available"] or sv["spin_verdict"] == sv["compact_verdict"] == "verified"

@@ -31,10 +31,20 @@ from weightsync.model.system import Bounds
 
 #: the default variant of ``weightsync check``
 DEFAULT_VARIANT = "two-phase-epoch"
-#: (ranks, progress) of the full run: progress where the issue asks for it (N <= 4), safety and deadlock
-#: beyond
-FULL_ROWS: tuple[tuple[int, bool], ...] = ((2, True), (3, True), (4, True), (6, False), (8, False))
-QUICK_ROWS: tuple[tuple[int, bool], ...] = ((2, True), (3, True))
+#: (ranks, progress, silent_waves) of the full run: progress where the issue asks for it (N <= 4), safety
+#: and deadlock beyond; the safety-and-deadlock rows again with the silent-wave reduction
+#: (:mod:`weightsync.model.system.reduction`)
+FULL_ROWS: tuple[tuple[int, bool, bool], ...] = (
+    (2, True, False),
+    (3, True, False),
+    (4, True, False),
+    (6, False, False),
+    (8, False, False),
+    (4, False, True),
+    (6, False, True),
+    (8, False, True),
+)
+QUICK_ROWS: tuple[tuple[int, bool, bool], ...] = ((2, True, False), (3, True, False), (3, False, True))
 
 
 #: the engine of every row: this package's explicit-state breadth-first explorer with the compact successor
@@ -51,7 +61,13 @@ ROW_BUDGET_S = 1800.0
 
 
 def _row_child(
-    conn: Any, ranks: int, progress: bool, workers: int | None, max_states: int, deadline: float
+    conn: Any,
+    ranks: int,
+    progress: bool,
+    workers: int | None,
+    max_states: int,
+    deadline: float,
+    silent_waves: bool,
 ) -> None:
     """In the row's own process (a process group of its own, so that a timeout stops any worker it
     started): run the check, its exploration stopped at ``deadline`` (``time.time()``), and send its
@@ -68,6 +84,7 @@ def _row_child(
         max_states=max_states,
         engine=ENGINE,
         deadline=deadline,
+        silent_waves=silent_waves,
     )
     # the largest process's peak: this one's, or a worker's as it reported it (``check``'s peak_rss_mb)
     peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, out["peak_rss_mb"] * 2**20)
@@ -92,12 +109,13 @@ def time_to_verdict(
     budget_s: float,
     workers: int | None = None,
     max_states: int = 100_000_000,
+    silent_waves: bool = False,
 ) -> dict[str, Any]:
     """One row: ``weightsync check`` of the default variant with ``ranks`` ranks, every pause mode (the
     modes explored in ``workers`` processes, None: as ``weightsync check`` does by default, one per mode up
     to the CPU count; 1: one after another in the row's process), in a process of its own, its exploration
     stopped after :data:`DEADLINE_SHARE` of ``budget_s`` seconds, the process after ``budget_s`` +
-    :data:`GRACE_S`.
+    :data:`GRACE_S`. ``silent_waves``: with the silent-wave reduction (safety and deadlock only).
 
     Returns ``ranks``, ``engine``, ``reductions`` (list of names), ``bounds`` (dict), ``properties`` (the
     property classes asked for), ``verdict`` ("verified", "counterexample", "incomplete" when
@@ -119,7 +137,15 @@ def time_to_verdict(
     ours, theirs = multiprocessing.Pipe(duplex=False)
     proc = ctx.Process(  # type: ignore[attr-defined]
         target=_row_child,
-        args=(theirs, ranks, progress, workers, max_states, time.time() + DEADLINE_SHARE * budget_s),
+        args=(
+            theirs,
+            ranks,
+            progress,
+            workers,
+            max_states,
+            time.time() + DEADLINE_SHARE * budget_s,
+            silent_waves,
+        ),
         daemon=False,
     )
     t0 = time.perf_counter()
@@ -128,7 +154,7 @@ def time_to_verdict(
     base: dict[str, Any] = {
         "ranks": ranks,
         "engine": ENGINE,
-        "reductions": ["symmetry"] if ranks >= 3 else [],
+        "reductions": (["symmetry"] if ranks >= 3 else []) + (["silent-waves"] if silent_waves else []),
         "bounds": Bounds()._asdict(),
         "properties": ["safety", "deadlock"] + (["progress"] if progress else []),
         "workers": workers,
@@ -178,7 +204,7 @@ def time_to_verdict(
 def reach_rows(budget_s: float, quick: bool = False) -> list[dict[str, Any]]:
     """Every row of :data:`FULL_ROWS` (``quick``: :data:`QUICK_ROWS`), each with ``budget_s`` seconds."""
     rows = QUICK_ROWS if quick else FULL_ROWS
-    return [time_to_verdict(n, progress=p, budget_s=budget_s) for n, p in rows]
+    return [time_to_verdict(n, progress=p, budget_s=budget_s, silent_waves=w) for n, p, w in rows]
 
 
 __all__ = [

@@ -9,6 +9,8 @@ from typing import Any
 from weightsync.model.explorer import Exploration, Violation
 from weightsync.model.properties import PROPERTIES
 from weightsync.model.system import G, Label, Model, describe
+from weightsync.spec.rank_vars import wave_dropped_for_good
+from weightsync.spec.states import RankState
 
 
 def concrete_path(model: Model, ex: Exploration[G], i: int, symmetry: bool) -> list[tuple[G, Label, G]]:
@@ -39,14 +41,16 @@ def unreduced_edges(
     model: Model, edges: list[tuple[G, Label, G]], edge_last: bool
 ) -> list[tuple[G, Label, G]]:
     """A path of ``model`` built with the silent-wave reduction (:mod:`~weightsync.model.system.reduction`)
-    as a path of the same model without it: after each step, the START_DP_WAVE receipts the reduction made
-    are put back as ``("recv", i, f)`` steps of their own (none after the last step when ``edge_last``: the
-    violation is that edge's), so every state the path reaches is the reduced path's and the labels replay
-    on the unreduced model (``weightsync repro``).
+    as a path of the same model without it: after each step, the START_DP_WAVE receipts the reduction stands
+    for that the rank can make now (those at a head) are put back as ``("recv", i, f)`` steps of their own
+    (none after the last step when ``edge_last``: the violation is that edge's), so the labels replay on the
+    unreduced model (``weightsync repro``); every state it reaches has the reduced path's
+    :meth:`~weightsync.model.system.reduction.SilentWaves.normal_form` (it may still hold messages the
+    reduction removed from behind others, or from a blocked rank).
 
     Raises:
         RuntimeError: a step is not a move of the unreduced model, or it does not reach the reduced path's
-            state (a defect of the reduction)."""
+            normal form (a defect of the reduction)."""
     full = Model(model.config, table=model.table, guards=model.guards, updates=model.updates)
     fw = model.f_wave
     out: list[tuple[G, Label, G]] = []
@@ -66,13 +70,25 @@ def unreduced_edges(
             break
         while True:
             ranks = cur.ranks
-            i = next((i for i, r in enumerate(ranks) if model.quiet_rank(i, r) is not r), -1)
+            i = next((i for i, r in enumerate(ranks) if _dropped_head(model, i, r)), -1)
             if i < 0:
                 break
             take(("recv", i, fw))
-        if cur != target:
+        if model.normal_form(cur) != model.normal_form(target):
             raise RuntimeError(f"the unreduced path leaves the reduced one at step {len(out)}")
     return out
+
+
+def _dropped_head(model: Model, i: int, r: Any) -> bool:
+    """Rank ``i`` (slice ``r``) can receive, and the head of its wave FIFO is a START_DP_WAVE it drops for good."""
+    q = r.inq[model.f_wave]
+    return (
+        bool(q)
+        and not r.blocked
+        and r.vars.state is not RankState.ERROR
+        and q[0][0] == "W"
+        and wave_dropped_for_good(r.vars, i, q[0][1], q[0][2])
+    )
 
 
 def counterexample_record(

@@ -1,25 +1,28 @@
-"""The silent-wave reduction: a START_DP_WAVE that its rank will drop whenever it takes it is taken at once.
+"""The silent-wave reduction: a START_DP_WAVE that its rank will drop whenever it takes it is set aside.
 
 The coordinator broadcasts every START_DP_WAVE to every rank, and most copies are never acted on: the wave
-is older than the rank's (a rank moved on), or the broadcast excludes the rank (it reported that wave
-itself). In ``two-phase-epoch --mode any --requests 2 --cycles 2 --stray-resume --repeat-resume`` at N = 2,
-dropping such copies wherever they sit leaves 2.3x fewer states at BFS level 22, taking them only from the
-FIFO heads 1.5x. Where such a message reaches the head of a rank's wave FIFO and the rank can receive (not
-blocked, not in ``error``), the successor function receives it at once, as its own silent transition.
+is older than the rank's (the rank moved on), or the broadcast excludes the rank (it reported that wave
+itself). Every successor the model computes is passed through :meth:`SilentWaves.quiet`, which removes such
+messages from the wave FIFOs (:meth:`SilentWaves.quiet_rank` says which). Measured with the compact engine
+(safety and deadlock, 2026-12-06): ``two-phase-epoch`` keep N = 2, 89,598 states unreduced, 21,032
+reduced; N = 3 with symmetry 371,117 and 60,125.
 
-Why this is sound for safety and deadlock (and not for progress, which is checked unreduced). Receiving the
-message changes nothing but the FIFO (the table's row is silent: same variables, no effect), and it stays
-so: :func:`~weightsync.spec.rank_vars.wave_dropped_for_good` holds for the rest of the run, because
-``current_wave`` never decreases. So let ``u`` be a state of the full graph and ``r`` the reduced state
-that lacks some such messages at the heads of the wave FIFOs: every move of ``u`` other than receiving one
-of them is a move of ``r`` with the same effect (no other move reads a rank's wave FIFO), and receiving one
-is a stutter step of ``u``. By induction on a path every reachable state ``u`` has such an ``r`` explored.
-The invariant holds in ``r`` only if it holds in ``u``: it reads no START_DP_WAVE except as "some
-message is queued" (a rank counts as unsettled), where fewer messages can only make it fail; edge checks
-read none; a terminal ``u`` has a terminal ``r`` that the terminal check judges alike (a rank that could
-receive has empty FIFOs in both). Every reduced state is a state of the full graph, reached by the removed
-receipts (:func:`~weightsync.model.counterexample.concrete_path` puts them back), so a violation found is
-real. The witness ``sometimes_update_with_wave_in_flight`` reads the messages and is not checked here.
+Why this is sound for safety and deadlock (not for progress, which stays on the unreduced or
+symmetry-reduced graph). Receiving such a message changes nothing but its FIFO (the table's row is silent:
+same variables, no effect), and that stays so for the rest of the run:
+:func:`~weightsync.spec.rank_vars.wave_dropped_for_good` keeps holding because ``current_wave`` never
+decreases. Call two states equivalent when they have the same :meth:`SilentWaves.normal_form` (every such
+message removed). Then every move of a full state ``u`` other than receiving such a message is a move, with
+the same effect on the normal form, of every equivalent state (no other move reads a rank's wave FIFO), and
+receiving one is a stutter step; so every reachable ``u`` has an equivalent explored state ``r``, by
+induction on the path, and conversely every explored state is equivalent to a reachable one. The
+invariant reads START_DP_WAVE only as "the rank has a message queued" and "the rank has a wave or a request
+queued" of a rank that is not blocked, and :meth:`SilentWaves.quiet_rank` keeps both unchanged, so
+equivalent states agree on it; edge checks read no START_DP_WAVE; a state without successors has, for each
+rank that could receive, no message left in either graph, so the terminal check judges ``u`` and ``r``
+alike. Counterexamples are put back onto the unreduced model (the removed receipts as steps of their own,
+:func:`~weightsync.model.counterexample.unreduced_edges`) and ``tests/test_model_reduction.py`` replays them
+there. The witness ``sometimes_update_with_wave_in_flight`` reads the messages and is not checked here.
 
 Both premises are checked against the table in use, not assumed: every rank state the exploration reaches
 (not blocked, not in ``error``) drops every message the predicate names (:meth:`SilentWaves.check_drops`),
@@ -28,18 +31,23 @@ on the reduced graph suffices: the first transition of the full graph that broke
 with the same variables, in the reduced graph (the induction above holds up to it). A table that breaks
 one raises :class:`~weightsync.model.system.premise.ReductionPremiseError`.
 
-This is a reduction by stuttering equivalence rather than a partial-order reduction: receiving the message is
+This is a reduction by stuttering equivalence, not a partial-order reduction: receiving the message is
 invisible and commutes with every other move, but a rank's step into a collective disables it for a while,
-so a singleton ample set would break condition C1; the argument above does not need C1.
+so as a singleton ample set it would break condition C1; the argument above does not need C1.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from weightsync.model.system.base import ModelBase
 from weightsync.model.system.premise import ReductionPremiseError
 from weightsync.model.system.state import GlobalState, Rank
 from weightsync.spec.rank_vars import RankVars, wave_dropped_for_good
 from weightsync.spec.states import RankEvent, RankState
+
+#: message kinds whose presence the invariant reads (:meth:`Properties.front_end_unsettled`)
+_WAVE_OR_ADD = frozenset({"W", "ADD"})
 
 
 class SilentWaves(ModelBase):
@@ -63,30 +71,65 @@ class SilentWaves(ModelBase):
         return s if new is None else s.with_ranks(tuple(new))
 
     def quiet_rank(self, i: int, r: Rank) -> Rank:
-        """Rank ``i``'s slice ``r`` without the START_DP_WAVE messages at the head of its wave FIFO for which
-        :func:`~weightsync.spec.rank_vars.wave_dropped_for_good` holds, when the rank can receive (not
-        blocked, not in ``error``); ``r`` itself otherwise. A message of another kind (one shared FIFO under
-        ``ordered`` channels) or one the rank may act on ends the run of removals.
+        """Rank ``i``'s slice ``r`` without the START_DP_WAVE messages in its wave FIFO for which
+        :func:`~weightsync.spec.rank_vars.wave_dropped_for_good` holds (``r`` itself when there are none):
+
+        - the run of them at the head, when the rank can receive (not blocked, not in ``error``): receipts
+          the rank could make now, each a stutter step;
+        - the others, behind a message the rank takes, when the rank is blocked or its FIFOs keep a
+          START_DP_WAVE or an ADD (so that "some message is queued" and "some wave or request is queued",
+          which the invariant reads of a rank that is not blocked, do not change); each is received, as a
+          stutter step, once the messages before it are.
+
+        A rank in ``error`` receives nothing and keeps its messages.
 
         Raises:
             ReductionPremiseError: see :meth:`check_drops`."""
-        if r.blocked or r.vars.state is RankState.ERROR:
-            return r
         v = r.vars
-        if (i, v) not in self._drops_checked:
+        if v.state is RankState.ERROR:
+            return r
+        if not r.blocked and (i, v) not in self._drops_checked:
             self.check_drops(i, v)
         fw = self.f_wave
         q = r.inq[fw]
         if not q:
             return r
         key = (i, r)
-        k = self._quiet_cache.get(key)
-        if k is None:
-            k = 0
-            while k < len(q) and q[k][0] == "W" and wave_dropped_for_good(v, i, q[k][1], q[k][2]):
+        cache = self._quiet_cache
+        kept = cache[key] if key in cache else cache.setdefault(key, self._kept(i, r, q))
+        return r if kept is None else r.with_inq((*r.inq[:fw], kept, *r.inq[fw + 1 :]))
+
+    def _kept(self, i: int, r: Rank, q: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...] | None:
+        """The wave FIFO ``q`` of :meth:`quiet_rank` after its removals; None when it removes none."""
+        v = r.vars
+        dropped = [m[0] == "W" and wave_dropped_for_good(v, i, m[1], m[2]) for m in q]
+        if not any(dropped):
+            return None
+        k = 0
+        if not r.blocked:
+            while k < len(q) and dropped[k]:
                 k += 1
-            self._quiet_cache[key] = k
-        return r if k == 0 else r.with_inq((*r.inq[:fw], q[k:], *r.inq[fw + 1 :]))
+        rest = q[k:]
+        kept = tuple(m for m, d in zip(rest, dropped[k:], strict=True) if not d)
+        fw = self.f_wave
+        if r.blocked or any(m[0] in _WAVE_OR_ADD for f, g in enumerate(r.inq) if f != fw for m in g):
+            return kept
+        return kept if any(m[0] in _WAVE_OR_ADD for m in kept) else rest if k else None
+
+    def normal_form(self, s: GlobalState) -> GlobalState:
+        """``s`` with every START_DP_WAVE that its rank drops for good removed (ranks in ``error`` aside),
+        wherever it is and whether or not the rank can receive: a full state and the reduced state that
+        stands for it (:meth:`quiet`) have the same normal form."""
+        fw = self.f_wave
+        ranks = []
+        for i, r in enumerate(s.ranks):
+            v = r.vars
+            q = r.inq[fw]
+            if v.state is not RankState.ERROR and q:
+                q = tuple(m for m in q if not (m[0] == "W" and wave_dropped_for_good(v, i, m[1], m[2])))
+                r = r.with_inq((*r.inq[:fw], q, *r.inq[fw + 1 :]))
+            ranks.append(r)
+        return s.with_ranks(tuple(ranks))
 
     def check_drops(self, i: int, v: RankVars) -> None:
         """The premise at one rank state: rank ``i`` with variables ``v`` drops, through a silent row (same
