@@ -1,7 +1,8 @@
 """``weightsync bench explorer``: explorer throughput and memory, with a baseline measured in the same run.
 
-Figures: the time to verdict of the default variant for N = 2, 3, 4, 6 and 8 ranks (every pause mode, each
-row in a process of its own with a time budget, :mod:`weightsync.bench.reach`); states/second and peak
+Figures: the time to verdict of the default variant for N = 2, 3, 4, 6 and 8 ranks, and for N = 4, 6 and 8
+again with the silent-wave reduction (every pause mode, each row in a process of its own with a time
+budget, naming its reductions, :mod:`weightsync.bench.reach`); states/second and peak
 memory for two-phase-epoch N=3 (keep mode, safety exploration) and N=4 with symmetry reduction; plus
 same-process ratios: the compact engine (:mod:`weightsync.model.compact`) against the baseline engine (the
 model's successor function on state tuples) on two-phase-epoch N=3 without reductions, every pause mode
