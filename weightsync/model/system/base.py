@@ -99,7 +99,7 @@ class ModelBase:
         self._cache: dict[tuple[Any, ...], tuple[Transition | None, RankVars]] = {}
         self._worker_cache: dict[tuple[WorkerVars, WorkerEvent], WorkerVars] = {}
         # the silent-wave reduction's memos: the messages it removes from a rank's slice, the rank states checked
-        self._quiet_cache: dict[tuple[int, Rank], tuple[tuple[Any, ...], ...] | None] = {}
+        self._quiet_cache: dict[tuple[int, Any, RankVars], tuple[tuple[Any, ...], ...] | None] = {}
         self._drops_checked: set[tuple[int, RankVars]] = set()
         # a controller call's table arguments by (event, requests running on the rank): spec call_args
         self._call_args_cache: dict[

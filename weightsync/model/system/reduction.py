@@ -17,12 +17,17 @@ the same effect on the normal form, of every equivalent state (no other move rea
 receiving one is a stutter step; so every reachable ``u`` has an equivalent explored state ``r``, by
 induction on the path, and conversely every explored state is equivalent to a reachable one. The
 invariant reads START_DP_WAVE only as "the rank has a message queued" and "the rank has a wave or a request
-queued" of a rank that is not blocked, and :meth:`SilentWaves.quiet_rank` keeps both unchanged, so
-equivalent states agree on it; edge checks read no START_DP_WAVE; a state without successors has, for each
-rank that could receive, no message left in either graph, so the terminal check judges ``u`` and ``r``
-alike. Counterexamples are put back onto the unreduced model (the removed receipts as steps of their own,
-:func:`~weightsync.model.counterexample.unreduced_edges`) and ``tests/test_model_reduction.py`` replays them
-there. The witness ``sometimes_update_with_wave_in_flight`` reads the messages and is not checked here.
+queued", of a rank that is not blocked. A removed message is one that only START_DP_WAVE messages precede,
+so it is received, as a stutter step, before any message of another kind; the full state with such
+messages received from the heads of the FIFOs of the ranks that can receive (stutter steps away) answers
+both questions as the reduced state does, and a full state that still holds them may answer yes where the
+reduced one says no (a rank that answers yes is "unsettled", which only ever makes the invariant hold). So
+a failure of the invariant in a full state shows in its explored equivalent, and one in an explored state
+is one of a full state, the one with those receipts made. Edge checks read no START_DP_WAVE; a state
+without successors has, for each rank that could receive, no message left in either graph, so the
+terminal check judges ``u`` and ``r`` alike. Counterexamples are put back onto the unreduced model (the
+removed receipts as steps of their own, :func:`~weightsync.model.counterexample.unreduced_edges`) and
+``tests/test_model_reduction.py`` replays them there. The witness ``sometimes_update_with_wave_in_flight`` reads the messages and is not checked here.
 
 Both premises are checked against the table in use, not assumed: every rank state the exploration reaches
 (not blocked, not in ``error``) drops every message the predicate names (:meth:`SilentWaves.check_drops`),
@@ -46,8 +51,20 @@ from weightsync.model.system.state import GlobalState, Rank
 from weightsync.spec.rank_vars import RankVars, wave_dropped_for_good
 from weightsync.spec.states import RankEvent, RankState
 
-#: message kinds whose presence the invariant reads (:meth:`Properties.front_end_unsettled`)
-_WAVE_OR_ADD = frozenset({"W", "ADD"})
+
+def _kept(i: int, v: RankVars, q: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...] | None:
+    """Rank ``i``'s wave FIFO ``q`` after :meth:`SilentWaves.quiet_rank`'s removals (the rank's variables
+    ``v``); None when it removes none."""
+    kept = []
+    only_waves = True
+    for m in q:
+        if m[0] == "W":
+            if only_waves and wave_dropped_for_good(v, i, m[1], m[2]):
+                continue
+        else:
+            only_waves = False
+        kept.append(m)
+    return None if len(kept) == len(q) else tuple(kept)
 
 
 class SilentWaves(ModelBase):
@@ -72,16 +89,15 @@ class SilentWaves(ModelBase):
 
     def quiet_rank(self, i: int, r: Rank) -> Rank:
         """Rank ``i``'s slice ``r`` without the START_DP_WAVE messages in its wave FIFO for which
-        :func:`~weightsync.spec.rank_vars.wave_dropped_for_good` holds (``r`` itself when there are none):
-
-        - the run of them at the head, when the rank can receive (not blocked, not in ``error``): receipts
-          the rank could make now, each a stutter step;
-        - the others, behind a message the rank takes, when the rank is blocked or its FIFOs keep a
-          START_DP_WAVE or an ADD (so that "some message is queued" and "some wave or request is queued",
-          which the invariant reads of a rank that is not blocked, do not change); each is received, as a
-          stutter step, once the messages before it are.
-
-        A rank in ``error`` receives nothing and keeps its messages.
+        :func:`~weightsync.spec.rank_vars.wave_dropped_for_good` holds and that only START_DP_WAVE messages
+        precede (``r`` itself when there are none). Under ``per-socket`` and ``one-api-server`` channels the
+        wave FIFO holds nothing else, so every such message goes; under ``ordered`` ones a message of another
+        kind keeps those behind it. Those at the head are receipts the rank could make now (or once it
+        leaves its collective), each a stutter step; one behind a START_DP_WAVE that stays reaches the head,
+        and is received as a stutter step, before any message of another kind does, so the invariant's "a
+        message is queued" and "a wave or a request is queued" of a rank that can receive agree with a state
+        of the full graph (the module docstring). A rank in ``error`` receives nothing and keeps its
+        messages.
 
         Raises:
             ReductionPremiseError: see :meth:`check_drops`."""
@@ -94,27 +110,10 @@ class SilentWaves(ModelBase):
         q = r.inq[fw]
         if not q:
             return r
-        key = (i, r)
+        key = (i, q, v)
         cache = self._quiet_cache
-        kept = cache[key] if key in cache else cache.setdefault(key, self._kept(i, r, q))
+        kept = cache[key] if key in cache else cache.setdefault(key, _kept(i, v, q))
         return r if kept is None else r.with_inq((*r.inq[:fw], kept, *r.inq[fw + 1 :]))
-
-    def _kept(self, i: int, r: Rank, q: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...] | None:
-        """The wave FIFO ``q`` of :meth:`quiet_rank` after its removals; None when it removes none."""
-        v = r.vars
-        dropped = [m[0] == "W" and wave_dropped_for_good(v, i, m[1], m[2]) for m in q]
-        if not any(dropped):
-            return None
-        k = 0
-        if not r.blocked:
-            while k < len(q) and dropped[k]:
-                k += 1
-        rest = q[k:]
-        kept = tuple(m for m, d in zip(rest, dropped[k:], strict=True) if not d)
-        fw = self.f_wave
-        if r.blocked or any(m[0] in _WAVE_OR_ADD for f, g in enumerate(r.inq) if f != fw for m in g):
-            return kept
-        return kept if any(m[0] in _WAVE_OR_ADD for m in kept) else rest if k else None
 
     def normal_form(self, s: GlobalState) -> GlobalState:
         """``s`` with every START_DP_WAVE that its rank drops for good removed (ranks in ``error`` aside),
