@@ -25,7 +25,10 @@ reduced one says no (a rank that answers yes is "unsettled", which only ever mak
 a failure of the invariant in a full state shows in its explored equivalent, and one in an explored state
 is one of a full state, the one with those receipts made. Edge checks read no START_DP_WAVE; a state
 without successors has, for each rank that could receive, no message left in either graph, so the
-terminal check judges ``u`` and ``r`` alike. Counterexamples are put back onto the unreduced model (the
+terminal check judges ``u`` and ``r`` alike. (One exception to "agree": a rank that enters ``error`` by
+its receipt of the message ahead keeps, in the full graph, a removed message it will never receive; but a
+state with a rank in ``error`` violates ``phase_bracketing`` in both graphs and is not expanded, so only
+which other properties are reported there may differ, never whether one is violated.) Counterexamples are put back onto the unreduced model (the
 removed receipts as steps of their own, :func:`~weightsync.model.counterexample.unreduced_edges`) and
 ``tests/test_model_reduction.py`` replays them there. The witness ``sometimes_update_with_wave_in_flight`` reads the messages and is not checked here.
 
@@ -72,8 +75,8 @@ class SilentWaves(ModelBase):
     docstring); active when the model was built with ``silent_waves=True``."""
 
     def quiet(self, s: GlobalState) -> GlobalState:
-        """``s`` with every rank's wave FIFO rid of the START_DP_WAVE messages at its head that the rank drops
-        for good (:meth:`quiet_rank`); ``s`` itself when there are none.
+        """``s`` with every rank's wave FIFO rid of the START_DP_WAVE messages :meth:`quiet_rank` removes;
+        ``s`` itself when there are none.
 
         Raises:
             ReductionPremiseError: a rank's state where the table acts on such a message."""
