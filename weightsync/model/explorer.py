@@ -25,7 +25,7 @@ import functools
 import gc
 import time
 from array import array
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, TypeVar
 
@@ -214,10 +214,14 @@ def explore_checked(
     and the result are :func:`explore`'s."""
     t0 = time.perf_counter()
     states: list[S] = []
-    index: dict[S, int] = {}
+    # Without edges no successor's index is needed, only whether it is new: a set then (no index object
+    # per state; about 40 bytes a state less), the state -> index map built on first use (_LazyIndex).
+    index: dict[S, int] | None = {} if keep_edges else None
+    seen: set[S] | dict[S, int] = index if index is not None else set()
+    seen_add = seen.add if isinstance(seen, set) else None
     parent: array[int] = array("q")
     via: list[Label] = []
-    level: array[int] = array("l")
+    level: array[int] = array("i")
     src: array[int] | None = array("q") if keep_edges else None
     dst: array[int] | None = array("q") if keep_edges else None
     labels: list[Label] | None = [] if keep_labels else None
@@ -229,25 +233,31 @@ def explore_checked(
             if n not in violations:
                 violations[n] = Violation(n, i, label, target)
 
-    for s0 in initial:
-        c = canon(s0) if canon is not None else s0
-        if c in index:
-            continue
-        index[c] = len(states)
+    def add(c: S, i: int, label: Label | None, lvl: int) -> int:
+        j = len(states)
+        if index is not None:
+            index[c] = j
+        elif seen_add is not None:
+            seen_add(c)
         states.append(c)
-        parent.append(-1)
-        via.append(None)
-        level.append(1)
+        parent.append(i)
+        via.append(label)
+        level.append(lvl)
         if invariant is not None:
             v = invariant(c)
             if v:
-                note(v, len(states) - 1)
-                bad.add(len(states) - 1)
+                note(v, j)
+                bad.add(j)
+        return j
+
+    for s0 in initial:
+        c = canon(s0) if canon is not None else s0
+        if c not in seen:
+            add(c, -1, None, 1)
 
     transitions = 0
     complete = True
     terminal: list[int] = []
-    index_get = index.get
     i = 0
     while i < len(states):
         if stop_at_first and violations:
@@ -257,35 +267,31 @@ def explore_checked(
             i += 1
             continue
         s = states[i]
-        n = 0
         lvl = level[i] + 1
-        for label, t, ev in successors(s):
-            n += 1
-            if ev:
-                note(ev, i, label, t)
-            j = index_get(t)
-            c = t
-            if j is None and canon is not None:
-                c = canon(t)
-                if c is not t:
-                    j = index_get(c)
-            if j is None:
-                j = len(states)
-                index[c] = j
-                states.append(c)
-                parent.append(i)
-                via.append(label)
-                level.append(lvl)
-                if invariant is not None:
-                    v = invariant(c)
-                    if v:
-                        note(v, j)
-                        bad.add(j)
-            if src is not None and dst is not None:
-                src.append(i)
-                dst.append(j)
-            if labels is not None:
-                labels.append(label)
+        succ = successors(s)
+        if index is None:
+            n = _expand_new(succ, seen, canon, add, note, labels, i, lvl)
+        else:
+            n = 0
+            index_get = index.get
+            for label, t, ev in succ:
+                n += 1
+                if ev:
+                    note(ev, i, label, t)
+                j = index_get(t)
+                if j is None and canon is not None:
+                    c = canon(t)
+                    if c is not t:
+                        j = index_get(c)
+                    if j is None:
+                        j = add(c, i, label, lvl)
+                elif j is None:
+                    j = add(t, i, label, lvl)
+                if src is not None and dst is not None:
+                    src.append(i)
+                    dst.append(j)
+                if labels is not None:
+                    labels.append(label)
         transitions += n
         if n == 0:
             terminal.append(i)
@@ -302,7 +308,7 @@ def explore_checked(
             break
     ex: Exploration[S] = Exploration(
         states=states,
-        index=index,
+        index=index if index is not None else _LazyIndex(states),
         parent=parent,
         via=via,
         level=level,
@@ -317,6 +323,60 @@ def explore_checked(
     ex.levels_expanded = ex.depth if complete else (level[i] - 1 if i < len(states) else ex.depth)
     ex.seconds = time.perf_counter() - t0
     return ex
+
+
+def _expand_new(
+    succ: Iterable[tuple[Label, S, Sequence[str]]],
+    seen: set[S] | dict[S, int],
+    canon: Callable[[S], S] | None,
+    add: Callable[[S, int, Label | None, int], int],
+    note: Callable[[Sequence[str], int, Label | None, Any], None],
+    labels: list[Label] | None,
+    i: int,
+    lvl: int,
+) -> int:
+    """Expand state ``i`` when no edge is kept: add each successor not ``seen`` (its canonical form under
+    ``canon``) as a new state of level ``lvl``; returns how many successors there were."""
+    n = 0
+    for label, t, ev in succ:
+        n += 1
+        if ev:
+            note(ev, i, label, t)
+        if labels is not None:
+            labels.append(label)
+        if t in seen:
+            continue
+        if canon is not None:
+            c = canon(t)
+            if c is not t and c in seen:
+                continue
+            add(c, i, label, lvl)
+        else:
+            add(t, i, label, lvl)
+    return n
+
+
+class _LazyIndex(Mapping[S, int]):
+    """The state -> index map of an exploration that kept no edges, built from its states on first use
+    (the explorer then needs only a set)."""
+
+    def __init__(self, states: Sequence[S]) -> None:
+        self._states = states
+        self._map: dict[S, int] | None = None
+
+    def _built(self) -> dict[S, int]:
+        if self._map is None:
+            self._map = {s: i for i, s in enumerate(self._states)}
+        return self._map
+
+    def __getitem__(self, s: S) -> int:
+        return self._built()[s]
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __iter__(self) -> Iterator[S]:
+        return iter(self._built())
 
 
 def reverse_reachable(n: int, src: array[int], dst: array[int], goals: Iterable[int]) -> bytearray:
