@@ -33,3 +33,27 @@ def test_shortest_counterexample_to_a_seeded_bug() -> None:
     labels = [lab for lab, _ in ex.path(v.state)][1:]
     assert len(labels) == 2  # shortest: one RM aborts, RM 0 commits at will
     assert "RMCommitAtWill(0)" in labels
+
+
+def test_an_exploration_without_edges_is_the_one_with_edges() -> None:
+    # Without edges the explorer keeps a set, not a state -> index map; the exploration must not change:
+    # same states in the same order, parents, labels and levels, and the index built on demand agrees.
+    # A canon (sorting the RMs: not a symmetry of this model, only a function to canonicalise by) exercises
+    # the canonical-form lookups of both paths.
+    def canon(s: tp.TPState) -> tp.TPState:
+        return s._replace(rm=tuple(sorted(s.rm)))
+
+    for c in (None, canon):
+        with_edges = explore(
+            [tp.initial(4)], tp.successors, invariant=tp.consistent, canon=c, keep_edges=True
+        )
+        without = explore([tp.initial(4)], tp.successors, invariant=tp.consistent, canon=c)
+        assert isinstance(with_edges.index, dict) and not isinstance(without.index, dict)
+        assert list(without.states) == list(with_edges.states)
+        assert list(without.parent) == list(with_edges.parent)
+        assert without.via == with_edges.via
+        assert list(without.level) == list(with_edges.level)
+        assert without.transitions == with_edges.transitions
+        assert without.terminal == with_edges.terminal
+        assert dict(without.index) == with_edges.index
+        assert all(without.index[s] == i for i, s in enumerate(without.states))
