@@ -143,7 +143,10 @@ def test_symmetry_gives_the_same_representatives(
     assert engine._ren  # the renaming swap was used
 
 
-@pytest.mark.parametrize(("ranks", "mode", "states"), [(4, "keep", 45_000), (5, "abort", 15_000)])
+@pytest.mark.parametrize(
+    ("ranks", "mode", "states"),
+    [pytest.param(4, "keep", 45_000, marks=pytest.mark.slow), (5, "abort", 15_000)],  # N=4: 23 s
+)
 def test_symmetry_beyond_three_ranks_gives_the_same_representatives(
     ranks: int, mode: str, states: int
 ) -> None:

@@ -76,7 +76,6 @@ def test_two_phase_epoch_n8_safety_and_deadlock_within_30_minutes() -> None:
     print(out["states"], out["transitions"], out["seconds"], out["peak_rss_mb"])
 
 
-@pytest.mark.ci
 @pytest.mark.timeout(2400)
 def test_two_phase_epoch_n8_with_the_silent_wave_reduction_within_30_minutes() -> None:
     """Issue 19 acceptance 3.4 with the silent-wave reduction on top of symmetry: N = 8, every mode, safety

@@ -28,7 +28,7 @@ require_vllm()
 from weightsync.cli import main  # noqa: E402
 from weightsync.impl.transfer.secret import TOKEN_ENV, TOKEN_FILE_ENV, write_token  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _demo(capsys: Any, tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
@@ -63,6 +63,7 @@ def test_dense_demo_on_real_vllm(tmp_path: Path) -> None:
     assert out["engine_trace"] is None  # dense DP engines run no DP protocol
 
 
+@pytest.mark.ci  # `make demo`
 def test_moe_demo_on_real_vllm(capsys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)

@@ -186,7 +186,6 @@ class _StaggeredInit(AsyncLLMWeightSyncClient):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_init_while_a_wave_runs_deadlocks_as_shipped_until_the_rendezvous_timeout(
     served_as_shipped: Served,
 ) -> None:

@@ -35,9 +35,10 @@ from weightsync.repro.vllm.run import run_vllm_repro  # noqa: E402
 from weightsync.vllm_tools.fix import ENV_FIX, OFF  # noqa: E402
 from weightsync.vllm_tools.trace import record_cycles  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+@pytest.mark.ci
 def test_the_race_reproduces_on_vllm_as_shipped() -> None:
     res = run_vllm_repro("vllm-0.32", timeout_s=30)
     d = res.as_dict()
@@ -102,6 +103,7 @@ def test_twenty_real_cycles_replay_on_the_model(tmp_path: Path, monkeypatch: pyt
     assert res.collectives > 40 and checker.outcomes_checked > 20 and checker.has_work_checked > 40
 
 
+@pytest.mark.ci
 def test_the_fix_is_on_by_default_and_follows_its_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -26,7 +26,7 @@ require_vllm()
 
 from weightsync.vllm_tools.fix import DEFAULT_FIX, ENV_FIX, OFF  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 #: how long the engines are watched after the drained request finished, seconds
 WATCH_S = 10.0

@@ -26,7 +26,7 @@ vllm = require_vllm()
 
 from weightsync.vllm_tools import fix  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]  # 21 engine starts: not in CI
 
 TESTS = fix.PATCH_DIR / "tests"
 SITE = Path(vllm.__file__).parents[1]
