@@ -74,10 +74,18 @@ demo: $(VLLM_STAMP)
 demo-reference: $(STAMP)
 	$(BIN)/weightsync demo --engine reference
 
+# The default suite in two parts. The model's own tests (one process each, no sockets, no engine, no timing
+# tighter than 30 s) run on both cores at once (pytest-xdist, -n 2); the rest, with its gloo groups, engine
+# processes and real-vLLM engines, runs alone after them, so no timeout there competes with another test.
+MODEL_TESTS := $(sort $(wildcard tests/test_model_*.py tests/test_proofs_*.py)) tests/test_spec.py \
+  tests/test_spec_controller.py tests/test_rules.py tests/test_refusal.py tests/test_schedule.py \
+  tests/test_spin.py tests/test_layout.py
+REQUIRE = WEIGHTSYNC_REQUIRE_VLLM=$(if $(filter none,$(VLLM)),0,1) WEIGHTSYNC_REQUIRE_SPIN=$(if $(filter none,$(SPIN)),0,1)
+
 # with vLLM installed its tests must run: a broken `import vllm` fails them instead of skipping
 test: $(VLLM_STAMP) $(SPIN_STAMP)
-	WEIGHTSYNC_REQUIRE_VLLM=$(if $(filter none,$(VLLM)),0,1) WEIGHTSYNC_REQUIRE_SPIN=$(if $(filter none,$(SPIN)),0,1) \
-	  $(BIN)/python -m pytest -q -m "not slow and not gpu" --durations=25
+	$(REQUIRE) $(BIN)/python -m pytest -q -m "not slow and not gpu" -n 2 --durations=15 $(MODEL_TESTS)
+	$(REQUIRE) $(BIN)/python -m pytest -q -m "not slow and not gpu" --durations=25 $(addprefix --ignore=,$(MODEL_TESTS))
 
 # The slow runs CI still runs once, after the default suite (marker `ci`, tests/*.py), chosen to keep
 # `.ci/run` well inside CI's 90 minutes on a slow day: SPIN against every proofs/ row (issue 19 item 6), the
@@ -86,15 +94,13 @@ test: $(VLLM_STAMP) $(SPIN_STAMP)
 # self-test and the mutation run's classifier and checkpoint. `make test` leaves them out to stay near 15
 # minutes on 2 cores.
 test-slow-ci: $(VLLM_STAMP) $(SPIN_STAMP)
-	WEIGHTSYNC_REQUIRE_VLLM=$(if $(filter none,$(VLLM)),0,1) WEIGHTSYNC_REQUIRE_SPIN=$(if $(filter none,$(SPIN)),0,1) \
-	  $(BIN)/python -m pytest -q -m "slow and ci" --durations=25
+	$(REQUIRE) $(BIN)/python -m pytest -q -m "slow and ci" --durations=25
 
 # Every slow run, CI's included: the acceptance runs (N = 6 and 8, N = 8 unreduced needs about 15 GB and 25
 # minutes), every upstream patch test as shipped / patched / with the plugin (21 engine starts), every
 # real-vLLM reproduction. Hours on 2 cores; run it alone.
 test-slow: $(VLLM_STAMP) $(SPIN_STAMP)
-	WEIGHTSYNC_REQUIRE_VLLM=$(if $(filter none,$(VLLM)),0,1) WEIGHTSYNC_REQUIRE_SPIN=$(if $(filter none,$(SPIN)),0,1) \
-	  $(BIN)/python -m pytest -q -m "slow and not gpu" --durations=50
+	$(REQUIRE) $(BIN)/python -m pytest -q -m "slow and not gpu" --durations=50
 
 lint: $(STAMP)
 	$(BIN)/mypy --strict weightsync
