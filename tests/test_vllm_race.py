@@ -1,8 +1,9 @@
 """The resume-time race on a real vLLM 0.32 DP deployment, and real vLLM traces replayed by the model.
 
 Each test starts a real ``AsyncLLM(data_parallel_size=2)`` of a tiny Mixtral (MoE: lockstep
-``DPEngineCoreProc`` ranks) on CPU, 50-70 s on this machine, so they are ``slow``; ``.ci/run`` runs them
-once (``make test-slow-ci``).
+``DPEngineCoreProc`` ranks) on CPU, 50-70 s on this machine, so they are ``slow``; ``.ci/run`` runs the
+two marked ``ci`` once (``make test-slow-ci``: the race as shipped and the plugin's default fix), ``make
+test-slow`` all of them.
 
 - ``weightsync repro vllm-0.32 --engine vllm``: vLLM as shipped follows every step of the model's
   shortest counterexample, rank 0 ends inside its DP step and rank 1 idle, and rank 0's collective raises
