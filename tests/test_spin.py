@@ -27,7 +27,7 @@ import pytest
 from weightsync.model.check import build_model
 from weightsync.model.engines import explore_model
 from weightsync.model.properties import SAFETY
-from weightsync.model.spin.run import SpinError, replay, spin_available, spin_check
+from weightsync.model.spin.run import SpinError, replay, spin_available, spin_check, spin_once
 from weightsync.model.spin.translate import Codes, Expr, Registry, TranslateError, Translator, text
 from weightsync.model.system import Bounds
 from weightsync.spec.rank_vars import GUARDS, UPDATES, RankVars
@@ -316,3 +316,28 @@ def test_spin_agrees_with_every_proofs_row() -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(one, rows))
     assert not failures, "\n".join(failures)
+
+
+def test_the_compile_level_reaches_the_compiler_and_a_bad_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``optimize`` is the ``-O`` of the ``cc`` command (the tests' speed rests on it); a level outside 0-3 is
+    refused before SPIN runs."""
+    import weightsync.model.spin.run as run
+
+    model = build_model("two-phase", 2, "keep", "per-socket")
+    calls: list[list[str]] = []
+
+    def record(cmd: list[str], d: Path, timeout: float) -> str:
+        calls.append(cmd)
+        if cmd[0] == "cc":
+            raise SpinError("stopped after the compile command")
+        return ""
+
+    monkeypatch.setattr(run, "_run", record)
+    with pytest.raises(ValueError, match="optimize=7"):
+        spin_once(model, optimize=7)
+    assert calls == []
+    with pytest.raises(SpinError, match="stopped after the compile"):
+        spin_once(model, optimize=1)
+    assert calls[-1][0] == "cc" and "-O1" in calls[-1] and "-O2" not in calls[-1]
