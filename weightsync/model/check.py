@@ -311,7 +311,7 @@ def _check_one(
     if engine == "spin":
         from weightsync.model.spin.mode import spin_mode
 
-        return spin_mode(build_model(variant, ranks, mode, channels, bounds), spin)
+        return spin_mode(build_model(variant, ranks, mode, channels, bounds, silent_waves=silent_waves), spin)
     return check_mode(
         build_model(variant, ranks, mode, channels, bounds, silent_waves=silent_waves),
         symmetry=symmetry,
@@ -352,11 +352,12 @@ def check(
     give the same figures and verdicts), or ``"spin"`` (:func:`weightsync.model.spin.mode.spin_mode`: safety and deadlock, no symmetry;
     ``spin``: keyword arguments of :func:`weightsync.model.spin.run.spin_check`). ``deadline``: every mode stops exploring once ``time.time()``
     passes it (epoch seconds). ``silent_waves``: the silent-wave reduction
-    (:mod:`weightsync.model.system.reduction`: safety and deadlock; progress is then not checked).
+    (:mod:`weightsync.model.system.reduction`: safety and deadlock; progress is then not checked), with
+    either engine (SPIN's: :mod:`weightsync.model.spin.quiet`).
 
     Raises:
-        ValueError: ``workers`` < 1, ``counterexample_of`` names no property, ``engine`` no engine, or
-            ``silent_waves`` with the SPIN engine.
+        ValueError: ``workers`` < 1, ``counterexample_of`` names no property, or ``engine`` no engine.
+        UnsupportedModel: ``silent_waves`` with the SPIN engine under ``ordered`` channels.
 
     Keys: variant, ranks, verdict ("verified" | "counterexample" | "incomplete"), states, transitions
     (summed over modes), depth (max), seconds, symmetry, reductions (names), properties, bounds, channels, mode, per_mode,
@@ -377,8 +378,6 @@ def check(
         raise ValueError(f"engine={engine!r}: known engines are {', '.join(CHECK_ENGINES)}")
     if engine == "spin":
         sym = False  # SPIN explores the full product (its partial-order reduction, no symmetry)
-        if silent_waves:
-            raise ValueError("silent_waves: the SPIN engine explores the unreduced model")
     jobs = [
         (
             variant,

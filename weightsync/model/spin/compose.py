@@ -40,6 +40,7 @@ class PromelaModel(Props, Moves, Build):
 
     def __init__(self, model: Model, checks: bool = True, fifo_capacity: int = CAP) -> None:
         Build.__init__(self, model, checks, fifo_capacity)
+        self.check_quiet_supported()
 
     def text(self) -> str:
         """The whole Promela model. With the checks on, the state invariants are one monitor process whose

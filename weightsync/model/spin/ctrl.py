@@ -5,7 +5,7 @@ untracked calls), the resumes a rank takes at once, and the settling of stray an
 from __future__ import annotations
 
 from weightsync.model.spin.build import kind
-from weightsync.model.spin.ranks import RankCode
+from weightsync.model.spin.quiet import QuietWaves
 from weightsync.model.spin.translate import Expr, Value, and_, text
 from weightsync.model.system.environment import _REPLIES, _UNTRACKED, MODE_CALLS
 from weightsync.model.system.state import (
@@ -23,15 +23,18 @@ from weightsync.spec.states import PauseMode, RankEvent
 from weightsync.spec.table import ALWAYS
 
 
-class ControllerCode(RankCode):
+class ControllerCode(QuietWaves):
     """The controller's moves and the resumes delivered at once (see the module docstring)."""
 
     def option(self, guard: str, body: str, label: str) -> str:
         """One move: ``guard`` enables it; ``body`` changes the state; ``label`` is printed for replay."""
-        settle = self.settle()
-        if settle:
-            body = f"{body}; {settle}"
+        for after in (self.settle(), self.quiet()):  # Model.reduced: the settle, then the silent waves
+            if after:
+                body = f"{body}; {after}"
         pre = self.snapshot(label) + "; " if self.checks else ""
+        if self.m.silent_waves:
+            pre += self.premise_snapshot() + "; "
+            body += "; " + self.premise_check()
         post = f"; {self.check_edge(label)}" if self.checks else f"; {self.check_state()}"
         if not self.checks:
             guard = f"!inv_bad && ({guard})"

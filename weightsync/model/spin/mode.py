@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from weightsync.model.check import ModeResult, violation_text
+from weightsync.model.counterexample import unreduced_edges
 from weightsync.model.properties import HOLDS, NOT_CHECKED, PROGRESS, PROPERTIES, SAFETY, SOMETIMES, VIOLATED
 from weightsync.model.system import Model
 
@@ -14,7 +15,8 @@ def spin_mode(model: Model, options: dict[str, Any] | None = None) -> ModeResult
     """Check one mode with SPIN (:func:`weightsync.model.spin.run.spin_check`): safety and deadlock; the
     progress properties and the non-vacuity witnesses are not checked. SPIN stops at its first violation,
     so the other safety properties are then "not checked". The counterexample is SPIN's trail replayed on
-    the model (:func:`weightsync.model.spin.run.replay`).
+    the model (:func:`weightsync.model.spin.run.replay`); with the silent-wave reduction, as a path of the
+    unreduced model (:func:`~weightsync.model.counterexample.unreduced_edges`).
 
     Raises:
         SpinError: see ``spin_check`` (``options`` are its keyword arguments)."""
@@ -31,15 +33,20 @@ def spin_mode(model: Model, options: dict[str, Any] | None = None) -> ModeResult
         props[name] = NOT_CHECKED
     cx = None
     if res.violation is not None:
-        final = res.path[-1][2] if res.path else model.initial()
-        texts = steps_text(model, res.path)
-        texts.append(f"{len(texts) + 1}. => {violation_text(model, res.violation, final)}")
+        path, shown = res.path, model
+        if model.silent_waves:  # the receipts the reduction stands for, put back as steps
+            edge_last = bool(path) and res.violation in model.edge_check(*path[-1])
+            path = unreduced_edges(model, path, edge_last)
+            shown = Model(model.config, table=model.table, guards=model.guards, updates=model.updates)
+        final = path[-1][2] if path else shown.initial()
+        texts = steps_text(shown, path)
+        texts.append(f"{len(texts) + 1}. => {violation_text(shown, res.violation, final)}")
         cx = {
             "property": res.violation,
             "mode": model.mode.value,
             "statement": PROPERTIES[res.violation][0],
             "steps": texts,
-            "labels": [list(lab) for lab in res.labels],
+            "labels": [list(lab) for _, lab, _ in path],
             "engine": "spin",
         }
     return ModeResult(

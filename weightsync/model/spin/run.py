@@ -22,6 +22,7 @@ from typing import Any
 
 from weightsync.model.spin.compose import CAP, PromelaModel
 from weightsync.model.system import G, Label, Model, describe
+from weightsync.model.system.premise import ReductionPremiseError
 
 #: pan's figures, parsed from its report.
 _FIGURES = {
@@ -218,8 +219,10 @@ def parse_trail(out: str) -> tuple[list[Label], str]:
     """The model labels of a trail's ``MOVE`` lines and the property of its ``VIOLATION`` line.
 
     Raises:
-        SpinError: no VIOLATION line (pan failed an assertion the model does not name, e.g. a FIFO over
-            the generator's capacity)."""
+        SpinError: no VIOLATION line (pan failed an assertion the model does not name); CapacityError (a
+            FIFO over the generator's capacity).
+        ReductionPremiseError: a premise of the silent-wave reduction failed (:mod:`weightsync.model.spin.
+            quiet`)."""
     labels: list[Label] = []
     violation = None
     for line in out.splitlines():
@@ -230,9 +233,25 @@ def parse_trail(out: str) -> tuple[list[Label], str]:
             violation = words[1]
         elif len(words) == 2 and words[0] == "CAPACITY":
             raise CapacityError(int(words[1]), len(labels))
+        elif len(words) in (4, 5) and words[0] == "PREMISE":
+            raise ReductionPremiseError(_premise_text(words[1:], len(labels)))
     if violation is None:
         raise SpinError(f"SPIN stopped after {len(labels)} moves on an error that names no property")
     return labels, violation
+
+
+def _premise_text(words: list[str], moves: int) -> str:
+    """The text of a ``PREMISE`` line of the silent-wave reduction (:mod:`weightsync.model.spin.quiet`)."""
+    rank, a, b = words[:3]
+    if a == "lowered":
+        return (
+            f"rank {rank}: move {moves + 1} (SPIN) lowers current_wave from {b} to {words[3]}: the silent-wave "
+            "reduction needs current_wave never to decrease"
+        )
+    return (
+        f"rank {rank} acts on START_DP_WAVE(wave={a}, exclude={b}) at move {moves + 1} (SPIN): the silent-wave "
+        "reduction needs it dropped (vLLM 0.32 v1/engine/core.py:2284-2297); check without it"
+    )
 
 
 def _label(words: list[str]) -> Label:
