@@ -69,7 +69,12 @@ def run_check(args: argparse.Namespace, bounds: Any) -> dict[str, Any]:
         stalls=args.stalls,
         counterexample_of=args.counterexample_of,
         engine=args.engine,
-        spin={"search": args.spin_search, "cores": args.spin_cores, "fifo_capacity": args.fifo_capacity},
+        spin={
+            "search": args.spin_search,
+            "cores": args.spin_cores,
+            "fifo_capacity": args.fifo_capacity,
+            "hash_compact": args.spin_hash_compact,
+        },
         deadline=None if args.max_seconds is None else time.time() + args.max_seconds,
         silent_waves=args.silent_waves,
     )
@@ -94,6 +99,11 @@ def print_human(result: dict[str, Any]) -> None:
         f"{result['transitions']:,} transitions, depth {result['depth']}, {result['seconds']:.2f} s, "
         f"peak RSS {result['peak_rss_mb']:.0f} MB"
     )
+    if "omission_bound" in result:
+        con.print(
+            f"[yellow]hash-compact storage[/yellow] (SPIN): not exhaustive; the probability that a reachable "
+            f"state was left out is at most {result['omission_bound']:.1e}"
+        )
     if "levels_expanded" in result:
         con.print(
             f"[yellow]stopped before the end[/yellow]: every state within {result['levels_expanded']} steps of "

@@ -84,6 +84,8 @@ class ModeResult:
         model, exploration: kept when asked (``keep=True``) for export / replay.
         peak_rss_mb: peak resident set (MB) of the process that checked the mode, when it finished (a
             worker's own: :func:`_peak_rss_mb` in the caller cannot see a forkserver's children).
+        omission_bound: 0 for an exhaustive search; SPIN with hash-compact storage: a bound on the
+            probability that a reachable state was left out (:func:`weightsync.model.spin.run.omission_bound`).
     """
 
     mode: ModeSetting
@@ -100,6 +102,7 @@ class ModeResult:
     stranded: dict[str, int] | None = None
     peak_rss_mb: float = 0.0
     levels_expanded: int = 0
+    omission_bound: float = 0.0
 
 
 def build_model(
@@ -365,7 +368,9 @@ def check(
     ``counterexample {property, mode, steps, records, labels}``. An incomplete run (``max_states`` or
     ``deadline``) also has ``levels_expanded``: the fewest BFS levels any mode explored completely, so that
     every state within that many steps of the initial state, in every mode, was expanded and checked (a
-    bounded verdict); each mode's is in ``per_mode``.
+    bounded verdict); each mode's is in ``per_mode``. SPIN with hash-compact storage (``spin={"hash_compact":
+    True}``) adds ``storage: "hash-compact"`` and ``omission_bound``: its verdict is not exhaustive, and that
+    bounds the probability that a reachable state was left out.
     """
     b = bounds or Bounds()
     modes: list[ModeSetting] = list(PauseMode) if mode == "all" else [mode_setting(mode)]
@@ -461,6 +466,9 @@ def check(
             for r in results
         },
     }
+    if any(r.omission_bound for r in results):  # SPIN's hash-compact storage: not exhaustive
+        out["storage"] = "hash-compact"
+        out["omission_bound"] = sum(r.omission_bound for r in results)
     if not complete:
         out["levels_expanded"] = min(r.levels_expanded for r in results)
     if stalls:

@@ -15,6 +15,7 @@ from weightsync.spec.controller import CtrlVars
 from weightsync.spec.coordinator import CoordVars
 from weightsync.spec.front_end import FrontVars
 from weightsync.spec.rank import RankVars
+from weightsync.spec.rank_vars import GUARDS, UPDATES
 from weightsync.spec.states import PauseMode, RankEvent
 from weightsync.spec.worker import WORKER_TABLE, WorkerVars
 
@@ -75,6 +76,11 @@ class Build:
     """Declarations, initial state and building blocks (see the module docstring)."""
 
     def __init__(self, model: Model, checks: bool, cap: int = CAP) -> None:
+        if model.guards != GUARDS or model.updates != UPDATES:
+            raise UnsupportedModel(
+                "the model replaces rank guards or updates of weightsync.spec.rank_vars: the generator reads "
+                "the registries as code, so it would check the spec's functions instead; edit the table"
+            )
         self.m = model
         self.cap = cap
         self.n = model.n

@@ -61,6 +61,7 @@ def spin_mode(model: Model, options: dict[str, Any] | None = None) -> ModeResult
         violation_depths={res.violation: len(res.path)} if res.violation else {},
         peak_rss_mb=res.memory_mb,
         levels_expanded=res.depth - 1,
+        omission_bound=res.omission_bound,
     )
 
 

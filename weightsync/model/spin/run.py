@@ -55,6 +55,8 @@ class SpinResult:
         labels: the trail as the model's labels.
         path: the trail replayed on the model, ``(state, label, next_state)``.
         pan_output: pan's report.
+        omission_bound: 0 for exhaustive storage; with hash compaction, a bound on the probability that a
+            reachable state was left out (:func:`omission_bound`).
     """
 
     verdict: str
@@ -69,6 +71,7 @@ class SpinResult:
     pan_output: str = ""
     fifo_capacity: int = CAP
     search_seconds: float = 0.0
+    omission_bound: float = 0.0
 
 
 def spin_available() -> bool:
@@ -134,6 +137,8 @@ def spin_once(
     cores: int = 1,
     fifo_capacity: int = CAP,
     optimize: int = 2,
+    hash_compact: bool = False,
+    memory_limit_mb: int | None = None,
     timeout: float = 3600.0,
     workdir: Path | None = None,
 ) -> SpinResult:
@@ -152,6 +157,13 @@ def spin_once(
             ``-O2`` compiles it in about 10 s, ``-O1`` in 4.7 s and ``-O0`` in 2.4 s, while ``-O0``'s search
             is about 2.3x slower (``vllm-0.32-epoch`` N = 2 keep, 44,383 states) and ``-O1``'s within 4% of
             ``-O2``'s (N = 3, 4.16 M states; both measured on the 2-core machine, 2026-12-07).
+        hash_compact: store each state as 12 bytes of its hash (pan's ``-DHC4``: the 64-bit ``K1`` and 32
+            bits of ``K2`` of ``s_hash``, pan.c ``compress``) instead of the whole state vector. Not
+            exhaustive: two states whose 96-bit signatures are equal count as one, so a reachable state may
+            be left out; :attr:`SpinResult.omission_bound` bounds the probability. About 40 bytes a state
+            in all, where exact storage takes the vector (hundreds of bytes) and more.
+        memory_limit_mb: pan's ``-DMEMLIM`` (MB; None: pan's default); a run that reaches it stops with
+            :class:`SpinError`, never a verdict.
         timeout: seconds for each of SPIN, the compiler and pan.
         workdir: keep the files there (default: a temporary directory, removed).
 
@@ -176,6 +188,8 @@ def spin_once(
         # off, the count is then the model's
         _run(["spin", "-a", "model.pml"] if checks else ["spin", "-o2", "-a", "model.pml"], d, timeout)
         flags = [f"-O{optimize}", "-DSAFETY", "-DVECTORSZ=4096"]
+        flags += ["-DHC4"] if hash_compact else []
+        flags += [f"-DMEMLIM={memory_limit_mb}"] if memory_limit_mb is not None else []
         flags += ["-DBFS", "-DNOREDUCE"] if search == "bfs" else ([f"-DNCORE={cores}"] if cores > 1 else [])
         _run(["cc", *flags, "-o", "pan", "pan.c"], d, timeout)
         pan_args = ["./pan", f"-m{max_depth}", f"-w{hash_bits}"]
@@ -185,7 +199,7 @@ def spin_once(
         figs = {k: rx.search(out) for k, rx in _FIGURES.items()}
         if figs["states"] is None or figs["errors"] is None:
             raise SpinError(f"pan gave no report: {out[-2000:]}")
-        if "max search depth too small" in out or "out of memory" in out.lower():
+        if "max search depth too small" in out or "out of memory" in out.lower() or "MEMLIM bound" in out:
             raise SpinError(f"pan stopped before the end (search depth or memory): {out[-1500:]}")
         errors = int(figs["errors"].group(1))
         res = SpinResult(
@@ -198,6 +212,8 @@ def spin_once(
             search_seconds=float(figs["search_seconds"].group(1)) if figs["search_seconds"] else 0.0,
             pan_output=out,
         )
+        if hash_compact:
+            res.omission_bound = omission_bound(res.states)
         if errors:
             trail = _run(["spin", "-t", "model.pml"], d, timeout)
             why = next((ln for ln in out.splitlines() if ln.startswith("pan:") and "wrote" not in ln), "")
@@ -213,6 +229,19 @@ def spin_once(
     finally:
         if tmp is not None:
             tmp.cleanup()
+
+
+#: Bits of a state's hash that pan's hash-compact storage (``-DHC4``) keeps: the 64-bit ``K1`` and 32 bits of
+#: ``K2`` (pan.c ``compress``, SPIN 6.5.2).
+HC_SIGNATURE_BITS = 96
+
+
+def omission_bound(states: int) -> float:
+    """A bound on the probability that hash-compact storage left a reachable state out: some two of
+    ``states`` distinct states share a signature, at most ``states * (states - 1) / 2 / 2**96`` when the
+    hash spreads states uniformly (the birthday bound; a collision makes pan take a new state for one it
+    has seen, and only then can it miss the states behind it)."""
+    return states * (states - 1) / 2 / 2.0**HC_SIGNATURE_BITS
 
 
 def parse_trail(out: str) -> tuple[list[Label], str]:
@@ -300,10 +329,12 @@ def steps_text(model: Model, path: list[tuple[G, Label, G]]) -> list[str]:
 
 
 __all__ = [
+    "HC_SIGNATURE_BITS",
     "MAX_CAPACITY",
     "CapacityError",
     "SpinError",
     "SpinResult",
+    "omission_bound",
     "parse_trail",
     "replay",
     "spin_available",

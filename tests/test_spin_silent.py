@@ -1,0 +1,215 @@
+"""SPIN with the silent-wave reduction (:mod:`weightsync.model.spin.quiet`) against the explorer's.
+
+- With the checks off, SPIN stores exactly the explorer's reduced states (plus its pre-init state), fewer
+  than the unreduced model's.
+- With them on, SPIN's verdict is the explorer's on the reduced graph, and its counterexample, put back onto
+  the unreduced model, replays there label by label and ends in the violation SPIN names.
+- A table that breaks a premise of the reduction stops SPIN with :class:`ReductionPremiseError`, as it stops
+  the explorer.
+
+Skipped without ``spin`` and ``cc`` on PATH, unless ``WEIGHTSYNC_REQUIRE_SPIN=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+
+from weightsync.cli import main
+from weightsync.model.check import build_model, check_mode
+from weightsync.model.engines import explore_model
+from weightsync.model.properties import SAFETY, VIOLATED
+from weightsync.model.spin.build import UnsupportedModel
+from weightsync.model.spin.compose import PromelaModel
+from weightsync.model.spin.mode import spin_mode
+from weightsync.model.spin.run import omission_bound, spin_available, spin_once
+from weightsync.model.system import Bounds, Model
+from weightsync.model.system.premise import ReductionPremiseError
+from weightsync.spec.rank_vars import UPDATES, RankVars
+from weightsync.spec.states import RankEvent
+from weightsync.spec.table import Transition
+
+if not spin_available():
+    if os.environ.get("WEIGHTSYNC_REQUIRE_SPIN") == "1":
+        raise RuntimeError(
+            "WEIGHTSYNC_REQUIRE_SPIN=1 but spin or cc is not on PATH (apt-get install spin gcc)"
+        )
+    pytest.skip("spin or cc is not on PATH (apt-get install spin gcc)", allow_module_level=True)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ("two-phase", "keep", "per-socket", Bounds()),
+        ("two-phase-epoch", "keep", "per-socket", Bounds()),
+        pytest.param(
+            ("two-phase-epoch", "abort", "one-api-server", Bounds(repeat_resume=True)), marks=pytest.mark.slow
+        ),
+        pytest.param(
+            ("two-phase-epoch", "any", "per-socket", Bounds(repeat_pause=True)), marks=pytest.mark.slow
+        ),
+    ],
+    ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}",
+)
+def test_spin_stores_the_explorers_reduced_states(cfg: tuple[str, str, str, Bounds]) -> None:
+    """Checks off: SPIN's stored states are the reduced graph's plus SPIN's own pre-init state, and fewer
+    than the unreduced graph's (measured: two-phase keep 9,410 against 16,382; two-phase-epoch keep 21,032
+    against 89,598; any mode with repeated pauses 257,082 against 974,547)."""
+    variant, mode, channels, bounds = cfg
+    reduced = build_model(variant, 2, mode, channels, bounds, silent_waves=True)
+    ex = explore_model(reduced)
+    res = spin_once(reduced, checks=False, optimize=0)
+    assert res.states == len(ex.states) + 1
+    full = explore_model(build_model(variant, 2, mode, channels, bounds))
+    assert len(ex.states) < len(full.states)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ("two-phase", "keep", "per-socket", Bounds()),
+        ("vllm-0.32", "wait", "one-api-server", Bounds()),
+        pytest.param(
+            ("two-phase", "abort", "one-api-server", Bounds(stray_resume=True)), marks=pytest.mark.slow
+        ),
+        ("vllm-0.32-epoch", "wait", "per-socket", Bounds(failures=1)),
+    ],
+    ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}",
+)
+def test_spin_verdicts_and_counterexamples_on_the_reduced_graph(cfg: tuple[str, str, str, Bounds]) -> None:
+    """Checks on: SPIN finds a safety or deadlock violation exactly where the explorer finds one on the
+    reduced graph, the one it names is among the explorer's, and its counterexample (the removed receipts
+    put back) is a path of the unreduced model that ends in that violation."""
+    variant, mode, channels, bounds = cfg
+    model = build_model(variant, 2, mode, channels, bounds, silent_waves=True)
+    explorer = check_mode(model, progress=False)
+    spin = spin_mode(model, {"optimize": 0})
+    found = {p for p in SAFETY if explorer.properties[p] == VIOLATED}
+    named = {p for p in SAFETY if spin.properties[p] == VIOLATED}
+    assert bool(found) == bool(named)
+    assert named <= found
+    if not named:
+        assert spin.counterexample is None
+        return
+    cx: dict[str, Any] = spin.counterexample  # type: ignore[assignment]
+    (prop,) = named
+    full = Model(model.config, table=model.table)
+    cur, prev, label = full.initial(), None, None
+    for lab in cx["labels"]:
+        nxt = dict(full.successors(cur)).get(tuple(lab))
+        assert nxt is not None, f"{lab} is no move of the unreduced model"
+        prev, label, cur = cur, tuple(lab), nxt
+    seen = set(full.invariant(cur)) | set(full.terminal_check(cur) if not full.successors(cur) else ())
+    if prev is not None and label is not None:
+        seen |= set(full.edge_check(prev, label, cur))
+    assert prop in seen
+    # the reduced trail is no longer than the unreduced path it stands for
+    assert spin.violation_depths[prop] <= len(cx["labels"])
+
+
+def _acting_on_stale_waves(base: Model) -> dict[Any, Any]:
+    """``base``'s table with every START_DP_WAVE row that acts made unconditional (a rank re-arms on a
+    stale wave: the first premise breaks)."""
+    table = dict(base.table)
+    for key, rows in base.table.items():
+        if key[1] is RankEvent.START_DP_WAVE:
+            act = next((t for t in rows if t.effects or t.updates), None)
+            if act is not None:
+                table[key] = (Transition("always", act.target, act.updates, act.effects, act.rule),)
+    return table
+
+
+def test_spin_refuses_a_table_acting_on_a_stale_wave() -> None:
+    base = build_model("two-phase-epoch", 2, "keep")
+    model = Model(base.config, table=_acting_on_stale_waves(base), silent_waves=True)
+    with pytest.raises(ReductionPremiseError, match=r"acts on START_DP_WAVE\(wave=\d+, exclude=0\)"):
+        spin_once(model, optimize=0)
+
+
+def test_spin_refuses_a_table_lowering_the_wave() -> None:
+    """ADD rows that adopt the request's wave made unconditional: a request stamped with an older wave
+    moves ``current_wave`` back (the second premise); both engines stop on it."""
+    base = build_model("two-phase-epoch", 2, "keep")
+    table = dict(base.table)
+    for key, rows in base.table.items():
+        if key[1] is RankEvent.ADD:
+            new = [
+                Transition("always", t.target, t.updates, t.effects, t.rule)
+                if "adopt_wave" in t.updates
+                else t
+                for t in rows
+            ]
+            table[key] = tuple(sorted(new, key=lambda t: t.guard != "always"))
+    model = Model(base.config, table=table, silent_waves=True)
+    with pytest.raises(ReductionPremiseError, match="never to decrease"):
+        check_mode(model, progress=False)
+    with pytest.raises(ReductionPremiseError, match="lowers current_wave from 1 to 0"):
+        spin_once(model, optimize=0)
+
+
+def test_the_generator_refuses_silent_waves_under_ordered_channels() -> None:
+    model = build_model("two-phase-epoch", 2, "keep", "ordered", Bounds(), silent_waves=True)
+    with pytest.raises(UnsupportedModel, match="ordered"):
+        PromelaModel(model)
+
+
+def test_the_generator_refuses_a_model_with_replaced_updates() -> None:
+    """The generator reads the spec's registries as code, so a model built with a replaced update (as the
+    explorer's premise test builds one) would be checked as the spec's: it is refused by name (the lowering
+    premise is tested above through a table edit, which SPIN does read)."""
+
+    def back(v: RankVars, a: Any) -> RankVars:
+        return v._replace(current_wave=max(0, int(a["max_wave"]) - 1))
+
+    base = build_model("two-phase-epoch", 2, "keep", silent_waves=True)
+    PromelaModel(Model(base.config, updates=dict(UPDATES), silent_waves=True))  # the same functions: accepted
+    replaced = Model(base.config, updates={**UPDATES, "adopt_wave_after_barrier": back}, silent_waves=True)
+    with pytest.raises(UnsupportedModel, match="replaces rank guards or updates"):
+        PromelaModel(replaced)
+
+
+def test_hash_compact_storage_counts_the_same_states_and_bounds_the_omission() -> None:
+    """``hash_compact``: the same states as exact storage on a space far below its bound (21,032 states:
+    bound 2.8e-21), and a bound that is no longer negligible where the birthday bound says so."""
+    model = build_model("two-phase-epoch", 2, "keep", silent_waves=True)
+    exact = spin_once(model, checks=False, optimize=0)
+    hc = spin_once(model, checks=False, optimize=0, hash_compact=True)
+    assert hc.states == exact.states
+    assert exact.omission_bound == 0.0
+    assert hc.omission_bound == pytest.approx(exact.states * (exact.states - 1) / 2 / 2.0**96)
+    assert omission_bound(2**48) > 0.49  # 2^48 states: about one signature shared in 2
+
+
+def test_check_reports_hash_compact_storage(capsys: pytest.CaptureFixture[str]) -> None:
+    """``weightsync check --engine spin --silent-waves --spin-hash-compact``: verified, with both reductions
+    named and the storage and its bound in the JSON output."""
+    rc = main(
+        [
+            "check",
+            "--variant",
+            "two-phase-epoch",
+            "--ranks",
+            "2",
+            "--mode",
+            "keep",
+            "--engine",
+            "spin",
+            "--silent-waves",
+            "--spin-hash-compact",
+            "--no-progress",
+            "--json",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["verdict"] == "verified"
+    assert out["reductions"] == ["silent-waves"] and out["engine"] == "spin"
+    assert out["storage"] == "hash-compact" and 0 < out["omission_bound"] < 1e-19
+    model = build_model("two-phase-epoch", 2, "keep", silent_waves=True)
+    ex = explore_model(model)
+    terminal = sum(1 for s in ex.states if not model.successors(s))
+    # with the checks on, SPIN also stores three states of its own after each terminal state's check (the
+    # init process leaving its loop, reaching its end and ending)
+    assert out["states"] == len(ex.states) + 3 * terminal
