@@ -74,6 +74,7 @@ def run_check(args: argparse.Namespace, bounds: Any) -> dict[str, Any]:
             "cores": args.spin_cores,
             "fifo_capacity": args.fifo_capacity,
             "hash_compact": args.spin_hash_compact,
+            "hash_bits": args.spin_hash_bits,
         },
         deadline=None if args.max_seconds is None else time.time() + args.max_seconds,
         silent_waves=args.silent_waves,

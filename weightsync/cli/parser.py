@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="(--engine spin --spin-search dfs) pan's -DNCORE workers",
     )
     c.add_argument(
+        "--spin-hash-bits",
+        type=_int_in(10, 36),
+        default=22,
+        help="(--engine spin) pan's -w: log2 of its hash table's slots (8 bytes each); about log2 of the "
+        "expected states keeps the chains short (default: 22)",
+    )
+    c.add_argument(
         "--spin-hash-compact",
         action="store_true",
         help="(--engine spin) hash-compact storage (pan -DHC4): 12 bytes of each state's hash instead of "

@@ -29,7 +29,7 @@ CAP = 8
 KINDS = ("ADD", "ABORT", "W", "U", "FIRST_REQ", "wave_complete", "start_wave")
 
 #: Promela types of the rank variables.
-_RANK_TYPES = {
+RANK_TYPES = {
     "state": "byte",
     "pause_state": "byte",
     "engines_running": "bit",
@@ -157,7 +157,7 @@ class Build:
 
     def declarations(self) -> str:
         n, nf, r = self.n, self.nf, max(self.R, 1)
-        lines = [f"{t} r_{f}[{n}];" for f, t in _RANK_TYPES.items()]
+        lines = [f"{t} r_{f}[{n}];" for f, t in RANK_TYPES.items()]
         lines += [f"{t} w_{f}[{n}];" for f, t in _WORKER_TYPES.items()]
         lines += [
             f"byte r_blocked[{n}]; byte r_status[{n}]; byte r_ghost[{n}]; byte r_owed[{n}];",
@@ -327,4 +327,4 @@ class Build:
         return args
 
 
-__all__ = ["CAP", "KINDS", "Build", "UnsupportedModel", "kind"]
+__all__ = ["CAP", "KINDS", "RANK_TYPES", "Build", "UnsupportedModel", "kind"]

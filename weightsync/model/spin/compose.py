@@ -52,6 +52,8 @@ class PromelaModel(Props, Moves, Build):
         terminal = f"  :: else -> {self.terminal_check()}; break\n" if self.checks else ""
         monitor = ""
         init = self.initial()
+        if self.m.silent_waves:  # the reduction's drop check on the initial state, its scratch zeroed again
+            init += f"; {self.premise_check_initial()}; {self.reset()}"
         if self.checks:
             bad = " || ".join(f"({cond})" for _, cond in self.invariant_conditions())
             monitor = (

@@ -10,7 +10,10 @@ every state SPIN reaches, as the explorer checks them on every state it reaches:
 - the table drops every message the predicate names (:meth:`~weightsync.model.system.reduction.SilentWaves.
   check_drops`): at every rank that can receive (not blocked, not in ``error``), for every ``wave`` up to its
   ``current_wave`` and every ``exclude`` (-1 or a rank) the predicate names, the START_DP_WAVE row the rank
-  would take is legal, has no effect and leaves its variables as they are;
+  would take is legal, has no effect and leaves its variables as they are. It is checked on the initial
+  state and, after each move, at each rank whose variables or blocked collective the move changed (a rank
+  state it left alone was checked in the state before; the explorer keeps a set of checked rank states
+  instead, which a SPIN state cannot hold);
 - no move lowers a rank's ``current_wave`` (checked from the state before the move to the state after it;
   the explorer checks each row it fires, the argument needs it from state to state).
 
@@ -24,10 +27,10 @@ fixpoint (:meth:`Model.reduced`), which the generator does not write (:class:`Un
 
 from __future__ import annotations
 
-from weightsync.model.spin.build import UnsupportedModel, kind
+from weightsync.model.spin.build import RANK_TYPES, UnsupportedModel, kind
 from weightsync.model.spin.ranks import RankCode
-from weightsync.model.spin.tables import TableCode
 from weightsync.model.spin.translate import Expr, Value, and_, not_, text
+from weightsync.spec.rank import RankVars
 from weightsync.spec.states import RankEvent, RankState
 from weightsync.spec.table import Transition
 
@@ -79,52 +82,71 @@ class QuietWaves(RankCode):
         return "; ".join(out)
 
     def premise_snapshot(self) -> str:
-        """Each rank's ``current_wave`` before the move (``b_cw``)."""
+        """Each rank's variables and blocked collective before the move (``p_<field>``, ``p_blocked``)."""
         if not self.m.silent_waves:
             return ""
-        return "; ".join(f"b_cw[{i}] = r_current_wave[{i}]" for i in range(self.n))
+        return "; ".join(
+            f"p_{f}[{i}] = r_{f}[{i}]" for i in range(self.n) for f in (*RankVars._fields, "blocked")
+        )
 
     def premise_check(self) -> str:
-        """Both premises on the state after the move (see the module docstring)."""
+        """Both premises on the state after the move (see the module docstring). The drop check runs where a
+        rank's variables or its blocked collective changed: a rank state the move left as it was has been
+        checked in the state before (every state SPIN reaches was checked when it was reached, the initial
+        one by :meth:`premise_check_initial`)."""
         if not self.m.silent_waves:
             return ""
         out = []
         for i in range(self.n):
             out.append(
-                f"if :: r_current_wave[{i}] < b_cw[{i}] -> "
-                f'printf("PREMISE {i} lowered %d %d\\n", b_cw[{i}], r_current_wave[{i}]); assert(false) '
+                f"if :: r_current_wave[{i}] < p_current_wave[{i}] -> "
+                f'printf("PREMISE {i} lowered %d %d\\n", p_current_wave[{i}], r_current_wave[{i}]); assert(false) '
                 ":: else -> skip fi"
             )
-            args = {**self.base_args(i), "wave": Expr("s_w"), "exclude": Expr("s_e")}
-            t = self.rank_tables[i]
-
-            def acts_on(row: Transition | None, args: dict[str, Value] = args, t: TableCode = t) -> Value:
-                return True if row is None or row.effects else not_(t.noop(row, args))
-
-            acts = self.row_condition(i, RankEvent.START_DP_WAVE, args, acts_on)
-            bad = text(self.codes, and_(self.dropped(i, "s_w", "s_e"), acts))
-            out.append(
-                f"if :: r_blocked[{i}] == {self.c('')} && r_state[{i}] != {self.c(RankState.ERROR)} -> "
-                f"s_w = 0; do :: s_w <= r_current_wave[{i}] -> s_e = -1; "
-                f"do :: s_e < {self.n} -> if :: {bad} -> "
-                f'printf("PREMISE {i} %d %d\\n", s_w, s_e); assert(false) :: else -> skip fi; s_e++ '
-                ":: else -> break od; s_w++ :: else -> break od "
-                ":: else -> skip fi"
-            )
+            changed = " || ".join(f"p_{f}[{i}] != r_{f}[{i}]" for f in (*RankVars._fields, "blocked"))
+            out.append(self._drops_check(i, changed))
         return "; ".join(out)
+
+    def premise_check_initial(self) -> str:
+        """The drop check on the initial state."""
+        if not self.m.silent_waves:
+            return ""
+        return "; ".join(self._drops_check(i, "true") for i in range(self.n))
+
+    def _drops_check(self, i: int, when: str) -> str:
+        """``SilentWaves.check_drops`` at rank ``i`` when ``when`` holds (and the rank can receive)."""
+        args = {**self.base_args(i), "wave": Expr("s_w"), "exclude": Expr("s_e")}
+        t = self.rank_tables[i]
+
+        def acts_on(row: Transition | None) -> Value:
+            return True if row is None or row.effects else not_(t.noop(row, args))
+
+        acts = self.row_condition(i, RankEvent.START_DP_WAVE, args, acts_on)
+        bad = text(self.codes, and_(self.dropped(i, "s_w", "s_e"), acts))
+        return (
+            f"if :: r_blocked[{i}] == {self.c('')} && r_state[{i}] != {self.c(RankState.ERROR)} && ({when}) -> "
+            f"s_w = 0; do :: s_w <= r_current_wave[{i}] -> s_e = -1; "
+            f"do :: s_e < {self.n} -> if :: {bad} -> "
+            f'printf("PREMISE {i} %d %d\\n", s_w, s_e); assert(false) :: else -> skip fi; s_e++ '
+            ":: else -> break od; s_w++ :: else -> break od "
+            ":: else -> skip fi"
+        )
 
     def declarations(self) -> str:
         """:meth:`Build.declarations` and this code's scratch variables (zeroed by :meth:`reset`)."""
         out = super().declarations()
         if self.m.silent_waves:
-            out += f"byte b_cw[{self.n}]; byte s_k, s_h; bit s_only; short s_w, s_e;\n"
+            out += "".join(f"{RANK_TYPES[f]} p_{f}[{self.n}]; " for f in RankVars._fields)
+            out += f"byte p_blocked[{self.n}]; byte s_k, s_h; bit s_only; short s_w, s_e;\n"
         return out
 
     def reset(self) -> str:
         """:meth:`Build.reset` and this code's scratch variables."""
         out = super().reset()
         if self.m.silent_waves:
-            out += "; " + "; ".join(f"b_cw[{i}] = 0" for i in range(self.n))
+            out += "; " + "; ".join(
+                f"p_{f}[{i}] = 0" for i in range(self.n) for f in (*RankVars._fields, "blocked")
+            )
             out += "; s_k = 0; s_h = 0; s_only = 0; s_w = 0; s_e = 0"
         return out
 

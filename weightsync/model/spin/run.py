@@ -158,10 +158,11 @@ def spin_once(
             is about 2.3x slower (``vllm-0.32-epoch`` N = 2 keep, 44,383 states) and ``-O1``'s within 4% of
             ``-O2``'s (N = 3, 4.16 M states; both measured on the 2-core machine, 2026-12-07).
         hash_compact: store each state as 12 bytes of its hash (pan's ``-DHC4``: the 64-bit ``K1`` and 32
-            bits of ``K2`` of ``s_hash``, pan.c ``compress``) instead of the whole state vector. Not
-            exhaustive: two states whose 96-bit signatures are equal count as one, so a reachable state may
-            be left out; :attr:`SpinResult.omission_bound` bounds the probability. About 40 bytes a state
-            in all, where exact storage takes the vector (hundreds of bytes) and more.
+            bits of ``K2`` of pan's 64-bit ``d_hash``, pan.c ``compress``; :func:`_wide_hash`) instead of
+            the whole state vector. Not exhaustive: two states whose 96-bit signatures are equal count as
+            one, so a reachable state may be left out; :attr:`SpinResult.omission_bound` bounds the
+            probability. About 40 bytes a state in all, where exact storage takes the vector (hundreds of
+            bytes) and more.
         memory_limit_mb: pan's ``-DMEMLIM`` (MB; None: pan's default); a run that reaches it stops with
             :class:`SpinError`, never a verdict.
         timeout: seconds for each of SPIN, the compiler and pan.
@@ -188,7 +189,9 @@ def spin_once(
         # off, the count is then the model's
         _run(["spin", "-a", "model.pml"] if checks else ["spin", "-o2", "-a", "model.pml"], d, timeout)
         flags = [f"-O{optimize}", "-DSAFETY", "-DVECTORSZ=4096"]
-        flags += ["-DHC4"] if hash_compact else []
+        if hash_compact:
+            _wide_hash(d / "pan.c")
+            flags.append("-DHC4")
         flags += [f"-DMEMLIM={memory_limit_mb}"] if memory_limit_mb is not None else []
         flags += ["-DBFS", "-DNOREDUCE"] if search == "bfs" else ([f"-DNCORE={cores}"] if cores > 1 else [])
         _run(["cc", *flags, "-o", "pan", "pan.c"], d, timeout)
@@ -232,8 +235,30 @@ def spin_once(
 
 
 #: Bits of a state's hash that pan's hash-compact storage (``-DHC4``) keeps: the 64-bit ``K1`` and 32 bits of
-#: ``K2`` (pan.c ``compress``, SPIN 6.5.2).
+#: ``K2`` (pan.c ``compress``, SPIN 6.5.2), once :func:`_wide_hash` makes pan hash with ``d_hash``.
 HC_SIGNATURE_BITS = 96
+
+#: pan.c's choice of hash function (SPIN 6.5.2): the 32-bit ``d_sfh`` for hash tables of up to 2^32 slots.
+_HASHER_CHOICE = "\tif (ssize <= 32)\t/* 6.2.0 */"
+
+
+def _wide_hash(pan_c: Path) -> None:
+    """Make ``pan.c`` hash with its 64-bit Jenkins hash ``d_hash`` (which sets ``K1`` and ``K2``) at every
+    hash-table size. SPIN 6.5.2 picks the 32-bit ``d_sfh`` (which sets ``K1`` alone, to 32 bits) whenever
+    ``-w`` is at most 32, so hash-compact storage would keep a 32-bit signature: among 1.6 x 10^8 states,
+    millions of collisions, each a state left out (measured: 257,130 states stored against 257,143 exact on
+    ``two-phase-epoch`` any mode, N = 2).
+
+    Raises:
+        SpinError: ``pan.c`` does not choose its hash as SPIN 6.5.2 does (another SPIN version): hash
+            compaction is refused rather than run with a hash whose width is unknown."""
+    text = pan_c.read_text()
+    if text.count(_HASHER_CHOICE) != 1:
+        raise SpinError(
+            "hash compaction: pan.c does not choose its hash function as SPIN 6.5.2 does "
+            f"({_HASHER_CHOICE.strip()!r} not found once); refusing to run with a hash of unknown width"
+        )
+    pan_c.write_text(text.replace(_HASHER_CHOICE, "\tif (0)\t/* weightsync: d_hash (64-bit) at every -w */"))
 
 
 def omission_bound(states: int) -> float:
