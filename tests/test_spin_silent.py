@@ -172,6 +172,8 @@ def test_the_generator_refuses_a_model_with_replaced_updates() -> None:
         PromelaModel(replaced)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_hash_compact_storage_counts_the_same_states_and_bounds_the_omission(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
