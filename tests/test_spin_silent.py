@@ -26,7 +26,7 @@ from weightsync.model.spin import run as spin_run
 from weightsync.model.spin.build import UnsupportedModel
 from weightsync.model.spin.compose import PromelaModel
 from weightsync.model.spin.mode import spin_mode
-from weightsync.model.spin.run import omission_bound, spin_available, spin_once
+from weightsync.model.spin.run import omission_bound, pan_report, spin_available, spin_once
 from weightsync.model.system import Bounds, Model
 from weightsync.model.system.premise import ReductionPremiseError
 from weightsync.spec.rank_vars import UPDATES, RankVars
@@ -225,3 +225,27 @@ def test_check_reports_hash_compact_storage(capsys: pytest.CaptureFixture[str]) 
     # with the checks on, SPIN also stores three states of its own after each terminal state's check (the
     # init process leaving its loop, reaching its end and ending)
     assert out["states"] == len(ex.states) + 3 * terminal
+
+
+#: The end of a real pan report (SPIN 6.5.2, ``-DNCORE=2 -DHC4``, the issue 19 item 3.2 configuration with
+#: the silent-wave reduction, 2026-12-07): counts of 10^8 or more in ``%g`` form, the time as ``cpu0:``.
+_PAN_2_CORES = """\
+State-vector 1156 byte, depth reached 167, errors: 0
+1.6624468e+08 states, stored
+5.0985319e+08 states, matched
+6.7609787e+08 transitions (= stored+matched)
+        0 atomic steps
+hash conflicts:  86868168 (resolved)
+ 7784.413\ttotal actual memory usage
+cpu0: elapsed time 520 seconds (1.66245e+08 states visited)
+cpu0: rate 319886 states/second
+"""
+
+
+def test_pan_report_reads_large_counts_and_a_multi_core_time() -> None:
+    res = pan_report(_PAN_2_CORES)
+    assert res.verdict == "verified"
+    assert (res.states, res.transitions, res.depth) == (166_244_680, 676_097_870, 167)
+    assert (res.memory_mb, res.search_seconds) == (7784.413, 520.0)
+    small = pan_report(_PAN_2_CORES.replace("1.6624468e+08", "89598").replace("errors: 0", "errors: 1"))
+    assert (small.verdict, small.states) == ("counterexample", 89598)

@@ -75,6 +75,7 @@ def run_check(args: argparse.Namespace, bounds: Any) -> dict[str, Any]:
             "fifo_capacity": args.fifo_capacity,
             "hash_compact": args.spin_hash_compact,
             "hash_bits": args.spin_hash_bits,
+            "memory_limit_mb": args.spin_memory_mb,
         },
         deadline=None if args.max_seconds is None else time.time() + args.max_seconds,
         silent_waves=args.silent_waves,

@@ -170,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         "expected states keeps the chains short (default: 22)",
     )
     c.add_argument(
+        "--spin-memory-mb",
+        type=POSITIVE,
+        default=None,
+        help="(--engine spin) pan's -DMEMLIM in MB (a run that reaches it stops with an error, never a "
+        "verdict); default: pan's own (2048 MB with --spin-cores above 1)",
+    )
+    c.add_argument(
         "--spin-hash-compact",
         action="store_true",
         help="(--engine spin) hash-compact storage (pan -DHC4): 12 bytes of each state's hash instead of "

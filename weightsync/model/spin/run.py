@@ -24,14 +24,16 @@ from weightsync.model.spin.compose import CAP, PromelaModel
 from weightsync.model.system import G, Label, Model, describe
 from weightsync.model.system.premise import ReductionPremiseError
 
-#: pan's figures, parsed from its report.
+#: pan's figures, parsed from its report (:func:`pan_report`). pan prints a count of 10^8 or more in
+#: ``%g`` form with 8 significant digits (``1.6624468e+08 states, stored``), and a multi-core run's elapsed
+#: time as ``cpu0: elapsed time``.
 _FIGURES = {
-    "states": re.compile(r"^\s*(\d+) states, stored", re.M),
-    "transitions": re.compile(r"^\s*(\d+) transitions \(= stored\+matched\)", re.M),
+    "states": re.compile(r"^\s*([\d.]+(?:e\+\d+)?) states, stored", re.M),
+    "transitions": re.compile(r"^\s*([\d.]+(?:e\+\d+)?) transitions \(= stored\+matched\)", re.M),
     "depth": re.compile(r"depth reached (\d+)"),
     "errors": re.compile(r"errors: (\d+)"),
     "memory_mb": re.compile(r"^\s*([\d.]+)\s+total actual memory usage", re.M),
-    "search_seconds": re.compile(r"pan: elapsed time ([\d.e+]+) seconds"),
+    "search_seconds": re.compile(r"(?:pan|cpu0): elapsed time ([\d.e+]+) seconds"),
 }
 
 
@@ -77,6 +79,35 @@ class SpinResult:
 def spin_available() -> bool:
     """SPIN and a C compiler are on PATH."""
     return shutil.which("spin") is not None and shutil.which("cc") is not None
+
+
+def pan_report(out: str) -> SpinResult:
+    """pan's report ``out`` as a :class:`SpinResult` (verdict and figures; ``seconds`` 0).
+
+    Raises:
+        SpinError: no report (pan failed to start, e.g. over its memory limit), or pan stopped before the
+            end of the search (its depth bound or its memory)."""
+    figs = {k: rx.search(out) for k, rx in _FIGURES.items()}
+    if figs["states"] is None or figs["errors"] is None:
+        raise SpinError(f"pan gave no report: {out[-2000:]}")
+    if "max search depth too small" in out or "out of memory" in out.lower() or "MEMLIM bound" in out:
+        raise SpinError(f"pan stopped before the end (search depth or memory): {out[-1500:]}")
+    errors = int(figs["errors"].group(1))
+    return SpinResult(
+        verdict="counterexample" if errors else "verified",
+        states=_count(figs["states"].group(1)),
+        transitions=_count(figs["transitions"].group(1)) if figs["transitions"] else 0,
+        depth=int(figs["depth"].group(1)) if figs["depth"] else 0,
+        seconds=0.0,
+        memory_mb=float(figs["memory_mb"].group(1)) if figs["memory_mb"] else 0.0,
+        search_seconds=float(figs["search_seconds"].group(1)) if figs["search_seconds"] else 0.0,
+        pan_output=out,
+    )
+
+
+def _count(text: str) -> int:
+    """A count in pan's report: ``89598``, or ``1.6624468e+08`` (8 significant digits) from 10^8 on."""
+    return int(text) if text.isdigit() else round(float(text))
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float) -> str:
@@ -199,25 +230,10 @@ def spin_once(
         if not checks:
             pan_args.append("-E")  # terminal states are not checked there (no else branch)
         out = _run(pan_args, d, timeout)
-        figs = {k: rx.search(out) for k, rx in _FIGURES.items()}
-        if figs["states"] is None or figs["errors"] is None:
-            raise SpinError(f"pan gave no report: {out[-2000:]}")
-        if "max search depth too small" in out or "out of memory" in out.lower() or "MEMLIM bound" in out:
-            raise SpinError(f"pan stopped before the end (search depth or memory): {out[-1500:]}")
-        errors = int(figs["errors"].group(1))
-        res = SpinResult(
-            verdict="counterexample" if errors else "verified",
-            states=int(figs["states"].group(1)),
-            transitions=int(figs["transitions"].group(1)) if figs["transitions"] else 0,
-            depth=int(figs["depth"].group(1)) if figs["depth"] else 0,
-            seconds=0.0,
-            memory_mb=float(figs["memory_mb"].group(1)) if figs["memory_mb"] else 0.0,
-            search_seconds=float(figs["search_seconds"].group(1)) if figs["search_seconds"] else 0.0,
-            pan_output=out,
-        )
+        res = pan_report(out)
         if hash_compact:
             res.omission_bound = omission_bound(res.states)
-        if errors:
+        if res.verdict == "counterexample":
             trail = _run(["spin", "-t", "model.pml"], d, timeout)
             why = next((ln for ln in out.splitlines() if ln.startswith("pan:") and "wrote" not in ln), "")
             try:
@@ -360,6 +376,7 @@ __all__ = [
     "SpinError",
     "SpinResult",
     "omission_bound",
+    "pan_report",
     "parse_trail",
     "replay",
     "spin_available",
