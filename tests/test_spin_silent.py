@@ -249,3 +249,40 @@ def test_pan_report_reads_large_counts_and_a_multi_core_time() -> None:
     assert (res.memory_mb, res.search_seconds) == (7784.413, 520.0)
     small = pan_report(_PAN_2_CORES.replace("1.6624468e+08", "89598").replace("errors: 0", "errors: 1"))
     assert (small.verdict, small.states) == ("counterexample", 89598)
+
+
+def test_check_refuses_silent_waves_on_spin_under_ordered_channels(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["check", "--ranks", "2", "--mode", "keep", "--channels", "ordered", "--engine", "spin"]
+    rc = main([*argv, "--silent-waves", "--no-progress", "--json"])
+    assert rc == 2
+    assert "not under --channels ordered" in json.loads(capsys.readouterr().out)["error"]
+
+
+@pytest.mark.slow
+def test_issue_19_item_3_2_on_spin_with_hash_compaction() -> None:
+    """Issue 19 item 3.2's configuration on SPIN with the silent-wave reduction and hash compaction, both
+    cores: verified, 166,244,679 states (README, "Hash compaction"; 9 min on the 2-core machine, 7.8 GB).
+    Not exhaustive: the bound on a left-out state is 1.7e-13."""
+    from weightsync.model.check import check
+
+    out = check(
+        "two-phase-epoch",
+        2,
+        mode="any",
+        bounds=Bounds(requests=2, cycles=2, stray_resume=True, repeat_resume=True),
+        progress=False,
+        engine="spin",
+        silent_waves=True,
+        spin={
+            "search": "dfs",
+            "cores": 2,
+            "hash_compact": True,
+            "hash_bits": 28,
+            "memory_limit_mb": 18000,
+            "fifo_capacity": 16,
+        },
+    )
+    assert out["verdict"] == "verified" and out["storage"] == "hash-compact"
+    assert out["states"] == 166_244_679 and out["omission_bound"] < 1e-12
