@@ -168,16 +168,23 @@ def test_a_removed_message_changes_nothing_but_its_fifo() -> None:
     assert seen > 1000
 
 
-def test_a_table_acting_on_a_stale_wave_is_refused() -> None:
-    """A table whose rank re-arms on a stale START_DP_WAVE breaks the first premise: the reduced check stops
-    with an error naming the rank, the message and the row, and the unreduced check still runs."""
-    base = build_model("two-phase-epoch", 2, "keep")
+def acting_on_stale_waves(base: Model) -> dict[Any, Any]:
+    """``base``'s table with every START_DP_WAVE row that acts made unconditional: a rank re-arms on a stale
+    wave, so the silent-wave reduction's first premise breaks (``tests/test_spin_silent.py`` uses it too)."""
     table = dict(base.table)
     for key, rows in base.table.items():
         if key[1] is RankEvent.START_DP_WAVE:
             act = next((t for t in rows if t.effects or t.updates), None)
             if act is not None:
                 table[key] = (Transition("always", act.target, act.updates, act.effects, act.rule),)
+    return table
+
+
+def test_a_table_acting_on_a_stale_wave_is_refused() -> None:
+    """A table whose rank re-arms on a stale START_DP_WAVE breaks the first premise: the reduced check stops
+    with an error naming the rank, the message and the row, and the unreduced check still runs."""
+    base = build_model("two-phase-epoch", 2, "keep")
+    table = acting_on_stale_waves(base)
     model = Model(base.config, table=table, silent_waves=True)
     with pytest.raises(ReductionPremiseError, match=r"acts on START_DP_WAVE\(wave=\d+, exclude=0\)"):
         check_mode(model, progress=False)

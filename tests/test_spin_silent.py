@@ -12,11 +12,13 @@ Skipped without ``spin`` and ``cc`` on PATH, unless ``WEIGHTSYNC_REQUIRE_SPIN=1`
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
 
 import pytest
+from test_model_reduction import acting_on_stale_waves
 
 from weightsync.cli import main
 from weightsync.model.check import build_model, check_mode
@@ -111,21 +113,9 @@ def test_spin_verdicts_and_counterexamples_on_the_reduced_graph(cfg: tuple[str, 
     assert spin.violation_depths[prop] <= len(cx["labels"])
 
 
-def _acting_on_stale_waves(base: Model) -> dict[Any, Any]:
-    """``base``'s table with every START_DP_WAVE row that acts made unconditional (a rank re-arms on a
-    stale wave: the first premise breaks)."""
-    table = dict(base.table)
-    for key, rows in base.table.items():
-        if key[1] is RankEvent.START_DP_WAVE:
-            act = next((t for t in rows if t.effects or t.updates), None)
-            if act is not None:
-                table[key] = (Transition("always", act.target, act.updates, act.effects, act.rule),)
-    return table
-
-
 def test_spin_refuses_a_table_acting_on_a_stale_wave() -> None:
     base = build_model("two-phase-epoch", 2, "keep")
-    model = Model(base.config, table=_acting_on_stale_waves(base), silent_waves=True)
+    model = Model(base.config, table=acting_on_stale_waves(base), silent_waves=True)
     with pytest.raises(ReductionPremiseError, match=r"acts on START_DP_WAVE\(wave=\d+, exclude=0\)"):
         spin_once(model, optimize=0)
 
@@ -195,9 +185,12 @@ def test_hash_compact_storage_counts_the_same_states_and_bounds_the_omission(
     assert narrow.states < exact.states
 
 
-def test_check_reports_hash_compact_storage(capsys: pytest.CaptureFixture[str]) -> None:
-    """``weightsync check --engine spin --silent-waves --spin-hash-compact``: verified, with both reductions
-    named and the storage and its bound in the JSON output."""
+def test_check_reports_hash_compact_storage(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``weightsync check --engine spin --silent-waves --spin-hash-compact``: verified, with the reduction
+    named and the storage and its bound in the JSON output (pan compiled at ``-O0`` here, to save 20 s)."""
+    monkeypatch.setattr(spin_run, "spin_once", functools.partial(spin_run.spin_once, optimize=0))
     rc = main(
         [
             "check",
