@@ -32,7 +32,7 @@ from weightsync.model.spin.run import omission_bound, pan_report, spin_available
 from weightsync.model.system import Bounds, Model
 from weightsync.model.system.premise import ReductionPremiseError
 from weightsync.spec.rank_vars import UPDATES, RankVars
-from weightsync.spec.states import RankEvent
+from weightsync.spec.states import RankEvent, RankState
 from weightsync.spec.table import Transition
 
 if not spin_available():
@@ -117,6 +117,21 @@ def test_spin_refuses_a_table_acting_on_a_stale_wave() -> None:
     base = build_model("two-phase-epoch", 2, "keep")
     model = Model(base.config, table=acting_on_stale_waves(base), silent_waves=True)
     with pytest.raises(ReductionPremiseError, match=r"acts on START_DP_WAVE\(wave=\d+, exclude=0\)"):
+        spin_once(model, optimize=0)
+
+
+def test_spin_checks_the_premise_at_rank_states_reached_later() -> None:
+    """The same mutant outside ``running``, the initial rank state: the table first acts on a stale wave at
+    a rank state a move reaches (``verified``), so SPIN must check rank states after moves, not only the
+    initial one (it stops at move 9)."""
+    base = build_model("two-phase-epoch", 2, "keep")
+    assert base.initial().ranks[0].vars.state is RankState.RUNNING
+    mutant = acting_on_stale_waves(base)
+    table = {k: (mutant[k] if k[0] is not RankState.RUNNING else rows) for k, rows in base.table.items()}
+    model = Model(base.config, table=table, silent_waves=True)
+    with pytest.raises(
+        ReductionPremiseError, match=r"acts on START_DP_WAVE\(wave=\d+, exclude=-?\d+\) at move"
+    ):
         spin_once(model, optimize=0)
 
 
