@@ -44,8 +44,8 @@ class QuietWaves(RankCode):
         UnsupportedModel: ``silent_waves`` under ``ordered`` channels (see the module docstring)."""
         if self.m.silent_waves and self.m.ordered:
             raise UnsupportedModel(
-                "silent_waves under ordered channels: the settle and silent-wave reductions take from one "
-                "FIFO there and the model applies them to a fixpoint, which the generator does not write"
+                "--silent-waves: not under --channels ordered: the settle and silent-wave reductions take "
+                "from one FIFO there and the model applies them to a fixpoint, which the generator does not write"
             )
 
     def dropped(self, i: int, wave: str, exclude: str) -> Value:
