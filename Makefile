@@ -90,8 +90,8 @@ test: $(VLLM_STAMP) $(SPIN_STAMP)
 # The slow runs CI still runs once, after the default suite (marker `ci`, tests/*.py), chosen to keep
 # `.ci/run` well inside CI's 90 minutes on a slow day: SPIN against every proofs/ row (issue 19 item 6), the
 # MoE demo on real vLLM (`make demo`), the race as shipped and the plugin's default fix on it, the default
-# fix's conformance in every pause mode, recovery after failures, the netns round, the trace walker's
-# self-test and the mutation run's classifier and checkpoint. `make test` leaves them out to stay near 15
+# fix's conformance in every pause mode, recovery after failures, the netns and HTTP rounds, the vLLM
+# bench's quick run, the trace walker's self-test and the mutation run's classifier and checkpoint. `make test` leaves them out to stay near 15
 # minutes on 2 cores.
 test-slow-ci: $(VLLM_STAMP) $(SPIN_STAMP)
 	$(REQUIRE) $(BIN)/python -m pytest -q -m "slow and ci" --durations=25

