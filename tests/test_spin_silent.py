@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -219,6 +220,8 @@ def test_check_reports_hash_compact_storage(
             "spin",
             "--silent-waves",
             "--spin-hash-compact",
+            "--spin-hash-seed",
+            "7",
             "--no-progress",
             "--json",
         ]
@@ -227,6 +230,7 @@ def test_check_reports_hash_compact_storage(
     assert rc == 0 and out["verdict"] == "verified"
     assert out["reductions"] == ["silent-waves"] and out["engine"] == "spin"
     assert out["storage"] == "hash-compact" and 0 < out["omission_bound"] < 1e-19
+    assert out["hash_seed"] == 7
     model = build_model("two-phase-epoch", 2, "keep", silent_waves=True)
     ex = explore_model(model)
     terminal = sum(1 for s in ex.states if not model.successors(s))
@@ -248,6 +252,30 @@ hash conflicts:  86868168 (resolved)
 cpu0: elapsed time 520 seconds (1.66245e+08 states visited)
 cpu0: rate 319886 states/second
 """
+
+
+def _hash_conflicts(pan_output: str) -> int:
+    (line,) = [ln for ln in pan_output.splitlines() if ln.startswith("hash conflicts:")]
+    return int(line.split()[2])
+
+
+def test_a_hash_seed_is_another_signature_function_and_counts_print_in_full(tmp_path: Path) -> None:
+    """``hash_seed`` reaches pan (``-h``): the same states, hashed otherwise (another number of hash-table
+    conflicts on the same table); pan.c is patched to print its counts in full (``%9.0f``, not ``%9.8g``,
+    which rounds from 10^8 on); a seed pan has not is refused before anything runs."""
+    model = build_model("two-phase-epoch", 2, "keep", silent_waves=True)
+    for d in ("h0", "h7"):
+        (tmp_path / d).mkdir()
+    runs = [
+        spin_once(model, checks=False, optimize=0, hash_compact=True, hash_bits=10, hash_seed=seed, workdir=d)
+        for seed, d in ((0, tmp_path / "h0"), (7, tmp_path / "h7"))
+    ]
+    assert runs[0].states == runs[1].states == 21_032 + 1
+    assert _hash_conflicts(runs[0].pan_output) != _hash_conflicts(runs[1].pan_output)
+    pan_c = (tmp_path / "h7" / "pan.c").read_text()
+    assert '"%9.0f states, stored' in pan_c and "%9.8g states, stored" not in pan_c
+    with pytest.raises(ValueError, match="hash_seed=500"):
+        spin_once(model, hash_seed=500)
 
 
 def test_pan_report_reads_large_counts_and_a_multi_core_time() -> None:

@@ -79,6 +79,7 @@ def run_check(args: argparse.Namespace, bounds: Any) -> dict[str, Any]:
             "fifo_capacity": args.fifo_capacity,
             "hash_compact": args.spin_hash_compact,
             "hash_bits": args.spin_hash_bits,
+            "hash_seed": args.spin_hash_seed,
             "memory_limit_mb": args.spin_memory_mb,
         },
         deadline=None if args.max_seconds is None else time.time() + args.max_seconds,
@@ -108,7 +109,7 @@ def print_human(result: dict[str, Any]) -> None:
     if "omission_bound" in result:
         con.print(
             f"[yellow]hash-compact storage[/yellow] (SPIN): not exhaustive; the probability that a reachable "
-            f"state was left out is at most {result['omission_bound']:.1e}"
+            f"state was left out is at most {result['omission_bound']:.1e} (hash seed {result['hash_seed']})"
         )
     if "levels_expanded" in result:
         con.print(

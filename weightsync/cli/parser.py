@@ -185,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
         "a reachable state was left out (omission_bound)",
     )
     c.add_argument(
+        "--spin-hash-seed",
+        type=_int_in(0, 499),
+        default=0,
+        help="(--engine spin) pan's -h: which of its hash seeds to hash with; under --spin-hash-compact "
+        "another seed is another signature function, so equal state counts from two seeds are independent "
+        "evidence that no state was left out (default: 0)",
+    )
+    c.add_argument(
         "--fifo-capacity",
         type=POSITIVE,
         default=None,

@@ -369,8 +369,9 @@ def check(
     ``deadline``) also has ``levels_expanded``: the fewest BFS levels any mode explored completely, so that
     every state within that many steps of the initial state, in every mode, was expanded and checked (a
     bounded verdict); each mode's is in ``per_mode``. SPIN with hash-compact storage (``spin={"hash_compact":
-    True}``) adds ``storage: "hash-compact"`` and ``omission_bound``: its verdict is not exhaustive, and that
-    bounds the probability that a reachable state was left out.
+    True}``) adds ``storage: "hash-compact"``, ``omission_bound`` and ``hash_seed``: its verdict is not
+    exhaustive, ``omission_bound`` bounds the probability that a reachable state was left out, and
+    ``hash_seed`` (pan's ``-h``) names the signature function, so two seeds' counts can be compared.
     """
     b = bounds or Bounds()
     modes: list[ModeSetting] = list(PauseMode) if mode == "all" else [mode_setting(mode)]
@@ -469,6 +470,7 @@ def check(
     if any(r.omission_bound for r in results):  # SPIN's hash-compact storage: not exhaustive
         out["storage"] = "hash-compact"
         out["omission_bound"] = sum(r.omission_bound for r in results)
+        out["hash_seed"] = (spin or {}).get("hash_seed", 0)  # pan's -h: the signature function
     if not complete:
         out["levels_expanded"] = min(r.levels_expanded for r in results)
     if stalls:

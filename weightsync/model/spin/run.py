@@ -106,7 +106,8 @@ def pan_report(out: str) -> SpinResult:
 
 
 def _count(text: str) -> int:
-    """A count in pan's report: ``89598``, or ``1.6624468e+08`` (8 significant digits) from 10^8 on."""
+    """A count in pan's report: ``89598``, or ``1.6624468e+08`` (8 significant digits) from 10^8 on where
+    :func:`_exact_counts` did not apply."""
     return int(text) if text.isdigit() else round(float(text))
 
 
@@ -169,6 +170,7 @@ def spin_once(
     fifo_capacity: int = CAP,
     optimize: int = 2,
     hash_compact: bool = False,
+    hash_seed: int = 0,
     memory_limit_mb: int | None = None,
     timeout: float = 3600.0,
     workdir: Path | None = None,
@@ -194,6 +196,9 @@ def spin_once(
             one, so a reachable state may be left out; :attr:`SpinResult.omission_bound` bounds the
             probability. About 40 bytes a state in all, where exact storage takes the vector (hundreds of
             bytes) and more.
+        hash_seed: pan's ``-h``: which of its 500 hash seeds (``HASH_CONST``) the hash starts from. Under
+            hash compaction another seed is another signature function, so two runs whose state counts
+            agree are independent evidence that neither left a state out.
         memory_limit_mb: pan's ``-DMEMLIM`` (MB; None: pan's default); a run that reaches it stops with
             :class:`SpinError`, never a verdict.
         timeout: seconds for each of SPIN, the compiler and pan.
@@ -203,12 +208,14 @@ def spin_once(
         UnsupportedModel: a table names an effect the generator does not know (named).
         SpinError: SPIN or the compiler is missing or failed, pan stopped early (search depth or memory),
             or the trail does not replay on the model.
-        ValueError: an unknown ``search``, or ``optimize`` outside 0-3.
+        ValueError: an unknown ``search``, ``optimize`` outside 0-3, or ``hash_seed`` outside 0-499.
     """
     if search not in ("bfs", "dfs"):
         raise ValueError(f"search={search!r}: use 'bfs' or 'dfs'")
     if optimize not in (0, 1, 2, 3):
         raise ValueError(f"optimize={optimize!r}: the compiler's -O level is 0, 1, 2 or 3")
+    if not 0 <= hash_seed < HASH_SEEDS:
+        raise ValueError(f"hash_seed={hash_seed!r}: pan's -h takes a seed from 0 to {HASH_SEEDS - 1}")
     t0 = time.perf_counter()
     text = PromelaModel(model, checks=checks, fifo_capacity=fifo_capacity).text()
     tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="weightsync-spin-")
@@ -220,13 +227,14 @@ def spin_once(
         # off, the count is then the model's
         _run(["spin", "-a", "model.pml"] if checks else ["spin", "-o2", "-a", "model.pml"], d, timeout)
         flags = [f"-O{optimize}", "-DSAFETY", "-DVECTORSZ=4096"]
+        _exact_counts(d / "pan.c")
         if hash_compact:
             _wide_hash(d / "pan.c")
             flags.append("-DHC4")
         flags += [f"-DMEMLIM={memory_limit_mb}"] if memory_limit_mb is not None else []
         flags += ["-DBFS", "-DNOREDUCE"] if search == "bfs" else ([f"-DNCORE={cores}"] if cores > 1 else [])
         _run(["cc", *flags, "-o", "pan", "pan.c"], d, timeout)
-        pan_args = ["./pan", f"-m{max_depth}", f"-w{hash_bits}"]
+        pan_args = ["./pan", f"-m{max_depth}", f"-w{hash_bits}", *([f"-h{hash_seed}"] if hash_seed else [])]
         if not checks:
             pan_args.append("-E")  # terminal states are not checked there (no else branch)
         out = _run(pan_args, d, timeout)
@@ -275,6 +283,24 @@ def _wide_hash(pan_c: Path) -> None:
             f"({_HASHER_CHOICE.strip()!r} not found once); refusing to run with a hash of unknown width"
         )
     pan_c.write_text(text.replace(_HASHER_CHOICE, "\tif (0)\t/* weightsync: d_hash (64-bit) at every -w */"))
+
+
+#: pan's hash seeds (``-hN``, N from 0 to 499: SPIN 6.5.2's ``HASH_CONST`` table and its usage text).
+HASH_SEEDS = 500
+
+#: pan's report prints its counts with ``%9.8g`` (8 significant digits from 10^8 on); these lines get ``%9.0f``
+#: (exact up to 2^53): states stored, states matched, transitions.
+_COUNT_FORMATS = ('"%9.8g states, stored', '"%9.8g states, matched', '"%9.8g transitions (=')
+
+
+def _exact_counts(pan_c: Path) -> None:
+    """Make ``pan.c`` print its state and transition counts in full (``%9.0f``) instead of to 8 significant
+    digits, so that two runs of 10^8 states and more can be compared state for state. A SPIN whose ``pan.c``
+    prints them otherwise is left as it is (:func:`_count` reads both forms)."""
+    text = pan_c.read_text()
+    for fmt in _COUNT_FORMATS:
+        text = text.replace(fmt, fmt.replace("%9.8g", "%9.0f"))
+    pan_c.write_text(text)
 
 
 def omission_bound(states: int) -> float:
