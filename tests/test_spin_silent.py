@@ -278,6 +278,18 @@ def test_a_hash_seed_is_another_signature_function_and_counts_print_in_full(tmp_
         spin_once(model, hash_seed=500)
 
 
+def test_a_pan_killed_by_a_signal_is_an_error_naming_it(tmp_path: Path) -> None:
+    """pan's exit status is not checked (it exits non-zero when it finds an error), but a pan killed by a
+    signal (a crash, the OOM killer) has a report cut short: an error naming the signal, never a verdict
+    read from what it printed before."""
+    with pytest.raises(spin_run.SpinError, match="killed by signal 11"):
+        spin_run._run(
+            ["sh", "-c", "echo 'State-vector 8 byte, depth reached 3, errors: 0'; kill -SEGV $$"],
+            tmp_path,
+            10,
+        )
+
+
 def test_pan_report_reads_large_counts_and_a_multi_core_time() -> None:
     res = pan_report(_PAN_2_CORES)
     assert res.verdict == "verified"

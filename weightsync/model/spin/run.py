@@ -118,6 +118,10 @@ def _run(cmd: list[str], cwd: Path, timeout: float) -> str:
         raise SpinError(f"{cmd[0]} is not installed: {exc} (apt-get install spin gcc)") from exc
     except subprocess.TimeoutExpired as exc:
         raise SpinError(f"{' '.join(cmd)} ran past {timeout:.0f} s") from exc
+    if p.returncode < 0:  # killed by a signal: pan's report, if any, is cut short
+        raise SpinError(
+            f"{' '.join(cmd)} was killed by signal {-p.returncode}: {(p.stdout + p.stderr)[-1500:]}"
+        )
     if p.returncode != 0 and cmd[0] != "./pan":
         raise SpinError(f"{' '.join(cmd)} failed (exit {p.returncode}): {(p.stderr or p.stdout)[-2000:]}")
     return p.stdout + p.stderr
