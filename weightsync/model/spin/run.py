@@ -236,6 +236,8 @@ def spin_once(
             _wide_hash(d / "pan.c")
             flags.append("-DHC4")
         flags += [f"-DMEMLIM={memory_limit_mb}"] if memory_limit_mb is not None else []
+        if search == "dfs" and cores > 1:
+            _keep_pools_at_exit(d / "pan.c")
         flags += ["-DBFS", "-DNOREDUCE"] if search == "bfs" else ([f"-DNCORE={cores}"] if cores > 1 else [])
         _run(["cc", *flags, "-o", "pan", "pan.c"], d, timeout)
         pan_args = ["./pan", f"-m{max_depth}", f"-w{hash_bits}", *([f"-h{hash_seed}"] if hash_seed else [])]
@@ -287,6 +289,32 @@ def _wide_hash(pan_c: Path) -> None:
             f"({_HASHER_CHOICE.strip()!r} not found once); refusing to run with a hash of unknown width"
         )
     pan_c.write_text(text.replace(_HASHER_CHOICE, "\tif (0)\t/* weightsync: d_hash (64-bit) at every -w */"))
+
+
+#: SPIN 6.5.2's multi-core ``cleanup_shm`` (pan.c, run from ``pan_exit`` after the report) detaching each pool of
+#: shared state memory in turn.
+_POOL_DETACH = (
+    "\t\tfor (last_pool = first_pool; last_pool != NULL; last_pool = nxt_pool)\n"
+    "\t\t{\tnxt_pool = last_pool->nxt;\n"
+    "\t\t\tif (shmdt((void *) last_pool->dc_start) != 0)\n"
+)
+
+
+def _keep_pools_at_exit(pan_c: Path) -> None:
+    """Make a multi-core ``pan`` (``-DNCORE``) leave its pools of shared state memory attached when it exits.
+    SPIN 6.5.2's ``cleanup_shm`` detaches them one by one, walking the list of pools (each pool's link
+    lives in shared memory). On issue 19 item 3.2 on two cores (7.9 GB) it failed twice, at the end of a
+    9-minute search: ``shmdt detaching from shared state memory: Invalid argument``, then a general
+    protection fault, after the report was written into stdout's buffer and before that buffer reached the
+    pipe, so the report was lost; small runs (one pool) exit cleanly. The pools need no detaching: pan marks every segment for removal
+    (``IPC_RMID``) when it creates it, and the kernel detaches them when the process exits. A ``pan.c``
+    without that loop (another SPIN) is left as it is; a pan that still dies is an error naming the signal
+    (:func:`_run`)."""
+    text = pan_c.read_text()
+    if text.count(_POOL_DETACH) == 1:
+        pan_c.write_text(
+            text.replace(_POOL_DETACH, _POOL_DETACH.replace("last_pool != NULL;", "last_pool != NULL && 0;"))
+        )
 
 
 #: pan's hash seeds (``-hN``, N from 0 to 499: SPIN 6.5.2's ``HASH_CONST`` table and its usage text).
