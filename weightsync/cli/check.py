@@ -99,8 +99,13 @@ def print_human(result: dict[str, Any]) -> None:
     con.print(
         f"[bold]{result['variant']}[/bold]  N={result['ranks']}  mode={result['mode']}  "
         f"channels={result['channels']}  bounds={result['bounds']}  symmetry={result['symmetry']}  "
-        f"reductions={','.join(result['reductions']) or 'none'}"
+        f"reductions={','.join(result['reductions']) or 'none'}  engine={result.get('engine', 'compact')}"
     )
+    if result.get("engine") == "spin":
+        con.print(
+            "SPIN: safety and deadlock only, stopping at its first violation (the other properties are then "
+            "'not checked'); a counterexample is SPIN's trail replayed on the model's successor function"
+        )
     con.print(
         f"[{colour}]{result['verdict']}[/{colour}]: {result['states']:,} states, "
         f"{result['transitions']:,} transitions, depth {result['depth']}, {result['seconds']:.2f} s, "
