@@ -124,3 +124,43 @@ def test_repro_engine_and_fix_misuse_exit_2_before_anything_starts(
 ) -> None:
     assert main([*argv, "--json"]) == 2
     assert json.loads(capsys.readouterr().out) == {"error": message}
+
+
+def test_the_vllm_demos_last_line_names_both_replayed_traces(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``weightsync demo --engine vllm`` (as ``make demo`` prints it): with lockstep DP engines two traces
+    are replayed, the CheckedEngine's and the engines' own, and ``trace_ok`` covers both, so the last line
+    names both with their steps (it used to name the first alone). The demo run itself is replaced here by
+    its result; ``tests/test_vllm_demo.py`` runs it on real vLLM."""
+    import types
+
+    from weightsync.cli import demo as cli_demo
+
+    result = {
+        "ok": True,
+        "model": "tiny Mixtral (MoE)",
+        "steps": 20,
+        "reward_first": 0.004,
+        "reward_last": 0.139,
+        "greedy_equal": True,
+        "max_logprob_diff": 1.4e-6,
+        "lost_requests": 0,
+        "versions_ok": True,
+        "trace": "traces/d.jsonl",
+        "trace_steps": 405,
+        "engine_trace": "traces/d-engines.jsonl",
+        "engine_trace_steps": 6931,
+        "trace_ok": True,
+        "seconds": 106.0,
+    }
+    fake = types.SimpleNamespace(VllmDemoConfig=lambda **kw: kw, run_vllm_demo=lambda cfg, log: result)
+    monkeypatch.setattr(cli_demo, "vllm_module", lambda args, module, what: fake)
+    assert main(["demo", "--engine", "vllm", "--moe"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert (
+        "traces/d.jsonl (405 steps) and the engines' traces/d-engines.jsonl (6931 steps) replay: True" in line
+    )
+    result["engine_trace"] = None  # a dense model: the CheckedEngine's trace alone
+    assert main(["demo", "--engine", "vllm"]) == 0
+    assert "trace traces/d.jsonl (405 steps) replay: True" in capsys.readouterr().out
