@@ -291,8 +291,8 @@ def _wide_hash(pan_c: Path) -> None:
     pan_c.write_text(text.replace(_HASHER_CHOICE, "\tif (0)\t/* weightsync: d_hash (64-bit) at every -w */"))
 
 
-#: SPIN 6.5.2's multi-core ``cleanup_shm`` (pan.c, run from ``pan_exit`` after the report) detaching each pool of
-#: shared state memory in turn.
+#: SPIN 6.5.2's multi-core ``cleanup_shm`` (pan.c, run from ``pan_exit`` after the report) detaching each
+#: pool of shared state memory in turn.
 _POOL_DETACH = (
     "\t\tfor (last_pool = first_pool; last_pool != NULL; last_pool = nxt_pool)\n"
     "\t\t{\tnxt_pool = last_pool->nxt;\n"
@@ -306,10 +306,11 @@ def _keep_pools_at_exit(pan_c: Path) -> None:
     lives in shared memory). On issue 19 item 3.2 on two cores (7.9 GB) it failed twice, at the end of a
     9-minute search: ``shmdt detaching from shared state memory: Invalid argument``, then a general
     protection fault, after the report was written into stdout's buffer and before that buffer reached the
-    pipe, so the report was lost; small runs (one pool) exit cleanly. The pools need no detaching: pan marks every segment for removal
-    (``IPC_RMID``) when it creates it, and the kernel detaches them when the process exits. A ``pan.c``
-    without that loop (another SPIN) is left as it is; a pan that still dies is an error naming the signal
-    (:func:`_run`)."""
+    pipe, so the report was lost; small runs exit cleanly. The pools need no detaching: pan marks every
+    segment for removal (``IPC_RMID``, ``rm_shared_segments``) once its workers have started, and the
+    kernel detaches them when the processes exit (no segment is left behind: ``tests/test_spin_silent.py``).
+    A ``pan.c`` without that loop (another SPIN) is left as it is; a pan that still dies is an error naming
+    the signal (:func:`_run`)."""
     text = pan_c.read_text()
     if text.count(_POOL_DETACH) == 1:
         pan_c.write_text(
@@ -320,8 +321,8 @@ def _keep_pools_at_exit(pan_c: Path) -> None:
 #: pan's hash seeds (``-hN``, N from 0 to 499: SPIN 6.5.2's ``HASH_CONST`` table and its usage text).
 HASH_SEEDS = 500
 
-#: pan's report prints its counts with ``%9.8g`` (8 significant digits from 10^8 on); these lines get ``%9.0f``
-#: (exact up to 2^53): states stored, states matched, transitions.
+#: pan's report prints its counts with ``%9.8g`` (8 significant digits from 10^8 on); these lines get
+#: ``%9.0f`` (exact up to 2^53): states stored, states matched, transitions.
 _COUNT_FORMATS = ('"%9.8g states, stored', '"%9.8g states, matched', '"%9.8g transitions (=')
 
 
