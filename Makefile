@@ -79,7 +79,7 @@ demo-reference: $(STAMP)
 # processes and real-vLLM engines, runs alone after them, so no timeout there competes with another test.
 MODEL_TESTS := $(sort $(wildcard tests/test_model_*.py tests/test_proofs_*.py)) tests/test_spec.py \
   tests/test_spec_controller.py tests/test_rules.py tests/test_refusal.py tests/test_schedule.py \
-  tests/test_spin.py tests/test_spin_silent.py tests/test_layout.py
+  tests/test_spin.py tests/test_spin_silent.py tests/test_layout.py tests/test_bench_por.py
 REQUIRE = WEIGHTSYNC_REQUIRE_VLLM=$(if $(filter none,$(VLLM)),0,1) WEIGHTSYNC_REQUIRE_SPIN=$(if $(filter none,$(SPIN)),0,1)
 
 # with vLLM installed its tests must run: a broken `import vllm` fails them instead of skipping

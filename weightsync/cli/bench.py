@@ -33,6 +33,12 @@ def _bench_explorer(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _bench_por(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.bench.por import run_por_bench
+
+    return run_por_bench(quick=bool(getattr(args, "quick", False)))
+
+
 def _bench_transfer(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.bench.transfer import cli_figures
 
@@ -49,6 +55,7 @@ def _human_transfer(out: dict[str, Any]) -> None:
 BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "pause": _bench_pause,
     "explorer": _bench_explorer,
+    "por": _bench_por,
     "transfer": _bench_transfer,
 }
 #: optional human renderers per bench (default: indented JSON)

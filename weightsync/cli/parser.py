@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     b = add("bench", "benchmarks with ratios against a baseline measured in the same run")
-    b.add_argument("what", choices=["transfer", "explorer", "pause", "vllm"])
+    b.add_argument("what", choices=["transfer", "explorer", "por", "pause", "vllm"])
     b.add_argument("--quick", action="store_true", help="smaller sizes (for tests)")
     b.add_argument(
         "--dp",
