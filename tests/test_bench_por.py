@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from typing import Any, ClassVar
 
-import pytest
-
 from weightsync.bench.por import CEILINGS, STRATEGIES, restricted_bfs
 from weightsync.cli import main
-from weightsync.model.check import explore_model
+from weightsync.model.compact import explore_compact
 from weightsync.model.system import Bounds, Config, Model
 from weightsync.model.system.state import ANY_MODE
 
@@ -42,41 +42,33 @@ def test_the_cycle_proviso_expands_in_full_a_state_whose_restricted_set_leads_ba
     assert restricted_bfs(_Graph(), None)["states"] == 4  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def por() -> dict[str, Any]:
-    import contextlib
-    import io
+def test_bench_por_quick() -> None:
+    """One run of ``weightsync bench por --quick --json`` (one test, so that ``-n 2`` runs it once):
 
+    - its baseline is the checker's exploration of the same model;
+    - the one set of this model's shape that comes near condition C1 (collective completions first) is
+      used at thousands of states and leaves the state count as it is: every state it skips is reached
+      along another interleaving;
+    - only ignoring C1 for receipts saves much.
+    """
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(["bench", "por", "--quick", "--json"]) == 0
-    out: dict[str, Any] = json.loads(buf.getvalue())
-    return out
-
-
-def test_the_baseline_is_the_checkers_count(por: dict[str, Any]) -> None:
+    por: dict[str, Any] = json.loads(buf.getvalue())
     row = next(r for r in por["rows"] if r["variant"] == "two-phase-epoch")
-    ex = explore_model(
-        Model(Config("two-phase-epoch", 2, ANY_MODE, "per-socket", Bounds()), silent_waves=True)
-    )
+    model = Model(Config("two-phase-epoch", 2, ANY_MODE, "per-socket", Bounds()), silent_waves=True)
+    ex, _ = explore_compact(model)
     assert row["full"]["states"] == len(ex.states) == 41_578
     assert row["full"]["violations"] == sorted(ex.violations) == []
 
-
-def test_collective_completions_first_take_out_no_state(por: dict[str, Any]) -> None:
-    """The one set of this model's shape that comes near condition C1 is used at thousands of states and
-    leaves the state count as it is: every state it skips is reached along another interleaving."""
     assert por["ok"]
-    for row in por["rows"]:
-        assert row["collective_first"]["proper"] > 0
-        assert row["collective_first"]["states"] == row["full"]["states"]
-        assert row["collective_first"]["ratio"] == 1.0
+    for r in por["rows"]:
+        assert r["collective_first"]["proper"] > 0, r
+        assert r["collective_first"]["states"] == r["full"]["states"], r
+        assert r["collective_first"]["ratio"] == 1.0, r
 
-
-def test_only_ignoring_condition_c1_for_receipts_saves_much(por: dict[str, Any]) -> None:
     assert por["ceilings"] == list(CEILINGS)
     assert next(iter(STRATEGIES)) == "full"
-    row = next(r for r in por["rows"] if r["variant"] == "two-phase-epoch")
     full = row["full"]["states"]
     assert row["quiet_step_first"]["states"] < full
     assert row["quiet_step_first"]["ratio"] < 1.2
