@@ -329,6 +329,20 @@ def test_check_refuses_silent_waves_on_spin_under_ordered_channels(
     assert "not under --channels ordered" in json.loads(capsys.readouterr().out)["error"]
 
 
+def test_checks_human_output_names_spin_and_what_it_leaves_unchecked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``weightsync check --engine spin`` without ``--json``: the header names the engine, a line says that
+    SPIN checks safety and deadlock only and stops at its first violation, and on the race (``two-phase``
+    keep) the other properties are 'not checked'."""
+    rc = main(["check", "--variant", "two-phase", "--ranks", "2", "--mode", "keep", "--engine", "spin"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "engine=spin" in out
+    assert "SPIN: safety and deadlock only, stopping at its first violation" in out
+    assert "not checked" in out and "counterexample" in out
+
+
 @pytest.mark.slow
 def test_issue_19_item_3_2_on_spin_with_hash_compaction() -> None:
     """Issue 19 item 3.2's configuration on SPIN with the silent-wave reduction and hash compaction, both
