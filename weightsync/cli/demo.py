@@ -49,12 +49,12 @@ def _demo_vllm(args: argparse.Namespace) -> int:
         return EXIT_VIOLATION if isinstance(exc, WeightSyncError) else EXIT_USAGE
 
     def human() -> None:
-        traces = f"trace {out['trace']} ({out.get('trace_steps')} steps)"
+        traces = f"{out['trace']} ({out.get('trace_steps')} steps)"
         if out.get("engine_trace"):  # lockstep DP engines (MoE): their own events, replayed too
-            traces = (
-                f"traces {out['trace']} ({out.get('trace_steps')} steps) and the engines' "
-                f"{out['engine_trace']} ({out.get('engine_trace_steps')} steps)"
-            )
+            engines = f"{out['engine_trace']} ({out.get('engine_trace_steps')} steps)"
+            traces = f"traces {traces} and the engines' {engines}"
+        else:
+            traces = f"trace {traces}"
         print(
             f"vLLM demo ({out['model']}): {out['steps']} steps, reward {out['reward_first']} -> "
             f"{out['reward_last']}; greedy_equal={out['greedy_equal']} max_logprob_diff="
