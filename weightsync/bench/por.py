@@ -23,8 +23,8 @@ reduction on, no symmetry), and the runs differ only in which successors of a st
   ignores C1 for every receipt: the order in which a rank takes messages from different senders is then
   fixed, which is the race the checker exists to explore.
 
-Each restricted run keeps the cycle proviso (C3): a restricted set is expanded only when every successor
-it leads to is new, otherwise the state is expanded in full. A state violating an invariant is not
+Each restricted run but ``rank_persistent``'s keeps the cycle proviso (C3): a restricted set is expanded
+only when every successor it leads to is new, otherwise the state is expanded in full. A state violating an invariant is not
 expanded (as :func:`~weightsync.model.explorer.explore`). The figures are state counts and, per strategy,
 ``ratio`` = full states / its states, measured in this process; ``proper`` counts the states a
 restricted set was used at. ``violations`` lists the state properties each run found violated, and
@@ -186,7 +186,9 @@ def restricted_bfs(model: Model, strategy: Strategy | None, proviso: bool = True
     when they are fewer than all and (with ``proviso``, the cycle proviso) every one is new, else all of
     them. A search for deadlocks alone needs no proviso: a path from ``s`` to a state without successors
     takes a move of a persistent set of ``s`` (each stays enabled until one is taken), which commutes to
-    the front, so a successor in the set is one move nearer (Godefroid, LNCS 1032, theorem 4.3).
+    the front, so a successor in the set is one move nearer (Godefroid, LNCS 1032, on persistent sets).
+    Both runs leave a state violating an invariant unexpanded, so ``run_por_bench`` compares their
+    terminal verdicts rather than assume them equal.
 
     Returns:
         ``states`` (distinct states reached), ``proper`` (states expanded with the restricted set),
