@@ -100,14 +100,14 @@ def _persistent_from(model: Model, s: Any, picked: list[tuple[Any, Any]], limit:
     todo, diamonds = [s], 0
     while todo and len(region) < limit:
         u = todo.pop()
-        at_u = region[u]
+        from_set = {la: dict(model.successors(t)) for la, t in region[u].items()}
         for lx, x in model.successors(u):
             if lx in mine:
                 continue
             after_x = dict(model.successors(x))
             assert all(la in after_x for la in mine), (s, u, lx)
             for la in mine:
-                assert dict(model.successors(at_u[la])).get(lx) == after_x[la], (s, u, la, lx)
+                assert from_set[la].get(lx) == after_x[la], (s, u, la, lx)
                 diamonds += 1
             if x not in region:
                 region[x] = {la: after_x[la] for la in mine}
