@@ -7,6 +7,8 @@ import io
 import json
 from typing import Any, ClassVar
 
+import pytest
+
 from weightsync.bench.por import CEILINGS, DEADLOCK_ONLY, STRATEGIES, rank_persistent_set, restricted_bfs
 from weightsync.cli import main
 from weightsync.model.compact import explore_compact
@@ -45,6 +47,8 @@ def test_the_cycle_proviso_expands_in_full_a_state_whose_restricted_set_leads_ba
     assert restricted_bfs(_Graph(), None)["states"] == 4  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_bench_por_quick() -> None:
     """One run of ``weightsync bench por --quick --json`` (one test, so that ``-n 2`` runs it once):
 

@@ -10,6 +10,8 @@ import pytest
 from weightsync.cli import main
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # a benchmark's quick run: once in CI (make test-slow-ci)
 @pytest.mark.timeout(120)
 def test_bench_pause_json(capsys: pytest.CaptureFixture[str]) -> None:
     # The K + 2 target is a benchmark figure (scheduling noise on a loaded machine can exceed it), not a

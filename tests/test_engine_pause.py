@@ -125,6 +125,8 @@ def test_keep_without_clear_cache_keeps_all_tokens(cluster: Cluster) -> None:
     _keep_round(cluster, seed=12, clear_cache=False, n=3, tag="keepn")
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # three engines through every mode: run once in CI (make test-slow-ci)
 def test_three_ranks_all_modes() -> None:
     c = Cluster(dp_size=3, sync_interval=64, step_sleep_s=0.003)
     try:

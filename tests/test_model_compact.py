@@ -16,7 +16,10 @@ from weightsync.model.system import Bounds, G
 
 #: (variant, ranks, mode, channels, bounds, max_states): small configurations covering every memo (rank
 #: moves, coordinator broadcasts, refresh, controller fan-outs, DP completions), the slow paths (transfer
-#: collectives and timeouts, sends, client aborts, front-end calls) and the settle reduction.
+#: collectives and timeouts, sends, client aborts, front-end calls) and the settle reduction. The default
+#: suite runs six of them; ``CI_ONLY_CONFIGS`` (wait and abort per-socket, stray and repeated resumes, the
+#: front-end-pause variant, one-api-server channels, two-phase's stray resume) run in CI
+#: (``make test-slow-ci``), once.
 CONFIGS: list[tuple[str, int, str, str, Bounds, int]] = [
     ("two-phase-epoch", 2, "keep", "per-socket", Bounds(), 30_000),
     ("two-phase-epoch", 2, "wait", "per-socket", Bounds(), 30_000),
@@ -31,7 +34,15 @@ CONFIGS: list[tuple[str, int, str, str, Bounds, int]] = [
     ("two-phase", 2, "keep", "per-socket", Bounds(stray_resume=True), 30_000),
     ("two-phase-epoch", 3, "keep", "per-socket", Bounds(), 30_000),
 ]
-IDS = [f"{v}-n{n}-{m}-{c}-{i}" for i, (v, n, m, c, _, _) in enumerate(CONFIGS)]
+CI_ONLY_CONFIGS = {1, 2, 5, 8, 9, 10}
+PARAMS = [
+    pytest.param(
+        *cfg, id=f"{cfg[0]}-n{cfg[1]}-{cfg[2]}-{cfg[3]}-{i}", marks=(pytest.mark.slow, pytest.mark.ci)
+    )
+    if i in CI_ONLY_CONFIGS
+    else pytest.param(*cfg, id=f"{cfg[0]}-n{cfg[1]}-{cfg[2]}-{cfg[3]}-{i}")
+    for i, cfg in enumerate(CONFIGS)
+]
 
 
 def _same(a: Exploration[G], b: Exploration[G]) -> None:
@@ -52,7 +63,7 @@ def _same(a: Exploration[G], b: Exploration[G]) -> None:
     }
 
 
-@pytest.mark.parametrize("variant,ranks,mode,channels,bounds,cap", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("variant,ranks,mode,channels,bounds,cap", PARAMS)
 def test_compact_explores_what_the_baseline_explores(
     variant: str, ranks: int, mode: str, channels: str, bounds: Bounds, cap: int
 ) -> None:

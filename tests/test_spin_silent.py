@@ -44,11 +44,15 @@ if not spin_available():
     pytest.skip("spin or cc is not on PATH (apt-get install spin gcc)", allow_module_level=True)
 
 
+#: Slow runs that CI still runs once (``make test-slow-ci``), to keep the default suite near 15 minutes.
+CI_ONLY = (pytest.mark.slow, pytest.mark.ci)
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
         ("two-phase", "keep", "per-socket", Bounds()),
-        ("two-phase-epoch", "keep", "per-socket", Bounds()),
+        pytest.param(("two-phase-epoch", "keep", "per-socket", Bounds()), marks=CI_ONLY),
         pytest.param(
             ("two-phase-epoch", "abort", "one-api-server", Bounds(repeat_resume=True)), marks=pytest.mark.slow
         ),
@@ -79,7 +83,7 @@ def test_spin_stores_the_explorers_reduced_states(cfg: tuple[str, str, str, Boun
         pytest.param(
             ("two-phase", "abort", "one-api-server", Bounds(stray_resume=True)), marks=pytest.mark.slow
         ),
-        ("vllm-0.32-epoch", "wait", "per-socket", Bounds(failures=1)),
+        pytest.param(("vllm-0.32-epoch", "wait", "per-socket", Bounds(failures=1)), marks=CI_ONLY),
     ],
     ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}",
 )
@@ -259,6 +263,8 @@ def _hash_conflicts(pan_output: str) -> int:
     return int(line.split()[2])
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_hash_seed_is_another_signature_function_and_counts_print_in_full(tmp_path: Path) -> None:
     """``hash_seed`` reaches pan (``-h``): the same states, hashed otherwise (another number of hash-table
     conflicts on the same table); pan.c is patched to print its counts in full (``%9.0f``, not ``%9.8g``,

@@ -35,7 +35,9 @@ from weightsync.vllm.trainer import WeightsyncBroadcastTrainer, update_info_of  
 from weightsync.vllm_tools.checked import AsyncLLMAdapter  # noqa: E402
 from weightsync.vllm_tools.models import perturbed_state  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
+# slow, run once in CI (make test-slow-ci): an engine start of its own; the checked DP=2 round of
+# tests/test_vllm_dp.py keeps CheckedEngine on a real vLLM in the default suite
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(240)]
 #: the utility calls of the controller surface, as they leave the front-end
 CONTROLLER = (
     "pause_scheduler",

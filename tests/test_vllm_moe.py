@@ -85,6 +85,8 @@ def test_fix_is_gated_to_the_versions_and_device_that_need_it() -> None:
     assert moe_reload_fix_applies(torch.device("cuda"), True)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # an engine start of its own: run once in CI (make test-slow-ci)
 def test_same_weights_update_corrupts_without_the_fix_and_not_with_weightsync(
     served: Served, model_dir: pathlib.Path
 ) -> None:
@@ -122,6 +124,8 @@ def test_same_weights_update_corrupts_without_the_fix_and_not_with_weightsync(
     )
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_new_weights_serve_like_transformers_after_every_round(served: Served) -> None:
     s = served
     for step in (1, 2):

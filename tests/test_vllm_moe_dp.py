@@ -124,6 +124,8 @@ def _start_a_wave(s: Served, max_tokens: int) -> tuple[Future[None], list[object
     return request, outs, stamps
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # an engine start of its own: run once in CI (make test-slow-ci)
 def test_moe_dp2_serves_like_transformers_on_both_ranks_before_and_after_a_round(served: Served) -> None:
     s = served
     t0 = time.monotonic()
@@ -219,6 +221,8 @@ def test_init_while_a_wave_runs_deadlocks_as_shipped_until_the_rendezvous_timeou
     print(f"\ninit while a wave runs: stalled {stalled_s:.1f} s, then {err.value}")
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_init_while_a_wave_runs_is_refused_at_once_with_the_fix(served: Served) -> None:
     """With the plugin's default fix (patch 0008) an init while a wave runs is refused by the engine cores
     before any worker joins a rendezvous, whichever step boundary it reaches each rank at (``weightsync
