@@ -91,8 +91,11 @@ test: $(VLLM_STAMP) $(SPIN_STAMP)
 # `.ci/run` well inside CI's 90 minutes on a slow day: SPIN against every proofs/ row (issue 19 item 6), the
 # MoE demo on real vLLM (`make demo`), the race as shipped and the plugin's default fix on it, the default
 # fix's conformance in every pause mode, recovery after failures, the netns and HTTP rounds, the vLLM
-# bench's quick run, the trace walker's self-test and the mutation run's classifier and checkpoint. `make test` leaves them out to stay near 15
-# minutes on 2 cores.
+# bench's quick run, the trace walker's self-test and the mutation run's classifier and checkpoint; and the
+# runs moved out of `make test` on 2026-12-07: the engines of the MoE (DP=1 and DP=2) and CheckedEngine
+# modules, three reference engines through every mode, the pause bench's and `bench por`'s quick runs,
+# SPIN's second hash seed, and the slower configurations of the engine-agreement, reduction and
+# SPIN-reduction tests. `make test` leaves them out to stay near 15 minutes on 2 cores.
 test-slow-ci: $(VLLM_STAMP) $(SPIN_STAMP)
 	$(REQUIRE) $(BIN)/python -m pytest -q -m "slow and ci" --durations=25
 
