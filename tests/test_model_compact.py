@@ -37,10 +37,10 @@ CONFIGS: list[tuple[str, int, str, str, Bounds, int]] = [
 CI_ONLY_CONFIGS = {1, 2, 5, 8, 9, 10}
 PARAMS = [
     pytest.param(
-        *cfg, id=f"{cfg[0]}-n{cfg[1]}-{cfg[2]}-{cfg[3]}-{i}", marks=(pytest.mark.slow, pytest.mark.ci)
+        *cfg,
+        id=f"{cfg[0]}-n{cfg[1]}-{cfg[2]}-{cfg[3]}-{i}",
+        marks=(pytest.mark.slow, pytest.mark.ci) if i in CI_ONLY_CONFIGS else (),
     )
-    if i in CI_ONLY_CONFIGS
-    else pytest.param(*cfg, id=f"{cfg[0]}-n{cfg[1]}-{cfg[2]}-{cfg[3]}-{i}")
     for i, cfg in enumerate(CONFIGS)
 ]
 
