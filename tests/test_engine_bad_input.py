@@ -107,6 +107,33 @@ def test_front_end_rejects_before_sending(
     assert not c.failures
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [
+        ("dp_size", 0, "an int of at least 1"),
+        ("dp_size", True, "an int of at least 1"),
+        ("sync_interval", 0, "an int of at least 1"),
+        ("max_batch", -1, "an int of at least 1"),
+        ("threads", 1.5, "an int of at least 1"),
+        ("collective_timeout_s", 0.0, "finite number of seconds above 0"),
+        ("collective_timeout_s", float("nan"), "finite number of seconds above 0"),
+        ("idle_sleep_s", -0.1, "finite number of seconds at least 0"),
+        ("step_sleep_s", float("inf"), "finite number of seconds at least 0"),
+        ("dp_port", 70000, "0 \\(pick a free port\\) or 1..65535"),
+    ],
+)
+def test_engine_config_refuses_a_bad_number_before_any_process_starts(
+    field: str, value: object, rule: str
+) -> None:
+    """``EngineConfig`` checks its numbers at construction: ``dp_size=0`` would otherwise start a cluster of
+    no engine without an error, and ``sync_interval=0`` fail inside the spawned engines as a startup
+    failure."""
+    from weightsync.impl.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=rf"^EngineConfig\.{field}={value!r}: must be .*{rule}"):
+        EngineConfig(model=CFG, **{field: value})  # type: ignore[arg-type]
+
+
 def test_sampling_params_reject_at_construction() -> None:
     with pytest.raises(ValueError, match=r"^max_new_tokens must be >= 1, got 0$"):
         SamplingParams(max_new_tokens=0)

@@ -161,3 +161,91 @@ def test_gloo_and_nccl_use_the_stores_interface() -> None:
         os.environ.pop("NCCL_SOCKET_IFNAME", None)
         if saved is not None:
             os.environ["NCCL_SOCKET_IFNAME"] = saved
+
+
+def _listening_addresses() -> list[str]:
+    """The IPv4 addresses this process's listening TCP sockets are bound to (``/proc/self/net/tcp``, state
+    0A, matched to this process's socket descriptors by inode)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:[") : -1])
+    out = []
+    for line in pathlib.Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "0A" and f[9] in inodes:
+            out.append(socket.inet_ntoa(bytes.fromhex(f[1].split(":")[0])[::-1]))
+    return sorted(out)
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/net/tcp").exists(), reason="needs Linux's /proc/net/tcp")
+def test_the_dp_group_listens_on_the_interface_it_was_named() -> None:
+    """The reference engine's DP group on 127.0.0.2: its store and rank 0's gloo device listen there
+    (gloo's default device would listen on the address the hostname resolves to, 127.0.0.1 here); rank 1,
+    which reaches rank 0 over loopback, listens on 127.0.0.1. Both ranks are threads of this process."""
+    import threading
+
+    from weightsync.impl.engine.dp import DPGroup
+
+    before = _listening_addresses()
+    port = free_port()
+    groups: dict[int, DPGroup] = {}
+    errors: list[BaseException] = []
+
+    def join(rank: int) -> None:
+        try:
+            groups[rank] = DPGroup(rank, 2, "127.0.0.2", port, 20.0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert errors == [] and len(groups) == 2
+        added = list(_listening_addresses())
+        for a in before:
+            added.remove(a)
+        # the store and rank 0's gloo device on the named interface; rank 1's gloo device on loopback
+        assert sorted(added) == ["127.0.0.1", "127.0.0.2", "127.0.0.2"], added
+    finally:
+        for g in groups.values():
+            g.close()
+
+
+def test_store_errors_never_quote_the_session_namespace() -> None:
+    """torch's store timeout names the keys it waited for, and under a session those start with the
+    session's namespace, the capability the handshake grants: the text weightsync quotes is redacted."""
+    import datetime
+
+    from torch._C._distributed_c10d import PrefixStore
+
+    from weightsync.impl.transfer.secret import namespace_of, redact_namespace
+
+    ns = namespace_of(bytes(range(32)))
+    store = host_store("127.0.0.1", free_port(), 5.0)
+    with pytest.raises(torch.distributed.DistStoreError) as info:
+        PrefixStore(ns, store).wait(["pg/0/1"], datetime.timedelta(milliseconds=100))
+    text = str(info.value)
+    assert ns in text  # the premise: torch quotes the key
+    red = redact_namespace(text)
+    assert ns not in red and "ws/<session>/pg/0/1" in red and redact_namespace("ws/xyz") == "ws/xyz"
+
+
+def test_a_ticket_that_is_json_but_no_ticket_is_refused_naming_it() -> None:
+    """Rule 3 of the control plane: a ticket must be ``{"rank": int, "world_size": int}``; anything else a
+    process on the store wrote is a RemoteProtocolError naming the key, not a KeyError."""
+    from weightsync.impl.transfer.control import ControlPlane
+    from weightsync.spec.errors import RemoteProtocolError
+
+    store = host_store("127.0.0.1", free_port(), 5.0)
+    store.add("arrivals", 1)
+    store.set("ticket/1", '{"rank": "1", "world_size": 2}')
+    with pytest.raises(RemoteProtocolError, match=r"ticket/1 is .*rank.*rule 3 wants a ticket"):
+        ControlPlane(store, 0, 2, 3.0).join()

@@ -25,7 +25,7 @@ from weightsync.demo.guard import ClientGuard
 from weightsync.demo.rl_task import EOS_ID
 from weightsync.spec.errors import WeightSyncError
 from weightsync.spec.rank import version_order
-from weightsync.spec.states import IN_FLIGHT_FINISH, PauseMode
+from weightsync.spec.states import IN_FLIGHT_FINISH, PauseMode, RankState
 
 __all__ = ["demo_checks", "describe_failure", "kept_violations", "probe_diff", "torch_threads"]
 
@@ -120,7 +120,7 @@ def demo_checks(
 def _round_failed(guard: ClientGuard, rank: int) -> bool:
     """Whether engine ``rank`` is in the table's ``failed`` state (False if it cannot answer)."""
     try:
-        return bool(guard.client.call_rank(rank, "get_state").result(10.0)["state"] == "failed")
+        return RankState(guard.client.call_rank(rank, "get_state").result(10.0)["state"]) is RankState.FAILED
     except Exception:
         return False
 

@@ -8,8 +8,11 @@ from the trainer's thread. :class:`AsyncLLMWeightSyncClient` does that, with a d
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from weightsync.spec.errors import TransferTimeoutError
 
 T = TypeVar("T")
 
@@ -20,18 +23,37 @@ class AsyncLLMWeightSyncClient:
     Args:
         llm: the ``vllm.v1.engine.async_llm.AsyncLLM``.
         loop: the event loop running it (the trainer calls from another thread).
-        timeout_s: deadline of each call.
+        timeout_s: deadline of each call, seconds.
     """
 
     def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop, timeout_s: float = 300.0) -> None:
         self.llm = llm
         self.loop = loop
         self.timeout_s = timeout_s
+        #: the engine's DP size (the ranks a timed-out call names)
+        self.dp_size = int(llm.vllm_config.parallel_config.data_parallel_size)
         self.calls: list[str] = []
 
     def _run(self, name: str, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the engine's loop and wait at most ``timeout_s`` for it.
+
+        Raises:
+            TransferTimeoutError: ``name`` did not return within ``timeout_s``, naming the call (its phase)
+                and every DP engine (the coroutine does not say which one is late); the coroutine is
+                cancelled, so the engine's call does not go on after the trainer gave up.
+        """
         self.calls.append(name)
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout_s)
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TransferTimeoutError(
+                name,
+                range(self.dp_size),
+                self.timeout_s,
+                f"AsyncLLM.{name} did not return; the call was cancelled",
+            ) from None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest

@@ -3,6 +3,7 @@ one rank's FIFOs (:class:`EngineQueues`) and the small test model (:func:`tiny_c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,34 @@ class EngineConfig:
     threads: int = 1
     system_trace: str | None = None
     core: str = ""
+
+    def __post_init__(self) -> None:
+        """Check every number before any process starts.
+
+        Raises:
+            ValueError: naming the field, its value and the rule: ``dp_size``, ``sync_interval``,
+                ``max_batch`` and ``threads`` are ints of at least 1; ``collective_timeout_s`` is a finite
+                number of seconds above 0; ``idle_sleep_s`` and ``step_sleep_s`` are finite and at least 0;
+                ``dp_port`` is 0 (pick one) or a TCP port.
+        """
+        for name in ("dp_size", "sync_interval", "max_batch", "threads"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"EngineConfig.{name}={value!r}: must be an int of at least 1")
+        for name, low_open in (
+            ("collective_timeout_s", True),
+            ("idle_sleep_s", False),
+            ("step_sleep_s", False),
+        ):
+            value = getattr(self, name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < 0 or (low_open and value == 0):
+                rule = "above 0" if low_open else "at least 0"
+                raise ValueError(f"EngineConfig.{name}={value!r}: must be a finite number of seconds {rule}")
+        if type(self.dp_port) is not int or not 0 <= self.dp_port <= 65535:
+            raise ValueError(
+                f"EngineConfig.dp_port={self.dp_port!r}: must be 0 (pick a free port) or 1..65535"
+            )
 
 
 @dataclass

@@ -26,8 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as _dist_mod
 
+from weightsync.impl.transfer.broadcast_group import gloo_devices
+from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.rendezvous import authenticate, check_policy, host_store
-from weightsync.impl.transfer.secret import load_secret
+from weightsync.impl.transfer.secret import load_secret, redact_namespace
 from weightsync.spec.collectives import reduce_values
 from weightsync.spec.errors import RemoteProtocolError, TransferTimeoutError
 from weightsync.spec.states import Collective
@@ -40,6 +42,8 @@ KIND_CODE: dict[str, int] = {
     Collective.RESUME_BARRIER.value: 3,
 }
 _CODE_KIND = {v: k for k, v in KIND_CODE.items()}
+#: Deadline of each store read of :meth:`DPGroup.board` (a diagnostic after a timeout), seconds.
+BOARD_READ_S = 2.0
 
 
 class DPGroup:
@@ -56,7 +60,10 @@ class DPGroup:
     Raises:
         ValueError: the policy refused ``host`` (before any socket opens).
         AuthenticationError: the handshake refused this rank or the store it reached.
-        TransferTimeoutError: the rendezvous did not complete within ``timeout_s`` (phase ``dp_group/init``).
+        TransferTimeoutError: the rendezvous did not complete within ``timeout_s`` (phase ``dp_group/init``,
+            naming rank 0 on the others and the others on rank 0; the store keys in torch's text are
+            redacted, :func:`~weightsync.impl.transfer.auth.redact_namespace`).
+        PortInUseError: rank 0 and ``port`` is taken on ``host``.
     """
 
     def __init__(
@@ -75,32 +82,59 @@ class DPGroup:
         t0 = time.monotonic()
         secret = load_secret()
         check_policy(host, secret, allow_unauthenticated)
+        # rank 0 waits for every other rank to reach its store, the others for rank 0's store
+        peers = list(range(1, size)) if rank == 0 else [0]
         try:
             if rank == 0:
                 self.raw_store = host_store(host, port, timeout_s, size, wait_for_workers=True)
             else:
                 self.raw_store = dist.TCPStore(host, port, size, False, timeout=td, wait_for_workers=True)
-        except Exception as exc:  # rendezvous failure (timeout or refused)
+        except dist.DistError as exc:  # rendezvous failure (timeout or refused); PortInUseError passes
             raise TransferTimeoutError(
-                "dp_group/init", [], time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
-            ) from exc
+                "dp_group/init", peers, time.monotonic() - t0, redact_namespace(_first_line(exc))
+            ) from None
         session = authenticate(self.raw_store, rank, size, timeout_s, secret, "dp_group/init")
         self.store = session.scoped(self.raw_store) if session is not None else self.raw_store
+        #: bounds the board's store reads on ranks other than 0 (``control`` rule 5)
+        self.cp = ControlPlane(self.store, rank, size, timeout_s)
+        gloo: Any = dist.ProcessGroupGloo
+        opts = gloo._Options()
+        opts._timeout = td
+        # gloo listens on the interface towards ``host`` (``broadcast_group.gloo_device_choice``), not on
+        # gloo's default (the address the hostname resolves to, which may be another interface)
+        opts._devices = gloo_devices(host, rank)
         try:
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("dp", self.store), rank, size, td)
-        except Exception as exc:  # rendezvous failure (timeout or refused)
+            self.pg = gloo(dist.PrefixStore("dp", self.store), rank, size, opts)
+        except dist.DistError as exc:  # a peer did not publish its gloo address in time
             raise TransferTimeoutError(
-                "dp_group/init", [], time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
-            ) from exc
+                "dp_group/init",
+                [r for r in range(size) if r != rank],
+                time.monotonic() - t0,
+                redact_namespace(_first_line(exc)),
+            ) from None
         self.current = ""
 
     def board(self) -> dict[int, str]:
-        """What every rank last posted as its current collective (``"kind#seq"``, or ``"?"`` if unknown)."""
+        """What every rank last posted as its current collective (``"kind#seq"``, or ``"?"`` if unknown).
+
+        Each store read is bounded by :data:`BOARD_READ_S` (``control`` rule 5: on a rank other than 0 a
+        read from a store whose host vanished would otherwise block until TCP gives up); once one read
+        misses its deadline, the ranks not read yet are ``"?"``. This rank's own entry is what it posted.
+        """
         out: dict[int, str] = {}
         for r in range(self.size):
+            if r == self.rank:
+                out[r] = self.current or "?"
+                continue
             key = f"at/{r}"
             try:
-                out[r] = self.store.get(key)[:64].decode() if self.store.check([key]) else "?"
+                posted = self.cp.call("board", BOARD_READ_S, self.store.check, [key])
+                out[r] = (
+                    self.cp.call("board", BOARD_READ_S, self.store.get, key)[:64].decode() if posted else "?"
+                )
+            except TransferTimeoutError:
+                out.update({q: "?" for q in range(r, self.size) if q != self.rank})
+                break
             except Exception:
                 out[r] = "?"
         return out
@@ -131,9 +165,8 @@ class DPGroup:
             board = self.board()
             missing = [r for r, w in board.items() if w != tag]
             detail = "; ".join(f"rank {r} in {w}" for r, w in sorted(board.items()))
-            raise TransferTimeoutError(
-                f"{tag}", missing, waited, f"{detail}; gloo: {str(exc).splitlines()[0][:160]}"
-            ) from exc
+            gloo_text = redact_namespace(_first_line(exc))[:160]
+            raise TransferTimeoutError(f"{tag}", missing, waited, f"{detail}; gloo: {gloo_text}") from exc
         rows = [[int(x) for x in t.tolist()] for t in out]
         if any(r[0] != rows[0][0] or r[1] != rows[0][1] for r in rows):
             desc = ", ".join(f"rank {i} in {_CODE_KIND.get(r[0], '?')}#{r[1]}" for i, r in enumerate(rows))
@@ -142,6 +175,12 @@ class DPGroup:
         return reduce_values(kind, [r[2:] for r in rows])
 
     def close(self) -> None:
-        """Drop the group (best effort)."""
+        """Drop the group and the board's store thread (best effort)."""
+        self.cp.close()
         with contextlib.suppress(Exception):
             self.pg.shutdown()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

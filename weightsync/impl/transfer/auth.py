@@ -49,7 +49,7 @@ from torch._C._distributed_c10d import PrefixStore, Store
 
 from weightsync.impl.transfer.base import AuthenticationError
 from weightsync.impl.transfer.control import ControlPlane, raise_if_abandoned, strict_json
-from weightsync.impl.transfer.secret import Secret, mac_hex
+from weightsync.impl.transfer.secret import Secret, namespace_of
 from weightsync.spec.errors import TransferTimeoutError, WireMismatchError
 
 log = logging.getLogger("weightsync.auth")
@@ -99,8 +99,7 @@ class Session:
 
 def _session(secret: Secret, round_id: str, nonce: str, nonces: dict[str, str], t0: float) -> Session:
     key = secret.derive("session", round_id, nonce, nonces)
-    ns = mac_hex(key, ["namespace"])[:32]
-    return Session(round_id, key, f"ws/{ns}", time.monotonic() - t0)
+    return Session(round_id, key, namespace_of(key), time.monotonic() - t0)
 
 
 def _dumps(obj: Any) -> str:

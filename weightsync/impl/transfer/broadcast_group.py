@@ -24,6 +24,7 @@ from weightsync.impl.transfer.base import InitInfo
 from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.packing import BufferPool
 from weightsync.impl.transfer.rendezvous import interface_of, rendezvous
+from weightsync.impl.transfer.secret import redact_namespace
 from weightsync.spec.errors import PeerFailedError, TransferTimeoutError
 
 
@@ -168,7 +169,7 @@ class BroadcastGroup:
             work.wait(datetime.timedelta(seconds=self.timeout_s))
         except Exception as exc:
             waited = time.monotonic() - t0
-            text = str(exc)
+            text = redact_namespace(str(exc))
             first = text.splitlines()[0] if text else type(exc).__name__
             what = f"rank {self.rank}'s part of a broadcast from rank 0 (the trainer) to rank(s) 1..{self.world_size - 1}"
             if "timed out" in text.lower() or "timeout" in text.lower() or waited >= self.timeout_s * 0.99:
@@ -241,7 +242,7 @@ def join_group(info: InitInfo, rank: int) -> BroadcastGroup:
                 "init_weight_transfer_engine/process_group",
                 [],
                 info.rendezvous_timeout_s,
-                f"{info.rendezvous_timeout_basis}; {str(exc).splitlines()[0]}",
+                f"{info.rendezvous_timeout_basis}; {redact_namespace(str(exc)).splitlines()[0]}",
             ) from None
     except BaseException:
         del store

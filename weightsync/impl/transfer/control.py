@@ -48,7 +48,13 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from weightsync.spec.errors import PeerFailedError, TransferTimeoutError, WireMismatchError
+from weightsync.impl.transfer.secret import redact_namespace
+from weightsync.spec.errors import (
+    PeerFailedError,
+    RemoteProtocolError,
+    TransferTimeoutError,
+    WireMismatchError,
+)
 
 #: After a rank sees the ranks disagree on ``world_size``, how long it waits at most for the ranks that claim
 #: a larger group to arrive before it reports (rule 3), seconds.
@@ -218,7 +224,12 @@ class ControlPlane:
             if not ask(phase, self.timeout_s, s.check, [key]):  # taken, not yet written: read it next poll
                 return
             t = strict_json(ask(phase, self.timeout_s, s.get, key), CONTROL_LIMIT_BYTES, key)
-            seen.append({"rank": int(t["rank"]), "world_size": int(t["world_size"])})
+            if not (isinstance(t, dict) and all(type(t.get(f)) is int for f in ("rank", "world_size"))):
+                raise RemoteProtocolError(
+                    f"rendezvous: {key} is {str(t)[:120]!r}; rule 3 wants a ticket "
+                    '{"rank": int, "world_size": int}'
+                )
+            seen.append({"rank": t["rank"], "world_size": t["world_size"]})
 
     def join(self) -> None:
         """Rendezvous of all ``world_size`` ranks (rule 3).
@@ -229,6 +240,8 @@ class ControlPlane:
             TransferTimeoutError: phase ``"rendezvous"``, naming the ranks that never joined.
             PeerFailedError: the trainer's store went away (it gave up first).
             ValueError: this rank is outside ``0..world_size-1`` (before touching the store).
+            RemoteProtocolError: a ticket is strict JSON but not ``{"rank": int, "world_size": int}`` (a
+                process that is no weightsync rank wrote it), naming the key and the value.
         """
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rendezvous: rank {self.rank} is outside 0..{self.world_size - 1} (world_size)")
@@ -280,7 +293,9 @@ class ControlPlane:
             }
         except dist.DistNetworkError as exc:
             raise PeerFailedError(
-                [0], "rendezvous", f"lost the trainer's TCPStore: {str(exc).splitlines()[0]}"
+                [0],
+                "rendezvous",
+                f"lost the trainer's TCPStore: {redact_namespace(str(exc)).splitlines()[0]}",
             ) from None
         self.settle("joined")
         dup = sorted(r for r, c in claims.items() if c > 1)
@@ -370,7 +385,7 @@ class ControlPlane:
             ask(phase, self.timeout_s, s.wait, keys, _td(self.timeout_s))
         except dist.DistNetworkError as exc:
             raise PeerFailedError(
-                [0], phase, f"lost the trainer's TCPStore: {str(exc).splitlines()[0]}"
+                [0], phase, f"lost the trainer's TCPStore: {redact_namespace(str(exc)).splitlines()[0]}"
             ) from None
         except dist.DistError:
             missing = [
@@ -381,7 +396,7 @@ class ControlPlane:
             raw = ask(phase, self.timeout_s, s.multi_get, keys)
         except dist.DistNetworkError as exc:
             raise PeerFailedError(
-                [0], phase, f"lost the trainer's TCPStore: {str(exc).splitlines()[0]}"
+                [0], phase, f"lost the trainer's TCPStore: {redact_namespace(str(exc)).splitlines()[0]}"
             ) from None
         return [strict_json(v, CONTROL_LIMIT_BYTES, k) for v, k in zip(raw, keys, strict=True)]
 

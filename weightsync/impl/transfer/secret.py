@@ -20,6 +20,7 @@ import hmac
 import json
 import os
 import pathlib
+import re
 import secrets
 import stat
 from collections.abc import Mapping
@@ -83,6 +84,27 @@ class Secret:
     def derive(self, *parts: Any) -> bytes:
         """A 32-byte key derived from the secret and ``parts`` (HMAC-SHA256 as a PRF)."""
         return bytes.fromhex(self.mac("derive", *parts))
+
+
+#: The store prefix of an authenticated session: ``ws/`` and :data:`NAMESPACE_HEX` hex digits of a MAC under
+#: the session key (:mod:`weightsync.impl.transfer.auth` rule 3). Whoever knows it may read and write the
+#: group's keys, so it is kept out of error text (:func:`redact_namespace`).
+NAMESPACE_PREFIX = "ws/"
+NAMESPACE_HEX = 32
+_NAMESPACE_RE = re.compile(re.escape(NAMESPACE_PREFIX) + f"[0-9a-f]{{{NAMESPACE_HEX}}}")
+
+
+def namespace_of(key: bytes) -> str:
+    """The store prefix of the session whose key is ``key`` (``ws/`` + 32 hex digits)."""
+    return NAMESPACE_PREFIX + mac_hex(key, ["namespace"])[:NAMESPACE_HEX]
+
+
+def redact_namespace(text: str) -> str:
+    """``text`` with every session namespace replaced by ``ws/<session>``: torch's store errors quote the
+    keys they waited for (``wait timeout after 1000ms, keys: /ws/<namespace>/pg//0/1``), and the
+    namespace is the authenticated session's capability, which must not reach a log, an HTTP body or a
+    trace."""
+    return _NAMESPACE_RE.sub(NAMESPACE_PREFIX + "<session>", text)
 
 
 def mac_hex(key: bytes, parts: Any) -> str:

@@ -28,6 +28,7 @@ from weightsync.spec.errors import LocalProtocolError, RemoteProtocolError
 from weightsync.spec.rank import DEFAULT_VARIANT, RankMachine, dp_peers, rank_machines, relabel_weight_version
 from weightsync.spec.refusal import refusal_text
 from weightsync.spec.states import (
+    PAUSE_STATE_OF_MODE,
     Collective,
     PauseMode,
     PauseState,
@@ -291,7 +292,8 @@ class VLLMAdapter:
             if not paused:
                 self._lose("pause_generation returned but is_paused() is False")
                 raise RemoteProtocolError(f"vLLM's {self.lost}")
-            self._held_running = m is PauseMode.KEEP
+            # a mode that freezes running requests (PAUSED_ALL) holds them; the others drain them
+            self._held_running = PAUSE_STATE_OF_MODE[m] is PauseState.PAUSED_ALL
             for r in range(self.dp_size):
                 c = self._counts(before[r])
                 # vLLM reports one unfinished count per rank: passed as ``running`` (under the fixed
