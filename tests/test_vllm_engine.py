@@ -127,3 +127,27 @@ def test_a_layer_straddling_two_buckets_survives_the_reuse_of_its_first_buffer(s
     tr.send_weights(weight_version="step-10")
     assert served.version() == "step-10"
     assert_serves(served, served.hf)
+
+
+def test_an_init_during_a_round_is_refused_by_the_worker_table_and_the_round_goes_on(served: Served) -> None:
+    """The worker table takes no ``init_weight_transfer_engine`` while a round is open (vLLM 0.32 would
+    replace the communicator mid-round, ``v1/worker/gpu_worker.py:1484-1496``; the ``vllm-0.32`` variants'
+    rank table assumes the worker refuses it, guard ``worker_not_active``). The plugin's engine asks its
+    ``WorkerMachine`` first: the init is refused before any socket opens (an init that went through would
+    wait the 5 s rendezvous of a store nobody hosts), nothing changes, and the open round finishes on the
+    group it started with."""
+    from transfer_procs import free_port
+
+    tr = served.trainer or served.connect()
+    new = perturbed_state(served.hf, seed=12, scale=0.5)
+    served.client.start_weight_update()
+    stray = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"init_weight_transfer_engine\(\) is illegal in state active"):
+        served.client.init_weight_transfer_engine({**stray, "timeout_s": 5})
+    assert time.monotonic() - t0 < 4.5  # refused at once, not after the rendezvous' deadline
+    tr.update(list(new.items()))
+    served.client.finish_weight_update("step-12")
+    served.hf.load_state_dict(new)
+    assert served.version() == "step-12"
+    assert_serves(served, served.hf)

@@ -46,13 +46,21 @@ Rules:
 5. **CPU.** vLLM's ``update_weights`` ends with ``torch.accelerator.synchronize()``
    (``distributed/weight_transfer/base.py:502``), which raises on a CPU-only torch; these engines
    synchronise only a CUDA device.
-6. **Fused-MoE experts restored after every round.** vLLM 0.32 leaves the fused-MoE expert weights in
+6. **Call order from the worker table.** Each call first asks the spec's
+   :class:`~weightsync.spec.worker.WorkerMachine` (``NoEngine -> Ready <-> Active``) whether it is legal
+   now; an illegal one raises :class:`~weightsync.spec.errors.LocalProtocolError` with the table's
+   explanation and changes nothing (:data:`weightsync.spec.refusal.ILLEGAL_CALL`, non-sticky). So
+   ``init_weight_transfer_engine`` during a round is refused, as the ``vllm-0.32`` variants' rank table
+   assumes of the worker (``worker_not_active``; vLLM 0.32 itself replaces the communicator mid-round,
+   ``v1/worker/gpu_worker.py:1484-1496``), and a round that failed in ``update_weights`` or
+   ``finish_weight_update`` fires ``fail_round`` (Active -> Ready: a new round may start).
+7. **Fused-MoE experts restored after every round.** vLLM 0.32 leaves the fused-MoE expert weights in
    checkpoint layout after any layerwise reload on CPU (it skips the CPU prepack on a weight update:
    ``fused_moe/unquantized_fused_moe_method.py:187-203``), which silently changes every MoE output.
    ``finish_weight_update`` re-runs the skipped step on each fused-MoE layer the round reloaded, right
    after ``finalize_layerwise_reload`` (:func:`weightsync.vllm.reload.reprocess_fused_moe`). The
    ``init_info`` option ``moe_reload_fix`` (default None: on where needed, vLLM 0.32.x on CPU;
-   ``False`` leaves vLLM's behaviour, to show the corruption; ``True`` forces it) selects it.
+   ``False`` leaves vLLM's behaviour, to show the corruption; ``True`` forces it) selects it (rule 7).
 """
 
 from __future__ import annotations
@@ -80,7 +88,8 @@ from weightsync.impl.transfer.base import (
 from weightsync.impl.transfer.base import WeightTransferEngine as Transport
 from weightsync.impl.transfer.broadcast import BroadcastWeightTransferEngine
 from weightsync.impl.transfer.ipc import IPCWeightTransferEngine
-from weightsync.spec.errors import IncompleteUpdateError
+from weightsync.spec.errors import IncompleteUpdateError, LocalProtocolError
+from weightsync.spec.worker import WorkerEvent, WorkerMachine
 from weightsync.vllm.reload import (
     abandon_layerwise_reload,
     fused_moe_layers,
@@ -95,7 +104,7 @@ from weightsync.vllm.reload import (
 
 @dataclass(kw_only=True)
 class MoeReloadOption:
-    """The plugin's own optional ``init_info`` field (rule 6), on the workers' and the trainer's info.
+    """The plugin's own optional ``init_info`` field (rule 7), on the workers' and the trainer's info.
 
     Attributes:
         moe_reload_fix: re-run the fused-MoE experts' processing after each round. None (the default):
@@ -167,13 +176,32 @@ class _WeightsyncEngine(WeightTransferEngine):
         )
         self.transport: Transport | None = None
         self.rank: int | None = None
-        self._received: set[str] | None = None  # names received in the open round
+        #: the worker table's machine (rule 6): vLLM built this engine, so it starts in ``ready``
+        self.machine = WorkerMachine(f"weightsync worker (dp {self.parallel.dp_index}, rank {pc.rank})")
+        self._received: set[str] = set()  # names received in the open round
         self._float_dtype: torch.dtype | None = None
-        self.rounds_finished = 0
-        self.moe_reload_fix: bool | None = None  # the init option (rule 6)
+        self.moe_reload_fix: bool | None = None  # the init option (rule 7)
         self._moe_layers: list[torch.nn.Module] = []  # fused-MoE layers to reprocess this round
-        #: fused-MoE layers reprocessed after the last finished round (rule 6)
+        #: fused-MoE layers reprocessed after the last finished round (rule 7)
         self.moe_layers_reprocessed = 0
+
+    @property
+    def rounds_finished(self) -> int:
+        """Rounds finished on this worker (the worker table's ``weight_version``)."""
+        return int(self.machine.vars.weight_version)
+
+    def _legal(self, event: WorkerEvent) -> None:
+        """Raise LocalProtocolError (the table's explanation) when no row takes ``event`` now; nothing
+        fires and nothing changes (rule 6)."""
+        if self.machine.select(event, {}) is None:
+            raise LocalProtocolError(self.machine.explain_illegal(event, {}))
+
+    def _fail_round(self) -> None:
+        """A round failed inside ``update_weights`` or ``finish_weight_update``: give the pending layers their
+        weights back and fire ``fail_round`` (Active -> Ready, weights marked partial)."""
+        abandon_layerwise_reload(self.model)
+        self._moe_layers = []
+        self.machine.fire(WorkerEvent.FAIL)
 
     # ---------------------------------------------------------------------------------------- hooks
     def _make_transport(self) -> Transport:
@@ -215,7 +243,10 @@ class _WeightsyncEngine(WeightTransferEngine):
                 refused ``master_address`` (no secret, not loopback).
             AuthenticationError: the authenticated rendezvous refused this worker or the trainer.
             TransferTimeoutError / PortInUseError: from the rendezvous.
+            LocalProtocolError: a round is open (the worker table takes no init while ``active``), before
+                any socket opens; the round and the group are unchanged.
         """
+        self._legal(WorkerEvent.INIT)
         info = replace(init_info, group_backend=self._group_backend(init_info.group_backend))
         transport = self._make_transport()
         transport.init_transfer_engine(info)
@@ -223,12 +254,17 @@ class _WeightsyncEngine(WeightTransferEngine):
             self.transport.shutdown()
         self.transport, self.rank = transport, transport.rank
         self.moe_reload_fix = init_info.moe_reload_fix
+        self.machine.fire(WorkerEvent.INIT)
 
     def start_weight_update(self) -> None:
-        """Open a round: vLLM's layerwise reload (rule 4). A round left unfinished by a failed
-        ``update_weights`` is abandoned first."""
+        """Open a round: vLLM's layerwise reload (rule 4). A reload left pending is abandoned first.
+
+        Raises:
+            LocalProtocolError: before init, or while a round is open (rule 6); nothing changes.
+        """
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._legal(WorkerEvent.START)
         self._require_transport()
         if reload_pending(self.model):
             abandon_layerwise_reload(self.model)
@@ -238,6 +274,7 @@ class _WeightsyncEngine(WeightTransferEngine):
         self._moe_layers = fused_moe_layers(self.model) if fix else []  # before the layers go to meta
         initialize_layerwise_reload(self.model)
         self._received = set()
+        self.machine.fire(WorkerEvent.START)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Parse, check, receive and load one update (rules 1, 3, 4, 5); vLLM's base version minus the
@@ -245,17 +282,20 @@ class _WeightsyncEngine(WeightTransferEngine):
 
         Raises:
             ValueError: this worker rejected the request (its peers raise WireMismatchError).
+            LocalProtocolError: no round is open (rule 6); vetoed as a rejected request, nothing changes.
             WireMismatchError / PeerFailedError / TransferTimeoutError / ChecksumMismatchError.
         """
         transport = self._require_transport()
+        in_round = self.machine.select(WorkerEvent.UPDATE, {}) is not None
         try:
             try:
+                self._legal(WorkerEvent.UPDATE)
                 typed = self.parse_update_info(update_info)
                 self._check(typed)
-            except ValueError as exc:
+            except (ValueError, LocalProtocolError) as exc:
                 try:
                     transport.reject_update(exc)  # the veto: every rank fails before any payload
-                except ValueError:
+                except (ValueError, LocalProtocolError):
                     raise
                 except Exception as other:  # the veto itself failed (a peer is gone): the input error
                     raise exc from other
@@ -265,14 +305,13 @@ class _WeightsyncEngine(WeightTransferEngine):
             # vLLM's worker ends the round on any error here (v1/worker/gpu_worker.py:1583), with the
             # layers still on the meta device: the next forward would kill the EngineCore
             # (NotImplementedError in a CPU GEMM on meta tensors). Give the model its weights back.
-            abandon_layerwise_reload(self.model)
-            self._received = None
+            if in_round:
+                self._fail_round()
             raise
+        self.machine.fire(WorkerEvent.UPDATE)
         self._synchronize()
 
     def _check(self, typed: WeightsyncUpdateInfo) -> None:
-        if self._received is None:
-            raise ValueError("update_weights outside a round: call start_weight_update first")
         seen = self._received
         for name, dt in zip(typed.names, typed.dtype_names, strict=True):
             if name in seen:
@@ -295,7 +334,6 @@ class _WeightsyncEngine(WeightTransferEngine):
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         transport = self._require_transport()
-        assert self._received is not None
         model = self.model
         check_finite = update_info.check_finite
 
@@ -325,26 +363,30 @@ class _WeightsyncEngine(WeightTransferEngine):
         (:mod:`weightsync.vllm_tools.fix`), so the new round's ``start_weight_update`` is accepted.
 
         Raises:
+            LocalProtocolError: no round is open (rule 6); nothing changes.
             IncompleteUpdateError: naming the parameters still missing; the round is abandoned.
         """
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        if self._received is None:
-            raise RuntimeError("finish_weight_update without start_weight_update")
-        missing = incomplete_parameters(self.model)
-        if missing:
-            abandon_layerwise_reload(self.model)
-            self._received, self._moe_layers = None, []
-            raise IncompleteUpdateError(missing)
-        moe = moe_layers_reprocessable(self.model, self._moe_layers)
-        finalize_layerwise_reload(self.model, self.model_config)
-        self.moe_layers_reprocessed = reprocess_fused_moe(moe)  # rule 6, after vLLM's finalize
+        self._legal(WorkerEvent.FINISH)
+        try:
+            missing = incomplete_parameters(self.model)
+            if missing:
+                raise IncompleteUpdateError(missing)
+            moe = moe_layers_reprocessable(self.model, self._moe_layers)
+            finalize_layerwise_reload(self.model, self.model_config)
+            self.moe_layers_reprocessed = reprocess_fused_moe(moe)  # rule 7, after vLLM's finalize
+        except BaseException:
+            self._fail_round()
+            raise
         self._moe_layers = []
-        self._received = None
-        self.rounds_finished += 1
+        self.machine.fire(WorkerEvent.FINISH)
 
     def shutdown(self) -> None:
-        """Release the transport (idempotent)."""
+        """Release the transport (idempotent). vLLM calls it for ``shutdown_weight_transfer_engine`` too, which
+        releases the trainer's connection and keeps this engine for a later init
+        (``v1/worker/gpu_worker.py:1498-1505``), so it fires no worker-table event (the table's ``shutdown``
+        is final); a start without a transport is :meth:`_require_transport`'s error."""
         if self.transport is not None:
             self.transport.shutdown()
             self.transport = None
