@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import time
 from pathlib import Path
@@ -247,6 +249,13 @@ def test_stranded_states_tell_hangs_from_stalls() -> None:
     assert fix["verdict"] == "verified"
     assert fix["stranded"]["hang"] == 0 and fix["stranded"]["stall"] == 0
     assert fix["stranded"]["transient"] > 0  # ranks do wait in collectives, briefly
+    # the text output says them too (it printed nothing of them before)
+    from weightsync.cli.check import print_human
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        print_human(race)
+    text = " ".join(out.getvalue().split())
+    assert f"{race['stranded']['hang']:,} hangs" in text and "0 stalls" in text, text
 
 
 def test_progress_run_catches_a_call_refused_and_retried_forever() -> None:

@@ -49,6 +49,8 @@ def test_self_test_rejects_every_broken_engine_at_its_fault(
                 f"{case.name}: rejected at line {e['first_bad_line']}, fault at {e['fault_line']}: {e}"
             )
             assert e["first_bad_line"] is not None and e["reason"]
+            if case.name == "corrupted-weight-bytes":  # the payload's checksum caught it, not the header
+                assert "ChecksumMismatchError" in e["reason"], e["reason"]
         else:
             assert not e["rejected"], e
             assert e["recorded"]["cycles"] == 20 and e["recorded"]["error"] is None

@@ -122,6 +122,13 @@ def print_human(result: dict[str, Any]) -> None:
             "the initial state (in every mode) was expanded and checked; 'not checked' below means "
             "not proved beyond that depth"
         )
+    if "stranded" in result:
+        st = result["stranded"]
+        con.print(
+            f"--stalls: of the states in which a rank waits in a DP collective, {st['transient']:,} transient "
+            f"(the peers join on their own), {st['stall']:,} stalls (only new client traffic frees it), "
+            f"{st['hang']:,} hangs (only the collective's timeout)"
+        )
     t = RichTable("property", "result", "statement (source)")
     for name, val in result["properties"].items():
         c = {"holds": "green", "violated": "red"}.get(val, "yellow")

@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the silent-wave reduction: a START_DP_WAVE its rank drops for good (older than its wave, or "
         "excluding it) is taken at once; safety and deadlock only (progress is then not checked), its "
-        "premises checked against the table on every state (see README, 'Reductions'); with --engine spin "
+        "premises checked against the table on every state (see README, 'The silent-wave reduction'); with --engine spin "
         "too, except under --channels ordered",
     )
     c.add_argument(

@@ -123,11 +123,14 @@ class AbortAbortsNothing(EngineCore):
 
 
 class CorruptsWeights(EngineCore):
-    """Flips the first byte of every weight bucket this rank receives, after the broadcast landed."""
+    """Flips the first byte of every weight bucket this rank receives, after the broadcast landed. The
+    in-band bucket headers travel on the same group (:mod:`weightsync.impl.transfer.bucket_header`) and are
+    left alone: a flipped header is a WireMismatchError before the payload, not corrupted weights."""
 
     def __init__(self, cfg: EngineConfig, rank: int, queues: EngineQueues) -> None:
         super().__init__(cfg, rank, queues)
         from weightsync.impl.transfer.broadcast import BroadcastGroup
+        from weightsync.impl.transfer.bucket_header import HEADER_BYTES, MAGIC
 
         core = self
         original = BroadcastGroup.broadcast
@@ -138,8 +141,9 @@ class CorruptsWeights(EngineCore):
 
             def wait(self, *args: Any) -> Any:
                 out = self.work.wait(*args)
-                if self.t.numel():
-                    flat = self.t.view(torch.uint8).reshape(-1)
+                flat = self.t.view(torch.uint8).reshape(-1)
+                header = flat.numel() == HEADER_BYTES and bytes(flat[: len(MAGIC)].tolist()) == MAGIC
+                if flat.numel() and not header:
                     flat[0] ^= 0xFF
                     _mark(core, f"flipped a byte of a {self.t.numel()}-element weight bucket")
                 return out
