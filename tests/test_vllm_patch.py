@@ -95,16 +95,23 @@ def test_the_first_patch_alone_applies_and_the_gate_needs_it(patched: str, tmp_p
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def _run(roles: list[tuple[Any, tuple[Any, ...]]], deadline_s: float = 60.0) -> list[tuple[Any, ...]]:
+def _run(
+    roles: list[tuple[Any, tuple[Any, ...]]], deadline_s: float = 60.0, grafts: bool = True
+) -> list[tuple[Any, ...]]:
+    """The roles on the pooled processes. After roles that graft the series (``grafts``) the pool is reset:
+    a grafted process must not serve a "shipped" role (``load_core`` asserts it). Shipped roles leave
+    their processes as they were, so the next run reuses them and their import of vLLM."""
     try:
         return run_roles(roles, deadline_s=deadline_s)
     finally:
-        reset_pool()  # a pooled process that grafted the series must not serve a "shipped" role
+        if grafts:
+            reset_pool()
 
 
-def _pair(role: Any, *args: Any, deadline_s: float = 60.0) -> list[tuple[Any, ...]]:
+def _pair(role: Any, which: str, *args: Any, deadline_s: float = 60.0) -> list[tuple[Any, ...]]:
     port = free_port()
-    return _run([(role, (0, port, *args)), (role, (1, port, *args))], deadline_s=deadline_s)
+    roles = [(role, (0, port, which, *args)), (role, (1, port, which, *args))]
+    return _run(roles, deadline_s=deadline_s, grafts=which != "shipped")
 
 
 def test_stray_resume_deadlocks_vllm_032_and_not_the_patch(patched: str) -> None:
@@ -136,7 +143,8 @@ def test_resume_barrier_rebases_the_wave(patched: str) -> None:
             [
                 (epoch_resume_role, (0, port, "shipped", 3)),
                 (epoch_resume_role, (1, port, "shipped", 5)),
-            ]
+            ],
+            grafts=False,
         )
     ]
     assert [r["current_wave"] for r in before] == [3, 5]
