@@ -62,7 +62,7 @@ class DPGroup:
         AuthenticationError: the handshake refused this rank or the store it reached.
         TransferTimeoutError: the rendezvous did not complete within ``timeout_s`` (phase ``dp_group/init``,
             naming rank 0 on the others and the others on rank 0; the store keys in torch's text are
-            redacted, :func:`~weightsync.impl.transfer.auth.redact_namespace`).
+            redacted, :func:`~weightsync.impl.transfer.secret.redact_namespace`).
         PortInUseError: rank 0 and ``port`` is taken on ``host``.
     """
 
@@ -105,7 +105,7 @@ class DPGroup:
         opts._devices = gloo_devices(host, rank)
         try:
             self.pg = gloo(dist.PrefixStore("dp", self.store), rank, size, opts)
-        except dist.DistError as exc:  # a peer did not publish its gloo address in time
+        except RuntimeError as exc:  # DistError (a peer did not publish its address in time) or gloo's own
             raise TransferTimeoutError(
                 "dp_group/init",
                 [r for r in range(size) if r != rank],
