@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from tiers import CI_ONLY
 
 from weightsync.model.check import build_model, check, check_mode, explore_model
 from weightsync.model.compact import CompactEngine, explore_compact
@@ -39,7 +40,7 @@ PARAMS = [
     pytest.param(
         *cfg,
         id=f"{cfg[0]}-n{cfg[1]}-{cfg[2]}-{cfg[3]}-{i}",
-        marks=(pytest.mark.slow, pytest.mark.ci) if i in CI_ONLY_CONFIGS else (),
+        marks=CI_ONLY if i in CI_ONLY_CONFIGS else (),
     )
     for i, cfg in enumerate(CONFIGS)
 ]

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tiers import CI_ONLY
 
 from weightsync.model.check import build_model, check, check_mode
 from weightsync.model.compact import CompactEngine
@@ -24,9 +25,8 @@ from weightsync.spec.table import Transition
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Slow runs that CI still runs once (``make test-slow-ci``): the default suite keeps one configuration of
-#: each channel kind but one-api-server, and the 16-20 s ones run there.
-CI_ONLY = (pytest.mark.slow, pytest.mark.ci)
+# CI_ONLY: the default suite keeps one configuration of each channel kind but one-api-server, and the
+# 16-20 s ones run in CI only
 
 CONFIGS = [
     ("two-phase-epoch", 2, "keep", "per-socket", Bounds()),

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from test_model_reduction import acting_on_stale_waves
+from tiers import CI_ONLY
 
 from weightsync.cli import main
 from weightsync.model.check import build_model, check_mode
@@ -42,10 +43,6 @@ if not spin_available():
             "WEIGHTSYNC_REQUIRE_SPIN=1 but spin or cc is not on PATH (apt-get install spin gcc)"
         )
     pytest.skip("spin or cc is not on PATH (apt-get install spin gcc)", allow_module_level=True)
-
-
-#: Slow runs that CI still runs once (``make test-slow-ci``), to keep the default suite near 15 minutes.
-CI_ONLY = (pytest.mark.slow, pytest.mark.ci)
 
 
 @pytest.mark.parametrize(

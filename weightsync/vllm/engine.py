@@ -289,7 +289,8 @@ class _WeightsyncEngine(WeightTransferEngine):
         in_round = self.machine.select(WorkerEvent.UPDATE, {}) is not None
         try:
             try:
-                self._legal(WorkerEvent.UPDATE)
+                if not in_round:  # the table takes no update now (rule 6)
+                    raise LocalProtocolError(self.machine.explain_illegal(WorkerEvent.UPDATE, {}))
                 typed = self.parse_update_info(update_info)
                 self._check(typed)
             except (ValueError, LocalProtocolError) as exc:

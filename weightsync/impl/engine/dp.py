@@ -29,7 +29,7 @@ import torch.distributed as _dist_mod
 from weightsync.impl.transfer.broadcast_group import gloo_devices
 from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.rendezvous import authenticate, check_policy, host_store
-from weightsync.impl.transfer.secret import load_secret, redact_namespace
+from weightsync.impl.transfer.secret import error_line, load_secret
 from weightsync.spec.collectives import reduce_values
 from weightsync.spec.errors import RemoteProtocolError, TransferTimeoutError
 from weightsync.spec.states import Collective
@@ -91,7 +91,7 @@ class DPGroup:
                 self.raw_store = dist.TCPStore(host, port, size, False, timeout=td, wait_for_workers=True)
         except dist.DistError as exc:  # rendezvous failure (timeout or refused); PortInUseError passes
             raise TransferTimeoutError(
-                "dp_group/init", peers, time.monotonic() - t0, redact_namespace(_first_line(exc))
+                "dp_group/init", peers, time.monotonic() - t0, _first_line(exc)
             ) from None
         session = authenticate(self.raw_store, rank, size, timeout_s, secret, "dp_group/init")
         self.store = session.scoped(self.raw_store) if session is not None else self.raw_store
@@ -110,7 +110,7 @@ class DPGroup:
                 "dp_group/init",
                 [r for r in range(size) if r != rank],
                 time.monotonic() - t0,
-                redact_namespace(_first_line(exc)),
+                _first_line(exc),
             ) from None
         self.current = ""
 
@@ -165,7 +165,7 @@ class DPGroup:
             board = self.board()
             missing = [r for r, w in board.items() if w != tag]
             detail = "; ".join(f"rank {r} in {w}" for r, w in sorted(board.items()))
-            gloo_text = redact_namespace(_first_line(exc))[:160]
+            gloo_text = _first_line(exc)[:160]
             raise TransferTimeoutError(f"{tag}", missing, waited, f"{detail}; gloo: {gloo_text}") from exc
         rows = [[int(x) for x in t.tolist()] for t in out]
         if any(r[0] != rows[0][0] or r[1] != rows[0][1] for r in rows):
@@ -182,5 +182,4 @@ class DPGroup:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    return f"{type(exc).__name__}: {error_line(exc)}"

@@ -24,7 +24,7 @@ from weightsync.impl.transfer.base import InitInfo
 from weightsync.impl.transfer.control import ControlPlane
 from weightsync.impl.transfer.packing import BufferPool
 from weightsync.impl.transfer.rendezvous import interface_of, rendezvous
-from weightsync.impl.transfer.secret import redact_namespace
+from weightsync.impl.transfer.secret import error_line, redact_namespace
 from weightsync.spec.errors import PeerFailedError, TransferTimeoutError
 
 
@@ -242,7 +242,7 @@ def join_group(info: InitInfo, rank: int) -> BroadcastGroup:
                 "init_weight_transfer_engine/process_group",
                 [],
                 info.rendezvous_timeout_s,
-                f"{info.rendezvous_timeout_basis}; {redact_namespace(str(exc)).splitlines()[0]}",
+                f"{info.rendezvous_timeout_basis}; {error_line(exc)}",
             ) from None
     except BaseException:
         del store

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from weightsync.impl.transfer.secret import redact_namespace
+from weightsync.impl.transfer.secret import error_line
 from weightsync.spec.errors import (
     PeerFailedError,
     RemoteProtocolError,
@@ -295,7 +295,7 @@ class ControlPlane:
             raise PeerFailedError(
                 [0],
                 "rendezvous",
-                f"lost the trainer's TCPStore: {redact_namespace(str(exc)).splitlines()[0]}",
+                f"lost the trainer's TCPStore: {error_line(exc)}",
             ) from None
         self.settle("joined")
         dup = sorted(r for r, c in claims.items() if c > 1)
@@ -384,9 +384,7 @@ class ControlPlane:
         try:
             ask(phase, self.timeout_s, s.wait, keys, _td(self.timeout_s))
         except dist.DistNetworkError as exc:
-            raise PeerFailedError(
-                [0], phase, f"lost the trainer's TCPStore: {redact_namespace(str(exc)).splitlines()[0]}"
-            ) from None
+            raise PeerFailedError([0], phase, f"lost the trainer's TCPStore: {error_line(exc)}") from None
         except dist.DistError:
             missing = [
                 r for r, k in zip(rs, keys, strict=True) if not ask(phase, self.timeout_s, s.check, [k])
@@ -395,9 +393,7 @@ class ControlPlane:
         try:
             raw = ask(phase, self.timeout_s, s.multi_get, keys)
         except dist.DistNetworkError as exc:
-            raise PeerFailedError(
-                [0], phase, f"lost the trainer's TCPStore: {redact_namespace(str(exc)).splitlines()[0]}"
-            ) from None
+            raise PeerFailedError([0], phase, f"lost the trainer's TCPStore: {error_line(exc)}") from None
         return [strict_json(v, CONTROL_LIMIT_BYTES, k) for v, k in zip(raw, keys, strict=True)]
 
     def exchange(self, key: str, value: Any, seq: int, phase: str) -> list[Any]:

@@ -107,6 +107,13 @@ def redact_namespace(text: str) -> str:
     return _NAMESPACE_RE.sub(NAMESPACE_PREFIX + "<session>", text)
 
 
+def error_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s text, namespaces redacted (:func:`redact_namespace`): how weightsync
+    quotes a torch store or gloo error in its own errors ("" for an empty text)."""
+    lines = redact_namespace(str(exc)).splitlines()
+    return lines[0] if lines else ""
+
+
 def mac_hex(key: bytes, parts: Any) -> str:
     """HMAC-SHA256 under ``key`` of the canonical JSON of ``parts``, hexadecimal (64 characters)."""
     msg = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
